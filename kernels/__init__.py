@@ -1,0 +1,1 @@
+"""Pallas attention kernels (installed as rlvr.kernels)."""

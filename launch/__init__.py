@@ -1,0 +1,1 @@
+"""Local runs, sweeps and cluster launchers (installed as rlvr.launch)."""

@@ -1,0 +1,1 @@
+"""Decoder models (Llama, Qwen2, Qwen3, Mistral) and Hugging Face interop."""

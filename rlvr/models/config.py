@@ -1,0 +1,97 @@
+"""The architecture of a decoder, as a frozen dataclass built from a ConfigDict or HF config."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+ROPE_SCALING_TYPES = ("none", "linear", "llama3")
+REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Decoder architecture. Field names follow the config file's `model.*` keys."""
+
+    family: str = "qwen3"
+    vocab_size: int = 1024
+    hidden_size: int = 256
+    intermediate_size: int = 1024
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    rope_scaling_type: str = "none"
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = True
+    sliding_window: int = 0  # 0 = full attention; Mistral-style local attention otherwise
+    value_head: bool = False
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"
+    remat_policy: str = "none"
+    attention: str = "xla"
+
+    def __post_init__(self):
+        validate_model_config(self)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "ModelConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in dict(values).items() if k in names})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def num_params(self) -> int:
+        """Parameter count (excluding the value head), by formula."""
+        h, hd = self.hidden_size, self.head_dim
+        attn = h * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
+        attn += hd * (self.num_heads + 2 * self.num_kv_heads) if self.qkv_bias else 0
+        attn += h if self.o_bias else 0
+        attn += 2 * hd if self.qk_norm else 0
+        mlp = 3 * h * self.intermediate_size
+        mlp += (2 * self.intermediate_size + h) if self.mlp_bias else 0
+        layer = attn + mlp + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + embed + h
+
+
+def _check(condition: bool, field: str, message: str) -> None:
+    if not condition:
+        raise ValueError(f"model.{field}: {message}")
+
+
+def validate_model_config(cfg: ModelConfig) -> None:
+    """Raises ValueError naming the `model.*` field and the fix."""
+    _check(cfg.family in FAMILIES, "family", f"{cfg.family!r} is not one of {FAMILIES}.")
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim", "max_position_embeddings"):
+        _check(getattr(cfg, field) > 0, field, f"must be positive, got {getattr(cfg, field)}.")
+    _check(cfg.num_heads % cfg.num_kv_heads == 0, "num_kv_heads",
+           f"num_heads={cfg.num_heads} must be a multiple of num_kv_heads={cfg.num_kv_heads}.")
+    _check(cfg.head_dim % 2 == 0, "head_dim", f"RoPE needs an even head_dim, got {cfg.head_dim}.")
+    _check(cfg.rms_norm_eps > 0, "rms_norm_eps", "must be positive.")
+    _check(cfg.rope_theta > 0, "rope_theta", "must be positive.")
+    _check(cfg.rope_scaling_type in ROPE_SCALING_TYPES, "rope_scaling_type",
+           f"{cfg.rope_scaling_type!r} is not one of {ROPE_SCALING_TYPES}.")
+    _check(cfg.rope_scaling_factor > 0, "rope_scaling_factor", "must be positive.")
+    _check(cfg.sliding_window >= 0, "sliding_window", "must be 0 (off) or a positive window.")
+    _check(cfg.dtype in DTYPES, "dtype", f"{cfg.dtype!r} is not one of {DTYPES}.")
+    _check(cfg.param_dtype in DTYPES, "param_dtype", f"{cfg.param_dtype!r} is not one of {DTYPES}.")
+    _check(cfg.remat_policy in REMAT_POLICIES, "remat_policy",
+           f"{cfg.remat_policy!r} is not one of {REMAT_POLICIES}.")
+    _check(cfg.attention in ("xla",), "attention",
+           f"{cfg.attention!r} is not available; the implemented attention is 'xla'.")

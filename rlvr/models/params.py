@@ -1,0 +1,72 @@
+"""Shapes first, then shardings, then arrays: parameters are never materialised unsharded."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from rlvr import sharding
+from rlvr.models.config import ModelConfig
+from rlvr.models.transformer import Transformer
+
+Params = dict[str, Any]
+
+
+def _init_boxed(cfg: ModelConfig, rng: jax.Array):
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    return Transformer(cfg).init(rng, tokens)["params"]
+
+
+def _is_axes(x) -> bool:
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+
+
+def logical_axes(cfg: ModelConfig) -> Any:
+    """Pytree (same structure as params) of logical axis-name tuples."""
+    boxed = jax.eval_shape(functools.partial(_init_boxed, cfg), jax.random.key(0))
+    return jax.tree.map(
+        lambda p: tuple(p.names), boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned)
+    )
+
+
+def abstract_params(cfg: ModelConfig) -> Any:
+    """Pytree of jax.ShapeDtypeStruct: the parameters' shapes without allocating them."""
+    boxed = jax.eval_shape(functools.partial(_init_boxed, cfg), jax.random.key(0))
+    return nn.unbox(boxed)
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh, rules: sharding.Rules = sharding.LOGICAL_AXIS_RULES):
+    """NamedSharding for every parameter, from its logical axes and the rules table."""
+    return jax.tree.map(
+        lambda axes, x: sharding.logical_to_sharding(axes, x.shape, mesh, rules),
+        logical_axes(cfg),
+        abstract_params(cfg),
+        is_leaf=_is_axes,
+    )
+
+
+def param_specs(cfg: ModelConfig, mesh: Mesh, rules: sharding.Rules = sharding.LOGICAL_AXIS_RULES):
+    """{'/'-joined param path: PartitionSpec} (used by the golden sharding tests)."""
+    flat = jax.tree_util.tree_flatten_with_path(param_shardings(cfg, mesh, rules))[0]
+    return {"/".join(k.key for k in path): s.spec for path, s in flat}
+
+
+def init_params(
+    cfg: ModelConfig,
+    rng: jax.Array,
+    mesh: Mesh,
+    rules: sharding.Rules = sharding.LOGICAL_AXIS_RULES,
+) -> Params:
+    """Random parameters created directly in their shardings (jit with out_shardings)."""
+    shardings = param_shardings(cfg, mesh, rules)
+    init = jax.jit(lambda r: nn.unbox(_init_boxed(cfg, r)), out_shardings=shardings)
+    return init(rng)
+
+
+def count_params(params: Params) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(params))

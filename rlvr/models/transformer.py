@@ -1,0 +1,293 @@
+"""A pure-functional decoder (Llama / Qwen2 / Qwen3 / Mistral) in Flax linen.
+
+Parameters are a plain nested dict; `forward(cfg, params, tokens, positions,
+segment_ids, cache) -> (logits, cache)` is a pure function. Layers are scanned
+(parameters stacked on a leading `layers` axis) so compile time does not grow with
+depth. Every parameter carries logical axis names (see `rlvr.sharding`).
+
+The KV cache is position-indexed: slot `j` of a row holds the key/value of the token
+at position `j`. Writing by position makes ragged (right-padded) prompts and
+one-token decode steps the same code path; tokens with segment id 0 (padding) are
+never written.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from rlvr.models.config import ModelConfig
+from rlvr.sharding import constrain
+
+Params = dict[str, Any]
+Cache = dict[str, jax.Array]
+
+_REMAT_POLICIES = {
+    "full": None,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_with_no_batch_dims": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+_INIT = nn.initializers.normal(stddev=0.02)
+
+
+def _dtype(name: str) -> jnp.dtype:
+    return jnp.dtype(name)
+
+
+def _param(module: nn.Module, name: str, init, shape, axes, dtype):
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 (as Hugging Face does), scale applied in input dtype."""
+
+    dim: int
+    eps: float
+    axis_name: str = "embed"
+    param_dtype: str = "float32"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = _param(self, "scale", nn.initializers.ones, (self.dim,), (self.axis_name,),
+                       _dtype(self.param_dtype))
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return scale.astype(x.dtype) * normed.astype(x.dtype)
+
+
+class Linear(nn.Module):
+    """`y = x · W (+ b)` contracting the last `len(in_axes)` dims of x; logical axes given."""
+
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    in_axes: tuple[str, ...]
+    out_axes: tuple[str, ...]
+    use_bias: bool = False
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = _param(self, "kernel", _INIT, self.in_shape + self.out_shape,
+                        self.in_axes + self.out_axes, _dtype(self.param_dtype))
+        n_in = len(self.in_shape)
+        contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+        y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ())))
+        if self.use_bias:
+            bias = _param(self, "bias", nn.initializers.zeros, self.out_shape, self.out_axes,
+                          _dtype(self.param_dtype))
+            y = y + bias.astype(self.dtype)
+        return y
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+    """Inverse RoPE frequencies, including linear and Llama-3 scaling (as in HF)."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    if cfg.rope_scaling_type == "linear":
+        return inv_freq / cfg.rope_scaling_factor
+    if cfg.rope_scaling_type == "llama3":
+        factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        old_len = cfg.rope_original_max_position
+        wavelen = 2 * math.pi / inv_freq
+        scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return jnp.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos/sin of shape [batch, length, head_dim] in HF's rotate-half layout."""
+    angles = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [batch, length, heads, head_dim]; rotate-half RoPE computed in float32."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    return out.astype(x.dtype)
+
+
+def attention_mask(q_pos, q_seg, kv_pos, kv_seg, sliding_window: int = 0) -> jax.Array:
+    """Boolean [batch, 1, 1, q_len, kv_len]: causal by position, same segment, not padding."""
+    mask = kv_pos[:, None, :] <= q_pos[:, :, None]
+    mask &= q_seg[:, :, None] == kv_seg[:, None, :]
+    mask &= kv_seg[:, None, :] != 0
+    if sliding_window:
+        mask &= (q_pos[:, :, None] - kv_pos[:, None, :]) < sliding_window
+    return mask[:, None, None, :, :]
+
+
+def dot_product_attention(q, k, v, mask) -> jax.Array:
+    """Plain-XLA GQA attention. q [B,T,H,D], k/v [B,S,KVH,D], mask [B,1,1,T,S]."""
+    b, t, h, d = q.shape
+    kvh = k.shape[2]
+    q = q.reshape(b, t, kvh, h // kvh, d)
+    logits = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    logits = logits / math.sqrt(d)
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, h, d)
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, cos, sin, mask, write_pos, cache):
+        cfg = self.cfg
+        dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        h, kvh, d, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+        q = Linear((e,), (h, d), ("embed",), ("heads", "head_dim"), cfg.qkv_bias, name="q_proj", **dense)(x)
+        k = Linear((e,), (kvh, d), ("embed",), ("kv_heads", "head_dim"), cfg.qkv_bias, name="k_proj", **dense)(x)
+        v = Linear((e,), (kvh, d), ("embed",), ("kv_heads", "head_dim"), cfg.qkv_bias, name="v_proj", **dense)(x)
+        if cfg.qk_norm:
+            q = RMSNorm(d, cfg.rms_norm_eps, "head_dim", cfg.param_dtype, name="q_norm")(q)
+            k = RMSNorm(d, cfg.rms_norm_eps, "head_dim", cfg.param_dtype, name="k_norm")(k)
+        q = constrain(apply_rope(q, cos, sin), ("batch", "length", "heads", "head_dim"))
+        k = constrain(apply_rope(k, cos, sin), ("batch", "length", "kv_heads", "head_dim"))
+        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        new_cache = None
+        if cache is not None:
+            rows = jnp.arange(x.shape[0])[:, None]
+            new_cache = {
+                "k": cache["k"].at[rows, write_pos].set(k.astype(cache["k"].dtype), mode="drop"),
+                "v": cache["v"].at[rows, write_pos].set(v.astype(cache["v"].dtype), mode="drop"),
+            }
+            k, v = new_cache["k"].astype(q.dtype), new_cache["v"].astype(q.dtype)
+        out = dot_product_attention(q, k, v, mask)
+        out = Linear((h, d), (e,), ("heads", "head_dim"), ("embed",), cfg.o_bias, name="o_proj", **dense)(out)
+        return out, new_cache
+
+
+class MLP(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.cfg
+        dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, use_bias=cfg.mlp_bias)
+        e, m = cfg.hidden_size, cfg.intermediate_size
+        gate = Linear((e,), (m,), ("embed",), ("mlp",), name="gate_proj", **dense)(x)
+        up = Linear((e,), (m,), ("embed",), ("mlp",), name="up_proj", **dense)(x)
+        hidden = constrain(nn.silu(gate) * up, ("batch", "length", "mlp"))
+        return Linear((m,), (e,), ("mlp",), ("embed",), name="down_proj", **dense)(hidden)
+
+
+class DecoderLayer(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, cos, sin, mask, write_pos, cache):
+        cfg = self.cfg
+        norm = dict(dim=cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=cfg.param_dtype)
+        attn_out, new_cache = Attention(cfg, name="self_attn")(
+            RMSNorm(**norm, name="input_layernorm")(x), cos, sin, mask, write_pos, cache)
+        x = x + attn_out
+        x = x + MLP(cfg, name="mlp")(RMSNorm(**norm, name="post_attention_layernorm")(x))
+        return constrain(x, ("batch", "length", "embed")), new_cache
+
+
+class Transformer(nn.Module):
+    """The decoder. `__call__` returns (logits, cache); `with_values` adds the value head."""
+
+    cfg: ModelConfig
+
+    def setup(self):
+        cfg = self.cfg
+        layer_cls = DecoderLayer
+        if cfg.remat_policy != "none":
+            layer_cls = nn.remat(DecoderLayer, prevent_cse=False, policy=_REMAT_POLICIES[cfg.remat_policy])
+        self.layers = nn.scan(
+            layer_cls,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0),
+            length=cfg.num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )(cfg, name="layers")
+        self.embed_tokens = self.param(
+            "embed_tokens", nn.with_logical_partitioning(_INIT, ("vocab", "embed")),
+            (cfg.vocab_size, cfg.hidden_size), _dtype(cfg.param_dtype))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=cfg.param_dtype, name="norm")
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear((cfg.hidden_size,), (cfg.vocab_size,), ("embed",), ("vocab",),
+                                  dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        if cfg.value_head:
+            self.value_proj = Linear((cfg.hidden_size,), (1,), ("embed",), (None,), use_bias=True,
+                                     dtype="float32", param_dtype=cfg.param_dtype)
+
+    def hidden_states(self, tokens, positions=None, segment_ids=None, cache=None):
+        """Final-norm hidden states [B, T, E] and the updated cache."""
+        cfg = self.cfg
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        if segment_ids is None:
+            segment_ids = jnp.ones_like(tokens)
+        x = jnp.take(self.embed_tokens, tokens, axis=0).astype(cfg.dtype)
+        x = constrain(x, ("batch", "length", "embed"))
+        cos, sin = rope_tables(cfg, positions)
+        if cache is None:
+            mask = attention_mask(positions, segment_ids, positions, segment_ids, cfg.sliding_window)
+            write_pos = positions
+        else:
+            slots = cache["k"].shape[2]
+            kv_pos = jnp.broadcast_to(jnp.arange(slots), (tokens.shape[0], slots))
+            q_seg = (segment_ids != 0).astype(jnp.int32)
+            mask = attention_mask(positions, q_seg, kv_pos, jnp.ones_like(kv_pos), cfg.sliding_window)
+            write_pos = jnp.where(segment_ids != 0, positions, slots)  # padding: out of bounds, dropped
+        x, new_cache = self.layers(x, cos, sin, mask, write_pos, cache)
+        return self.norm(x), new_cache
+
+    def logits(self, x):
+        if self.cfg.tie_word_embeddings:
+            logits = jnp.einsum("bte,ve->btv", x, self.embed_tokens.astype(x.dtype))
+        else:
+            logits = self.lm_head(x)
+        return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+
+    def __call__(self, tokens, positions=None, segment_ids=None, cache=None):
+        x, cache = self.hidden_states(tokens, positions, segment_ids, cache)
+        if self.cfg.value_head and self.is_initializing():
+            self.value_proj(x.astype(jnp.float32))  # create the value head's parameters
+        return self.logits(x), cache
+
+    def with_values(self, tokens, positions=None, segment_ids=None, cache=None):
+        """(logits, values [B, T], cache); needs `value_head=True`."""
+        if not self.cfg.value_head:
+            raise ValueError("model.value_head is False; set it to True to use value predictions.")
+        x, cache = self.hidden_states(tokens, positions, segment_ids, cache)
+        values = self.value_proj(x.astype(jnp.float32))[..., 0]
+        return self.logits(x), values, cache
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_length: int, dtype: str | None = None) -> Cache:
+    """An empty position-indexed KV cache: k/v of shape [layers, batch, max_length, kv_heads, head_dim]."""
+    shape = (cfg.num_layers, batch, max_length, cfg.num_kv_heads, cfg.head_dim)
+    dt = _dtype(dtype or cfg.dtype)
+    return {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}
+
+
+CACHE_LOGICAL_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+
+
+def forward(cfg: ModelConfig, params: Params, tokens, positions=None, segment_ids=None, cache=None):
+    """Pure forward pass: (logits float32 [B, T, V], updated cache or None)."""
+    return Transformer(cfg).apply({"params": params}, tokens, positions, segment_ids, cache)
+
+
+def forward_with_values(cfg: ModelConfig, params: Params, tokens, positions=None, segment_ids=None,
+                        cache=None):
+    return Transformer(cfg).apply({"params": params}, tokens, positions, segment_ids, cache,
+                                  method=Transformer.with_values)

@@ -1,0 +1,1 @@
+"""Training state, the step, checkpoints."""

