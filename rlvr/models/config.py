@@ -48,7 +48,7 @@ class ModelConfig:
         validate_model_config(self)
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> "ModelConfig":
+    def from_mapping(cls, values: Mapping[str, Any]) -> ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in dict(values).items() if k in names})
 

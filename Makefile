@@ -1,0 +1,51 @@
+# The two promises of the README: `make quickstart` and `make test`.
+# Both create .venv if missing, install what they need (idempotent), then run.
+
+PY ?= python3
+VENV := .venv
+PYTHON := $(VENV)/bin/python
+QUICKSTART_DIR ?= workdirs/quickstart
+
+.PHONY: quickstart test install install-test system-deps lint clean
+
+$(PYTHON):
+	$(PY) -m venv $(VENV)
+	$(PYTHON) -m pip install -q --upgrade pip
+
+# Core install (what the main job needs). Re-runs when setup.py changes.
+$(VENV)/.installed-core: setup.py | $(PYTHON)
+	$(PYTHON) -m pip install -q -e .
+	touch $@
+
+# Test install: adds the dev and hf extras (transformers + the CPU torch wheel, pinned).
+$(VENV)/.installed-test: setup.py $(VENV)/.installed-core
+	$(PYTHON) -m pip install -q -e '.[dev,hf]'
+	touch $@
+
+# gVisor for the sandbox: installed with apt when running as root and missing.
+system-deps:
+	@if ! command -v runsc >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing gVisor (runsc) with apt-get"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq runsc >/dev/null; \
+	  else \
+	    echo "runsc (gVisor) is missing: install it with 'sudo apt-get install -y runsc'" >&2; exit 1; \
+	  fi; \
+	fi
+
+install: $(VENV)/.installed-core system-deps
+
+install-test: $(VENV)/.installed-test system-deps
+
+quickstart: install
+	rm -rf $(QUICKSTART_DIR)
+	$(PYTHON) -m rlvr.main --config=configs/tiny.py --workdir=$(QUICKSTART_DIR)
+
+test: install-test
+	$(PYTHON) -m pytest -q
+
+lint: install-test
+	$(VENV)/bin/ruff check rlvr kernels sandbox launch configs tests benchmarks
+
+clean:
+	rm -rf $(VENV) workdirs build *.egg-info

@@ -1,0 +1,162 @@
+"""The config schema every experiment file starts from, and its validation.
+
+An experiment file (`configs/NAME.py`) calls `base_config()`, overrides what it needs and
+returns the ConfigDict locked: a mistyped key is an error (with the nearest valid key),
+a wrong type is an error (ConfigDict's typed fields), and `validate` checks values before
+anything is compiled, naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Callable
+
+import ml_collections
+
+from rlvr.models.config import ModelConfig
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message names the field and how to fix it."""
+
+
+def model_config_dict(**overrides) -> ml_collections.ConfigDict:
+    """`model.*` fields: exactly the fields of `ModelConfig`, with their defaults."""
+    values = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    unknown = set(overrides) - set(values)
+    if unknown:
+        name = sorted(unknown)[0]
+        close = difflib.get_close_matches(name, values, n=1)
+        hint = f' Did you mean "{close[0]}"?' if close else ""
+        raise ConfigError(f"model.{name} is not a model field.{hint}")
+    values.update(overrides)
+    return ml_collections.ConfigDict(values)
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """All keys a job may read, with defaults. Experiment files override and lock."""
+    c = ml_collections.ConfigDict()
+    c.job = "lm"  # which trainer: see rlvr.main.TRAINERS
+    c.seed = 0
+    c.model = model_config_dict()
+    c.init = ml_collections.ConfigDict({"hf_checkpoint": ""})  # HF dir to load weights from
+    c.tokenizer = ml_collections.ConfigDict({"path": ""})  # HF dir; "" = built-in byte-level
+    c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1, "sequence": 1})
+    c.data = ml_collections.ConfigDict({
+        "source": "arithmetic",  # arithmetic (synthetic, built in) | jsonl
+        "path": "",  # for jsonl: one {"text": ...} per line
+        "batch_size": 8,
+        "seq_len": 128,
+        "max_operand": 99,
+    })
+    c.optimizer = ml_collections.ConfigDict({
+        "name": "adamw",
+        "learning_rate": 1e-3,
+        "warmup_steps": 10,
+        "schedule": "cosine",  # cosine | linear | constant
+        "weight_decay": 0.0,
+        "b1": 0.9,
+        "b2": 0.95,
+        "eps": 1e-8,
+        "grad_clip": 1.0,
+    })
+    c.train = ml_collections.ConfigDict({"num_steps": 100, "log_every": 10, "eval_examples": 32})
+    c.checkpoint = ml_collections.ConfigDict({
+        "every_steps": 50,
+        "keep": 3,
+        "async_save": True,
+        "resume": True,
+    })
+    return c
+
+
+# --- validation --------------------------------------------------------------------------
+
+def _positive(c, path: str) -> None:
+    value = _get(c, path)
+    if value <= 0:
+        raise ConfigError(f"{path}={value}: must be positive.")
+
+
+def _get(c, path: str):
+    node = c
+    for part in path.split("."):
+        node = node[part]
+    return node
+
+
+def _one_of(c, path: str, choices) -> None:
+    value = _get(c, path)
+    if value not in choices:
+        close = difflib.get_close_matches(str(value), [str(x) for x in choices], n=1)
+        hint = f' Did you mean "{close[0]}"?' if close else ""
+        raise ConfigError(f"{path}={value!r}: must be one of {sorted(choices)}.{hint}")
+
+
+def _existing_path(c, path: str, what: str) -> None:
+    value = _get(c, path)
+    if value and not os.path.exists(os.path.expanduser(value)):
+        raise ConfigError(f"{path}={value!r}: no such {what}; give an existing path or ''.")
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int,
+             jobs: dict[str, Callable] | None = None) -> None:
+    """Checks values before any compile. Raises ConfigError naming the field."""
+    from rlvr import sharding  # local: keeps config files importable without jax set-up
+
+    if jobs is not None:
+        _one_of(config, "job", jobs)
+    try:
+        ModelConfig.from_mapping(config.model)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        mesh = sharding.mesh_shape_from_config(dict(config.mesh), num_devices)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for path in ("data.batch_size", "data.seq_len", "train.num_steps", "train.log_every",
+                 "checkpoint.every_steps", "checkpoint.keep", "optimizer.learning_rate"):
+        _positive(config, path)
+    if config.optimizer.warmup_steps < 0:
+        raise ConfigError(f"optimizer.warmup_steps={config.optimizer.warmup_steps}: must be >= 0.")
+    _one_of(config, "optimizer.schedule", ("cosine", "linear", "constant"))
+    _one_of(config, "optimizer.name", ("adamw", "adafactor", "sgd"))
+    _one_of(config, "data.source", ("arithmetic", "jsonl"))
+    data_shards = mesh["data"] * mesh["fsdp"]
+    if config.data.batch_size % data_shards:
+        raise ConfigError(
+            f"data.batch_size={config.data.batch_size} must be a multiple of mesh.data×mesh.fsdp="
+            f"{data_shards}; change the batch size or the mesh.")
+    if config.data.source == "jsonl" and not config.data.path:
+        raise ConfigError("data.path is empty but data.source='jsonl'; give a JSONL file.")
+    _existing_path(config, "data.path", "data file")
+    _existing_path(config, "init.hf_checkpoint", "checkpoint directory")
+    _existing_path(config, "tokenizer.path", "tokenizer directory")
+    if config.data.seq_len > config.model.max_position_embeddings:
+        raise ConfigError(
+            f"data.seq_len={config.data.seq_len} exceeds model.max_position_embeddings="
+            f"{config.model.max_position_embeddings}.")
+
+
+def load_config(spec: str, overrides: dict | None = None) -> ml_collections.ConfigDict:
+    """Loads `path/to/config.py[:arg]` the way `rlvr.main --config=` does (locked),
+    then applies `{"a.b": value}` overrides (a typo is an error naming the nearest key)."""
+    import importlib.util
+
+    path, _, arg = spec.partition(":")
+    module_spec = importlib.util.spec_from_file_location("rlvr_user_config", path)
+    if module_spec is None or not os.path.exists(path):
+        raise ConfigError(f"--config={spec!r}: no config file at {path!r}.")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    config = module.get_config(arg) if arg else module.get_config()
+    config.lock()
+    for key, value in (overrides or {}).items():
+        parent = config
+        *head, last = key.split(".")
+        for part in head:
+            parent = getattr(parent, part)
+        setattr(parent, last, value)
+    return config

@@ -1,0 +1,1 @@
+"""Data sources: synthetic text, JSONL conversations, packing."""

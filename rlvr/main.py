@@ -1,0 +1,49 @@
+"""Entry point: `python -m rlvr.main --config=configs/NAME.py[:arg] --workdir=DIR [--config.a.b=v]`.
+
+A thin main around importable `run(config, workdir)`, so tests and notebooks call the same
+function. The config is validated before anything compiles; the resolved config and package
+versions are written to the workdir first.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import ml_collections
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from rlvr import config_lib, observe
+from rlvr.trainers import lm
+
+TRAINERS = {"lm": lm.train}
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file[:arg].",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and logs.")
+
+
+def run(config: ml_collections.ConfigDict, workdir: str):
+    """Validates `config`, records it, and runs its job. Returns the job's summary."""
+    config_lib.validate(config, jax.device_count(), TRAINERS)
+    observe.write_run_info(config, workdir)
+    return TRAINERS[config.job](config, workdir)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if _CONFIG.value is None or not _WORKDIR.value:
+        raise app.UsageError("give --config=configs/NAME.py[:arg] and --workdir=DIR")
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    try:
+        run(_CONFIG.value, os.path.expanduser(_WORKDIR.value))
+    except config_lib.ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,89 @@
+"""Run records: the resolved config and versions, JSONL metrics, a live progress line."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from importlib import metadata
+from typing import Any
+
+import ml_collections
+
+_PACKAGES = ("rlvr", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "ml-collections",
+             "numpy", "tokenizers", "safetensors")
+
+
+def package_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for name in _PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def write_run_info(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """Writes config.json (the resolved config) and versions.json to the workdir."""
+    import jax
+
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+    info = {"versions": package_versions(), "devices": [str(d) for d in jax.devices()],
+            "argv": sys.argv, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    with open(os.path.join(workdir, "versions.json"), "w") as f:
+        json.dump(info, f, indent=2)
+
+
+class MetricsWriter:
+    """Appends one JSON object per record to `workdir/metrics.jsonl`."""
+
+    def __init__(self, workdir: str, filename: str = "metrics.jsonl"):
+        os.makedirs(workdir, exist_ok=True)
+        self.path = os.path.join(workdir, filename)
+        self._file = open(self.path, "a")
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": int(step), **{k: _to_python(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _to_python(value: Any) -> Any:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value
+
+
+class Progress:
+    """A one-line progress display: `step 40/100 [####----] loss=1.23 2.1 it/s`."""
+
+    def __init__(self, total: int, start: int = 0, stream=sys.stderr, width: int = 24):
+        self.total, self.start, self.stream, self.width = total, start, stream, width
+        self.t0 = time.perf_counter()
+        self.tty = stream.isatty()
+
+    def update(self, step: int, metrics: dict[str, Any] | None = None) -> None:
+        done = int(self.width * step / max(self.total, 1))
+        rate = (step - self.start) / max(time.perf_counter() - self.t0, 1e-9)
+        shown = " ".join(f"{k}={_fmt(v)}" for k, v in (metrics or {}).items())
+        line = f"step {step}/{self.total} [{'#' * done}{'-' * (self.width - done)}] {shown} {rate:.2f} it/s"
+        self.stream.write(("\r" + line) if self.tty else (line + "\n"))
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+
+
+def _fmt(value: Any) -> str:
+    value = _to_python(value)
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

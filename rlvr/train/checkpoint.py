@@ -1,0 +1,63 @@
+"""Checkpoints with orbax: the train-state pytree plus a JSON dict (data position, etc.).
+
+Saves are asynchronous (the step loop goes on while arrays are written), the last N are
+kept, and a save is atomic: orbax writes into a temporary directory and renames it when
+complete, so a kill mid-save leaves no checkpoint that loads half. `latest_step` only
+sees finalised checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+    """Save/restore `(state pytree, extra JSON dict)` at integer steps under `directory`."""
+
+    def __init__(self, directory: str, keep: int = 3, async_save: bool = True):
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            enable_async_checkpointing=async_save,
+            create=True,
+            cleanup_tmp_directories=True,
+        )
+        self.directory = os.path.abspath(directory)
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_names=("state", "extra")
+        )
+
+    def save(self, step: int, state: Any, extra: dict[str, Any], force: bool = False) -> bool:
+        """Starts saving (asynchronously); returns whether a save was started."""
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave(extra))
+        return self._manager.save(step, args=args, force=force)
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self._manager.all_steps())
+
+    def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+        """Restores into the shapes, dtypes and shardings of `abstract_state` (arrays or
+        ShapeDtypeStructs with `.sharding`)."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no complete checkpoint under {self.directory}")
+        target = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), abstract_state
+        )
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(target), extra=ocp.args.JsonRestore())
+        restored = self._manager.restore(step, args=args)
+        return restored["state"], dict(restored["extra"])
+
+    def wait(self) -> None:
+        """Blocks until any in-flight asynchronous save is complete."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()

@@ -1,0 +1,62 @@
+"""Bad configs stop before any compile, with errors that name the field and the fix."""
+
+import subprocess
+
+import jax
+import pytest
+
+from rlvr import config_lib
+from rlvr.main import TRAINERS
+
+TINY = "configs/tiny.py"
+
+
+def _validate(overrides):
+    config = config_lib.load_config(TINY, overrides)
+    config_lib.validate(config, jax.device_count(), TRAINERS)
+
+
+def test_tiny_config_is_valid_and_locked(repo_root):
+    config = config_lib.load_config(f"{repo_root}/{TINY}:smoke")
+    config_lib.validate(config, 8, TRAINERS)
+    assert config.train.num_steps == 4
+    with pytest.raises(AttributeError, match="Did you mean"):
+        config.data.batch_sise = 3
+
+
+def test_typo_names_nearest_key():
+    with pytest.raises(AttributeError, match='Did you mean "learning_rate"'):
+        config_lib.load_config(TINY, {"optimizer.learning_rte": 0.1})
+
+
+def test_wrong_type_is_rejected():
+    with pytest.raises(TypeError, match="batch_size"):
+        config_lib.load_config(TINY, {"data.batch_size": "eight"})
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"data.batch_size": -8}, "data.batch_size"),
+    ({"data.batch_size": 12}, "data.batch_size"),  # not a multiple of data×fsdp = 8
+    ({"mesh.tensor": 3}, "mesh"),
+    ({"init.hf_checkpoint": "/nonexistent/ckpt"}, "init.hf_checkpoint"),
+    ({"optimizer.schedule": "cosin"}, 'Did you mean "cosine"'),
+    ({"model.num_kv_heads": 3}, "model.num_kv_heads"),
+    ({"model.family": "gpt2"}, "model.family"),
+    ({"job": "sftt"}, "job"),
+    ({"data.source": "jsonl"}, "data.path"),
+])
+def test_invalid_values_name_the_field(overrides, field):
+    with pytest.raises(config_lib.ConfigError, match=field.replace(".", r"\.")):
+        _validate(overrides)
+
+
+def test_cli_reports_config_errors_before_compiling(repo_root, python, tmp_path):
+    cmd = [python, "-m", "rlvr.main", f"--config={TINY}:smoke", f"--workdir={tmp_path}",
+           "--config.data.batch_size=-1"]
+    result = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "data.batch_size=-1: must be positive" in result.stderr
+    assert not (tmp_path / "checkpoints").exists()
+    typo = subprocess.run(cmd[:-1] + ["--config.data.batch_sise=4"], cwd=repo_root,
+                          capture_output=True, text=True, timeout=120)
+    assert typo.returncode != 0 and 'Did you mean "batch_size"' in typo.stderr

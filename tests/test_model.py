@@ -1,0 +1,105 @@
+"""Model invariances that need no reference implementation, and the notebook API."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlvr import api, config_lib, sharding
+from rlvr.models import params as params_lib
+from rlvr.models.config import ModelConfig
+from rlvr.models.transformer import forward, forward_with_values
+
+SMALL = dict(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
+             head_dim=16, vocab_size=97, rope_theta=10_000.0)
+
+
+def _params(cfg, seed=0):
+    mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    return params_lib.init_params(cfg, jax.random.key(seed), mesh)
+
+
+def test_param_count_matches_formula_and_benchmark_model():
+    cfg = ModelConfig()  # the fixed tiny benchmark config (Tunix peer: 4,459,264 params)
+    shapes = params_lib.abstract_params(cfg)
+    assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes)) == cfg.num_params() == 4_459_264
+
+
+def test_packed_equals_unpacked():
+    cfg = ModelConfig(**SMALL)
+    params = _params(cfg)
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 97, 7), rng.integers(0, 97, 5)
+    packed = jnp.asarray(np.concatenate([a, b, [0, 0]])[None])
+    positions = jnp.asarray(np.concatenate([np.arange(7), np.arange(5), [0, 0]])[None])
+    segments = jnp.asarray(np.array([[1] * 7 + [2] * 5 + [0, 0]]))
+    logits, _ = forward(cfg, params, packed, positions, segments)
+    alone_a, _ = forward(cfg, params, jnp.asarray(a[None]))
+    alone_b, _ = forward(cfg, params, jnp.asarray(b[None]))
+    np.testing.assert_allclose(logits[0, :7], alone_a[0], atol=1e-5)
+    np.testing.assert_allclose(logits[0, 7:12], alone_b[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["full", "dots"])
+def test_remat_changes_memory_not_results(policy):
+    cfg = ModelConfig(**SMALL)
+    remat = ModelConfig(**SMALL, remat_policy=policy)
+    params = _params(cfg)
+    tokens = jnp.arange(24).reshape(2, 12) % 97
+
+    def loss(c):
+        return lambda p: forward(c, p, tokens)[0].mean()
+
+    np.testing.assert_allclose(loss(cfg)(params), loss(remat)(params), rtol=1e-6)
+    g1, g2 = jax.grad(loss(cfg))(params), jax.grad(loss(remat))(params)
+    for x, y in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-6)
+
+
+def test_bf16_compute_tracks_fp32():
+    cfg = ModelConfig(**SMALL)
+    params = _params(cfg)
+    tokens = jnp.arange(16).reshape(1, 16) % 97
+    full, _ = forward(cfg, params, tokens)
+    half, _ = forward(ModelConfig(**SMALL, dtype="bfloat16"), params, tokens)
+    assert half.dtype == jnp.float32  # logits are always float32
+    assert float(jnp.abs(full - half).max()) < 0.05
+
+
+def test_value_head_outputs_one_value_per_token():
+    cfg = ModelConfig(**SMALL, value_head=True)
+    params = _params(cfg)
+    logits, values, _ = forward_with_values(cfg, params, jnp.ones((2, 5), jnp.int32))
+    assert logits.shape == (2, 5, 97) and values.shape == (2, 5)
+    with pytest.raises(ValueError, match="value_head"):
+        forward_with_values(ModelConfig(**SMALL), _params(ModelConfig(**SMALL)), jnp.ones((1, 2), jnp.int32))
+
+
+def test_sharded_forward_equals_single_device():
+    cfg = ModelConfig(**SMALL)
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2, "sequence": 1})
+    sharded = params_lib.init_params(cfg, jax.random.key(1), mesh)
+    single = _params(cfg, seed=1)
+    tokens = jnp.arange(64).reshape(4, 16) % 97
+
+    def run(p):
+        with sharding.activation_sharding(mesh):
+            return forward(cfg, p, tokens)[0]
+
+    np.testing.assert_allclose(jax.jit(run)(sharded), forward(cfg, single, tokens)[0], atol=1e-5)
+
+
+def test_notebook_api_in_a_few_lines(repo_root):
+    config = api.load_config(f"{repo_root}/configs/tiny.py:smoke")
+    model = api.build_model(config)
+    logits, _ = api.forward(model, [[1, 2, 3, 4]])
+    assert logits.shape == (1, 4, config.model.vocab_size)
+    direct, _ = forward(model.cfg, model.params, jnp.asarray([[1, 2, 3, 4]]))
+    np.testing.assert_allclose(logits, direct, atol=1e-6)
+    tokenizer = api.build_tokenizer(config)
+    assert tokenizer.decode(tokenizer.encode("12+30=42")) == "12+30=42"
+
+
+def test_unknown_model_field_is_named():
+    with pytest.raises(config_lib.ConfigError, match='Did you mean "num_heads"'):
+        config_lib.model_config_dict(num_head=4)
