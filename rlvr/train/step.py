@@ -1,8 +1,17 @@
-"""The one step builder every trainer uses: a pure `(state, batch, rng) -> (state, metrics)`.
+"""The one step builder every trainer uses: a pure `(state, batch, rng, frozen) -> (state, metrics)`.
 
-A loss is a pure function `loss_fn(params, batch, rng) -> (loss, aux_metrics)` handed to
-`build_train_step`; there are no trainer subclasses. The step is jitted with explicit
-in/out shardings from the logical rules and the state is donated.
+A loss is a pure function handed to `build_train_step`; there are no trainer subclasses:
+
+    loss_fn(params, batch, rng, frozen) -> (loss_sum, aux)
+
+`loss_sum` is a SUM over the batch's units (target tokens for SFT, pairs for DPO) and
+`aux["weight"]` is the number of units; every other `aux` entry is a sum too. The step divides
+by the total weight after accumulating over micro-batches, so N micro-batches give exactly
+the gradient of one full batch. `frozen` carries inputs that are not trained (e.g. the
+reference policy's params) as a jit argument with its own shardings.
+
+The step is jitted with explicit in/out shardings from the logical rules, the state is
+donated, and the RNG is `fold_in(rng, step)`. No host sync happens inside it.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from rlvr.models import params as params_lib
 from rlvr.models.config import ModelConfig
 
 State = dict[str, Any]
-LossFn = Callable[[Any, dict[str, jax.Array], jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+LossFn = Callable[[Any, dict[str, jax.Array], jax.Array, Any], tuple[jax.Array, dict[str, jax.Array]]]
 
 
 def state_shardings(cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh,
@@ -54,31 +63,86 @@ def abstract_state(cfg: ModelConfig, optimizer: optax.GradientTransformation, sh
 
 
 def batch_shardings(batch_like: dict[str, Any], mesh: Mesh) -> dict[str, NamedSharding]:
-    """Every batch array is [batch, length, ...]: batch over data×fsdp, length over sequence."""
+    """Batch arrays are [batch, length, ...] (or [batch]): batch over data×fsdp, length over
+    sequence."""
     def one(x):
-        axes = ("batch", "length") + (None,) * (len(x.shape) - 2)
+        axes = ("batch", "length") + (None,) * max(len(x.shape) - 2, 0)
         return sharding.logical_to_sharding(axes[: len(x.shape)], x.shape, mesh)
     return jax.tree.map(one, batch_like)
 
 
-def build_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, mesh: Mesh,
-                     shardings: State, batch_sharding: dict[str, NamedSharding]):
-    """Returns jitted `step(state, batch, rng) -> (state, metrics)` with the state donated."""
+def _split_micro_batches(batch: dict[str, jax.Array], micro_batches: int):
+    """[B, ...] -> [M, B/M, ...] taking rows i, i+M, … for micro-batch i, so every device
+    keeps its share of each micro-batch under a data-sharded batch."""
+    def split(x):
+        if x.shape[0] % micro_batches:
+            raise ValueError(f"batch size {x.shape[0]} is not divisible by {micro_batches} micro-batches")
+        return x.reshape(x.shape[0] // micro_batches, micro_batches, *x.shape[1:]).swapaxes(0, 1)
+    return jax.tree.map(split, batch)
 
-    def step(state: State, batch: dict[str, jax.Array], rng: jax.Array):
+
+def accumulate_gradients(loss_fn: LossFn, params, batch, rng, frozen, micro_batches: int = 1):
+    """Sums of (gradients, loss and aux) over micro-batches; nothing is normalised yet."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def one(micro_batch, micro_rng):
+        (loss_sum, aux), grads = grad_fn(params, micro_batch, micro_rng, frozen)
+        return grads, {"loss": loss_sum, **aux}
+
+    if micro_batches == 1:
+        return one(batch, rng)
+    micro = _split_micro_batches(batch, micro_batches)
+    shapes = jax.eval_shape(one, jax.tree.map(lambda x: x[0], micro), rng)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32 if s.dtype != jnp.int32 else s.dtype),
+                         shapes)
+
+    def body(acc, inputs):
+        micro_batch, index = inputs
+        out = one(micro_batch, jax.random.fold_in(rng, index))
+        return jax.tree.map(jnp.add, acc, out), None
+
+    (grads, sums), _ = jax.lax.scan(body, zeros, (micro, jnp.arange(micro_batches)))
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    return grads, sums
+
+
+def build_train_step(
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    shardings: State,
+    batch_sharding: dict[str, NamedSharding],
+    *,
+    micro_batches: int = 1,
+    learning_rate: optax.Schedule | None = None,
+    frozen_sharding: Any = None,
+):
+    """Returns jitted `step(state, batch, rng, frozen) -> (state, metrics)` (frozen may be None).
+
+    Metrics: every aux sum divided by the total weight, plus `weight`, `grad_norm`,
+    `param_norm` and `learning_rate` (when a schedule is given).
+    """
+
+    def step(state: State, batch: dict[str, jax.Array], rng: jax.Array, frozen: Any):
         step_rng = jax.random.fold_in(rng, state["step"])
         with sharding.activation_sharding(mesh):
-            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                state["params"], batch, step_rng)
+            grads, sums = accumulate_gradients(loss_fn, state["params"], batch, step_rng, frozen,
+                                               micro_batches)
+        weight = jnp.maximum(sums["weight"].astype(jnp.float32), 1.0)
+        grads = jax.tree.map(lambda g: g / weight.astype(g.dtype), grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
+        metrics = {k: v / weight for k, v in sums.items() if k != "weight"}
+        metrics.update(weight=sums["weight"], grad_norm=optax.global_norm(grads),
+                       param_norm=optax.global_norm(params))
+        if learning_rate is not None:
+            metrics["learning_rate"] = learning_rate(state["step"])
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
     replicated = NamedSharding(mesh, PartitionSpec())
     return jax.jit(
         step,
-        in_shardings=(shardings, batch_sharding, replicated),
+        in_shardings=(shardings, batch_sharding, replicated, frozen_sharding),
         out_shardings=(shardings, replicated),
         donate_argnums=(0,),
     )

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -26,13 +27,12 @@ from rlvr.train.optimizer import build_optimizer
 
 
 def make_loss(cfg):
-    def loss_fn(params, batch, rng):
-        del rng
+    def loss_fn(params, batch, rng, frozen):
+        del rng, frozen
         logits, _ = forward(cfg, params, batch["tokens"], batch["positions"], batch["segment_ids"])
         logp = losses.next_token_logprobs(logits, batch["tokens"])
         mask = losses.target_mask(batch["loss_mask"], batch["segment_ids"])
-        loss = -losses.masked_mean(logp, mask)
-        return loss, {"tokens": mask.sum()}
+        return -jnp.sum(logp * mask), {"weight": mask.sum()}
     return loss_fn
 
 
@@ -83,12 +83,12 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     t_last = time.perf_counter()
     for step in range(start, num_steps):
         batch = jax.device_put(next(data), batch_sh)
-        state, metrics = train_step(state, batch, rng)
+        state, metrics = train_step(state, batch, rng, None)
         done = step + 1
         if done % config.train.log_every == 0 or done == num_steps:
             metrics = jax.device_get(metrics)
             elapsed, t_last = time.perf_counter() - t_last, time.perf_counter()
-            metrics["tokens_per_s"] = float(metrics["tokens"]) * config.train.log_every / elapsed
+            metrics["tokens_per_s"] = float(metrics["weight"]) * config.train.log_every / elapsed
             metrics_out.write(done, metrics)
             progress.update(done, {"loss": metrics["loss"]})
         if done % config.checkpoint.every_steps == 0 or done == num_steps:

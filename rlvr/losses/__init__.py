@@ -1,4 +1,4 @@
-"""Token-level losses shared by the trainers."""
+"""Losses: token-level log-probs and masks (here), preference losses (`preference`)."""
 
 from __future__ import annotations
 
