@@ -40,6 +40,7 @@ setup(
         "numpy>=2.0",
         "jinja2>=3.1",
         "absl-py>=2.1",
+        "tensorboardX>=2.6",  # TensorBoard event files without TensorFlow
     ],
     extras_require={
         # The CPU wheel, pinned: an unpinned torch pulls a multi-GB CUDA build.

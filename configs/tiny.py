@@ -14,11 +14,8 @@ from rlvr import config_lib
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c = config_lib.base_config()
-    c.job = "lm"
-    c.model = config_lib.model_config_dict(
-        family="qwen3", vocab_size=264, hidden_size=128, intermediate_size=384, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10_000.0, max_position_embeddings=512,
-    )
+    c.job = "sft"
+    c.model = config_lib.model_config_dict(preset="tiny")
     c.data.batch_size = 32
     c.data.seq_len = 96
     c.optimizer.learning_rate = 3e-3

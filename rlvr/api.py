@@ -57,6 +57,12 @@ def build_model(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> 
     return Model(cfg, params, mesh)
 
 
+def check_vocab(cfg: ModelConfig, tokenizer: Tokenizer) -> None:
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
+                          f"{tokenizer.vocab_size} ids; raise model.vocab_size.")
+
+
 def forward(model: Model, tokens: list[list[int]] | np.ndarray):
     """Logits [B, T, V] for equal-length token lists (no padding, no cache)."""
     tokens = jnp.asarray(np.asarray(tokens, np.int32))

@@ -15,16 +15,21 @@ from collections.abc import Callable
 
 import ml_collections
 
-from rlvr.models.config import ModelConfig
+from rlvr.models.config import PRESETS, ModelConfig
 
 
 class ConfigError(ValueError):
     """A bad config value; the message names the field and how to fix it."""
 
 
-def model_config_dict(**overrides) -> ml_collections.ConfigDict:
-    """`model.*` fields: exactly the fields of `ModelConfig`, with their defaults."""
+def model_config_dict(preset: str = "", **overrides) -> ml_collections.ConfigDict:
+    """`model.*` fields: exactly the fields of `ModelConfig`, from its defaults, a named
+    preset (`rlvr.models.config.PRESETS`), then the overrides."""
     values = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    if preset:
+        if preset not in PRESETS:
+            raise ConfigError(f"model preset {preset!r} is unknown; presets: {sorted(PRESETS)}")
+        values.update(PRESETS[preset])
     unknown = set(overrides) - set(values)
     if unknown:
         name = sorted(unknown)[0]
@@ -38,17 +43,25 @@ def model_config_dict(**overrides) -> ml_collections.ConfigDict:
 def base_config() -> ml_collections.ConfigDict:
     """All keys a job may read, with defaults. Experiment files override and lock."""
     c = ml_collections.ConfigDict()
-    c.job = "lm"  # which trainer: see rlvr.main.TRAINERS
+    c.job = "sft"  # which trainer: see rlvr.main.TRAINERS
     c.seed = 0
     c.model = model_config_dict()
     c.init = ml_collections.ConfigDict({"hf_checkpoint": ""})  # HF dir to load weights from
     c.tokenizer = ml_collections.ConfigDict({"path": ""})  # HF dir; "" = built-in byte-level
     c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1, "sequence": 1})
     c.data = ml_collections.ConfigDict({
-        "source": "arithmetic",  # arithmetic (synthetic, built in) | jsonl
-        "path": "",  # for jsonl: one {"text": ...} per line
-        "batch_size": 8,
+        "source": "arithmetic",  # arithmetic (synthetic, built in) | jsonl | tfds
+        # jsonl records: {"messages": [...], "tools"?} | {"text"} | {"prompt", "completion"};
+        # preference jobs: {"prompt", "chosen", "rejected"} (strings or chat messages).
+        "path": "",
+        "eval_path": "",  # held-out records (jsonl) for evaluation; "" = none
+        "tfds_name": "",
+        "tfds_dir": "",
+        "split": "train",
+        "eval_split": "",  # tfds held-out split
+        "batch_size": 8,  # sequences (SFT) or pairs (preference) per step
         "seq_len": 128,
+        "pack": True,  # SFT: several examples per row with segment ids
         "max_operand": 99,
     })
     c.optimizer = ml_collections.ConfigDict({
@@ -62,7 +75,21 @@ def base_config() -> ml_collections.ConfigDict:
         "eps": 1e-8,
         "grad_clip": 1.0,
     })
-    c.train = ml_collections.ConfigDict({"num_steps": 100, "log_every": 10, "eval_examples": 32})
+    c.train = ml_collections.ConfigDict({
+        "num_steps": 100,
+        "log_every": 10,
+        "micro_batches": 1,  # gradient accumulation: the batch is split into this many parts
+        "eval_examples": 32,
+        "tensorboard": True,
+    })
+    c.preference = ml_collections.ConfigDict({
+        "loss": "dpo",  # dpo | cdpo | ipo | simpo | orpo (jobs 'dpo'); 'rm' jobs use bradley_terry
+        "beta": 0.1,
+        "label_smoothing": 0.0,  # cdpo
+        "simpo_gamma": 0.5,
+        "orpo_lambda": 0.1,
+        "reference": "precompute",  # precompute (one pass before training) | online (frozen params)
+    })
     c.checkpoint = ml_collections.ConfigDict({
         "every_steps": 50,
         "keep": 3,
@@ -123,7 +150,15 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
         raise ConfigError(f"optimizer.warmup_steps={config.optimizer.warmup_steps}: must be >= 0.")
     _one_of(config, "optimizer.schedule", ("cosine", "linear", "constant"))
     _one_of(config, "optimizer.name", ("adamw", "adafactor", "sgd"))
-    _one_of(config, "data.source", ("arithmetic", "jsonl"))
+    _one_of(config, "data.source", ("arithmetic", "jsonl", "tfds"))
+    _positive(config, "train.micro_batches")
+    if config.data.batch_size % config.train.micro_batches:
+        raise ConfigError(f"data.batch_size={config.data.batch_size} must be a multiple of "
+                          f"train.micro_batches={config.train.micro_batches}.")
+    _one_of(config, "preference.reference", ("precompute", "online"))
+    if config.data.source == "tfds" and not config.data.tfds_name:
+        raise ConfigError("data.tfds_name is empty but data.source='tfds'; name a TFDS dataset.")
+    _existing_path(config, "data.eval_path", "data file")
     data_shards = mesh["data"] * mesh["fsdp"]
     if config.data.batch_size % data_shards:
         raise ConfigError(

@@ -16,9 +16,9 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from rlvr import config_lib, observe
-from rlvr.trainers import lm
+from rlvr.trainers import preference, sft
 
-TRAINERS = {"lm": lm.train}
+TRAINERS = {"sft": sft.train, "dpo": preference.train, "rm": preference.train}
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file[:arg].",
                                           lock_config=True)

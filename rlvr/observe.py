@@ -40,20 +40,32 @@ def write_run_info(config: ml_collections.ConfigDict, workdir: str) -> None:
 
 
 class MetricsWriter:
-    """Appends one JSON object per record to `workdir/metrics.jsonl`."""
+    """Appends one JSON object per record to `workdir/metrics.jsonl`, and scalars to
+    TensorBoard event files under `workdir/tensorboard` (tensorboardX: no TensorFlow)."""
 
-    def __init__(self, workdir: str, filename: str = "metrics.jsonl"):
+    def __init__(self, workdir: str, filename: str = "metrics.jsonl", tensorboard: bool = True):
         os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(workdir, filename)
         self._file = open(self.path, "a")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
-        record = {"step": int(step), **{k: _to_python(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record) + "\n")
+        values = {k: _to_python(v) for k, v in metrics.items()}
+        self._file.write(json.dumps({"step": int(step), **values}) + "\n")
         self._file.flush()
+        if self._tb is not None:
+            for name, value in values.items():
+                if isinstance(value, float):
+                    self._tb.add_scalar(name, value, int(step))
 
     def close(self) -> None:
         self._file.close()
+        if self._tb is not None:
+            self._tb.close()
 
 
 def _to_python(value: Any) -> Any:

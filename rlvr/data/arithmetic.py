@@ -41,7 +41,10 @@ class ArithmeticData:
             p = self.tokenizer.encode(prompt)
             a = self.tokenizer.encode(answer) + [self.tokenizer.eos_id]
             examples.append((p + a, [0] * len(p) + [1] * len(a)))
-        return pack_examples(examples, self.batch_size, self.seq_len, self.tokenizer.pad_id)
+        return pack_examples(examples, self.batch_size, self.seq_len, self.tokenizer.pad_id)[0]
+
+    def peek(self) -> dict[str, np.ndarray]:
+        return self.batch(self.next_batch)
 
     def __iter__(self):
         return self

@@ -12,6 +12,17 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+# Named architectures for configs: `config_lib.model_config_dict(preset="tiny", ...)`.
+PRESETS: dict[str, dict] = {
+    # Byte-level vocabulary (259 ids), 2 layers: learns small tasks in a minute on CPU.
+    "tiny": dict(family="qwen3", vocab_size=264, hidden_size=128, intermediate_size=384, num_layers=2,
+                 num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10_000.0, max_position_embeddings=2048),
+    # The fixed benchmark model shared with the Tunix peer figures (4,459,264 parameters).
+    "bench": dict(family="qwen3", vocab_size=1024, hidden_size=256, intermediate_size=1024, num_layers=4,
+                  num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=1e6, max_position_embeddings=4096),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Decoder architecture. Field names follow the config file's `model.*` keys."""

@@ -1,0 +1,83 @@
+"""The training loop shared by every trainer: restore → step → metrics → checkpoint.
+
+A trainer hands in what differs (a loss function, a data stream, optional frozen inputs such
+as reference params); the loop owns the optimizer, shardings, checkpoints and metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import jax
+import ml_collections
+
+from rlvr import observe
+from rlvr.api import Model
+from rlvr.train import flops
+from rlvr.train import step as step_lib
+from rlvr.train.checkpoint import Checkpointer
+from rlvr.train.optimizer import build_optimizer, learning_rate_schedule
+
+
+@dataclasses.dataclass
+class LoopResult:
+    state: dict[str, Any]
+    last_metrics: dict[str, float]
+    resumed_from: int | None
+
+
+def train_loop(config: ml_collections.ConfigDict, workdir: str, model: Model, loss_fn, data,
+               tokens_per_batch: int, frozen: Any = None, frozen_sharding: Any = None) -> LoopResult:
+    """Trains `model.params` with `loss_fn` on `data` for `config.train.num_steps` steps."""
+    num_steps = config.train.num_steps
+    optimizer = build_optimizer(config.optimizer, num_steps)
+    shardings = step_lib.state_shardings(model.cfg, optimizer, model.mesh)
+    checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep,
+                               config.checkpoint.async_save)
+    resumed_from = None
+    if config.checkpoint.resume and checkpoints.latest_step() is not None:
+        state, extra = checkpoints.restore(step_lib.abstract_state(model.cfg, optimizer, shardings))
+        data.set_state(extra["data"])
+        resumed_from = int(state["step"])
+        print(f"resumed from step {resumed_from} ({checkpoints.directory})")
+    else:
+        state = step_lib.init_state(model.params, optimizer, shardings)
+    model.params = None  # now owned (and donated) by `state`
+
+    batch_sh = step_lib.batch_shardings(data.peek(), model.mesh)
+    train_step = step_lib.build_train_step(
+        loss_fn, optimizer, model.mesh, shardings, batch_sh, micro_batches=config.train.micro_batches,
+        learning_rate=learning_rate_schedule(config.optimizer, num_steps), frozen_sharding=frozen_sharding)
+    rng = jax.random.key(config.seed)
+    step_flops = flops.train_flops_per_token(model.cfg, config.data.seq_len) * tokens_per_batch
+    peak = flops.machine_peak(model.cfg.dtype)
+    writer = observe.MetricsWriter(workdir, tensorboard=config.train.tensorboard)
+    start = int(state["step"])
+    progress = observe.Progress(num_steps, start)
+    metrics: dict[str, Any] = {}
+    window_start, window_steps = time.perf_counter(), 0
+    for step in range(start, num_steps):
+        batch = jax.device_put(next(data), batch_sh)
+        state, metrics = train_step(state, batch, rng, frozen)
+        done, window_steps = step + 1, window_steps + 1
+        if step == start:  # one host sync, to separate compile time from step time
+            jax.block_until_ready(metrics)
+            writer.write(done, {"compile_and_first_step_s": time.perf_counter() - window_start})
+            window_start, window_steps = time.perf_counter(), 0
+        if window_steps and (done % config.train.log_every == 0 or done == num_steps):
+            metrics = jax.device_get(metrics)
+            step_time = (time.perf_counter() - window_start) / window_steps
+            metrics.update(step_time_s=step_time, tokens_per_s=tokens_per_batch / step_time,
+                           model_flops_per_s=step_flops / step_time, mfu=step_flops / step_time / peak)
+            writer.write(done, metrics)
+            progress.update(done, {"loss": metrics["loss"]})
+            window_start, window_steps = time.perf_counter(), 0
+        if done % config.checkpoint.every_steps == 0 or done == num_steps:
+            checkpoints.save(done, state, {"data": data.get_state()}, force=True)
+    progress.close()
+    checkpoints.close()
+    writer.close()
+    return LoopResult(state, {k: float(v) for k, v in jax.device_get(metrics).items()}, resumed_from)

@@ -1,0 +1,98 @@
+"""Supervised fine-tuning (and plain next-token training): loss on the masked target tokens.
+
+Read top to bottom: tokenizer and model → data stream (chat JSONL rendered with the model's
+chat template, loss on assistant tokens only; or text; or the built-in arithmetic corpus)
+→ the shared training loop → held-out evaluation → summary.json.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from rlvr import api, losses
+from rlvr.data.arithmetic import ArithmeticData
+from rlvr.data.chat import encode_record
+from rlvr.data.sources import load_records
+from rlvr.data.stream import TokenStream
+from rlvr.models.generate import greedy_generate
+from rlvr.models.transformer import forward
+from rlvr.trainers.loop import train_loop
+
+
+def sft_loss(cfg, params, batch, rng, frozen):
+    """Sum of target-token NLL; weight = number of target tokens."""
+    del rng, frozen
+    logits, _ = forward(cfg, params, batch["tokens"], batch["positions"], batch["segment_ids"])
+    logp = losses.next_token_logprobs(logits, batch["tokens"])
+    mask = losses.target_mask(batch["loss_mask"], batch["segment_ids"])
+    return -jnp.sum(logp * mask), {"weight": mask.sum(), "target_tokens": mask.sum()}
+
+
+def build_data(config: ml_collections.ConfigDict, tokenizer, split: str | None = None):
+    d = config.data
+    if d.source == "arithmetic":
+        return ArithmeticData(tokenizer, d.batch_size, d.seq_len, config.seed, d.max_operand)
+    records = load_records(d, split)
+    return TokenStream(records, functools.partial(encode_record, tokenizer), d.batch_size, d.seq_len,
+                       tokenizer.pad_id, config.seed, pack=d.pack)
+
+
+def evaluate_arithmetic(model: api.Model, tokenizer, data: ArithmeticData, count: int) -> float:
+    """Greedy exact-match accuracy on held-out problems."""
+    problems = data.problems(count, stream=1)
+    prompts = [tokenizer.encode(p) for p, _ in problems]
+    outputs = greedy_generate(model.cfg, model.params, prompts, 8, tokenizer.eos_id, tokenizer.pad_id)
+    answers = [tokenizer.decode([t for t in out if t != tokenizer.eos_id]) for out in outputs]
+    return float(np.mean([a == ref for a, (_, ref) in zip(answers, problems, strict=True)]))
+
+
+def evaluate_loss(config: ml_collections.ConfigDict, model: api.Model, tokenizer) -> float | None:
+    """Mean target-token NLL over (up to `train.eval_examples`) held-out records."""
+    d = config.data
+    held_out = d.eval_path if d.source == "jsonl" else d.eval_split
+    if not held_out:
+        return None
+    records = load_records(d, "eval" if d.source == "jsonl" else d.eval_split)
+    examples = [encode_record(tokenizer, records[i]) for i in range(min(len(records), config.train.eval_examples))]
+    stream = TokenStream(examples, lambda x: x, d.batch_size, d.seq_len, tokenizer.pad_id, 0, d.pack, shuffle=False)
+    loss_fn = jax.jit(functools.partial(sft_loss, model.cfg))
+    total, weight = 0.0, 0.0
+    while stream.cursor < len(examples):
+        loss_sum, aux = loss_fn(model.params, next(stream), None, None)
+        total, weight = total + float(loss_sum), weight + float(aux["weight"])
+    return total / max(weight, 1.0)
+
+
+def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+    tokenizer = api.build_tokenizer(config)
+    model = api.build_model(config)
+    api.check_vocab(model.cfg, tokenizer)
+    data = build_data(config, tokenizer)
+    tokens_per_batch = config.data.batch_size * config.data.seq_len
+    result = train_loop(config, workdir, model, functools.partial(sft_loss, model.cfg), data, tokens_per_batch)
+    final = api.Model(model.cfg, result.state["params"], model.mesh)
+    summary: dict[str, Any] = {"job": "sft", "final_step": config.train.num_steps,
+                               "final_loss": result.last_metrics.get("loss"),
+                               "tokens_per_s": result.last_metrics.get("tokens_per_s"),
+                               "mfu": result.last_metrics.get("mfu")}
+    if isinstance(data, ArithmeticData):
+        summary["heldout_accuracy"] = evaluate_arithmetic(final, tokenizer, data, config.train.eval_examples)
+    eval_loss = evaluate_loss(config, final, tokenizer)
+    if eval_loss is not None:
+        summary["heldout_loss"] = eval_loss
+    write_summary(workdir, summary)
+    return summary
+
+
+def write_summary(workdir: str, summary: dict[str, Any]) -> None:
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print("summary: " + json.dumps(summary))
