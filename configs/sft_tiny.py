@@ -25,13 +25,13 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.data.source = "jsonl"
     c.data.path = os.path.join(DATA, "sft_chat_train.jsonl")
     c.data.eval_path = os.path.join(DATA, "sft_chat_eval.jsonl")
-    c.data.batch_size = 8
+    c.data.batch_size = 4
     c.data.seq_len = 1024
     c.optimizer.learning_rate = 3e-3
     c.optimizer.warmup_steps = 10
-    c.train.num_steps = 120
+    c.train.num_steps = 100
     c.train.log_every = 10
-    c.checkpoint.every_steps = 60
+    c.checkpoint.every_steps = 50
     if arg == "smoke":
         c.train.num_steps, c.train.log_every, c.checkpoint.every_steps = 2, 1, 2
     elif arg:

@@ -57,6 +57,36 @@ def build_model(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> 
     return Model(cfg, params, mesh)
 
 
+def load_run_config(workdir: str) -> ml_collections.ConfigDict:
+    """The resolved config a job wrote to `workdir/config.json`."""
+    import json
+    import os
+
+    with open(os.path.join(workdir, "config.json")) as f:
+        return ml_collections.ConfigDict(json.load(f))
+
+
+def load_trained(workdir: str, step: int | None = None, mesh: Mesh | None = None) -> Model:
+    """The model a job trained in `workdir`, from its latest (or `step`) checkpoint."""
+    import os
+
+    from rlvr.train import step as step_lib
+    from rlvr.train.checkpoint import Checkpointer
+    from rlvr.train.optimizer import build_optimizer
+
+    config = load_run_config(workdir)
+    mesh = mesh or build_mesh(config)
+    cfg = ModelConfig.from_mapping(config.model)
+    optimizer = build_optimizer(config.optimizer, config.train.num_steps)
+    abstract = step_lib.abstract_state(cfg, optimizer, step_lib.state_shardings(cfg, optimizer, mesh))
+    checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"))
+    try:
+        state, _ = checkpoints.restore(abstract, step)
+    finally:
+        checkpoints.close()
+    return Model(cfg, state["params"], mesh)
+
+
 def check_vocab(cfg: ModelConfig, tokenizer: Tokenizer) -> None:
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.vocab_size} is smaller than the tokenizer's "

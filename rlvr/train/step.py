@@ -34,13 +34,14 @@ LossFn = Callable[[Any, dict[str, jax.Array], jax.Array, Any], tuple[jax.Array, 
 
 def state_shardings(cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh,
                     rules: sharding.Rules = sharding.LOGICAL_AXIS_RULES) -> State:
-    """Shardings of {step, params, opt_state}: optimizer moments follow their parameters."""
+    """Shardings of {step, params, opt_state}: optimizer moments shaped like their parameter
+    follow its sharding; other state (factored Adafactor rows/cols, counters) is replicated."""
     param_sh = params_lib.param_shardings(cfg, mesh, rules)
     abstract = params_lib.abstract_params(cfg)
     opt_shape = jax.eval_shape(optimizer.init, abstract)
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_sh = optax.tree_map_params(
-        optimizer, lambda _, s: s, opt_shape, param_sh,
+        optimizer, lambda leaf, sh, p: sh if leaf.shape == p.shape else replicated, opt_shape, param_sh, abstract,
         transform_non_params=lambda _: replicated,
     )
     return {"step": replicated, "params": param_sh, "opt_state": opt_sh}
@@ -133,8 +134,8 @@ def build_train_step(
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {k: v / weight for k, v in sums.items() if k != "weight"}
-        metrics.update(weight=sums["weight"], grad_norm=optax.global_norm(grads),
-                       param_norm=optax.global_norm(params))
+        metrics.update(weight=sums["weight"], grad_norm=optax.tree.norm(grads),
+                       param_norm=optax.tree.norm(params))
         if learning_rate is not None:
             metrics["learning_rate"] = learning_rate(state["step"])
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics

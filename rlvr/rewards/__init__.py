@@ -1,0 +1,1 @@
+"""Rewards: verifiers and learned reward models."""
