@@ -1,0 +1,46 @@
+"""Shared helpers for the benchmarks: timing, the matmul yardstick, the peer figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+PEER_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "peers", "tunix")
+# Tunix 0.1.7 on the same fixed config and a 2-core CPU (../shared/peers/tunix/results_qwen3_r5.json).
+TUNIX = {"sft_step_s": 0.7185, "sampler_tokens_per_s": 4047.6, "grpo_step_s": 2.0358,
+         "calib_matmul_gflops": 285.15}
+
+
+def calibrate_matmul_gflops(n: int = 1024, reps: int = 20) -> float:
+    """The peer benchmark's yardstick: median fp32 1024³ matmul GFLOP/s (machine noise)."""
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f(a).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def time_calls(fn, repeats: int) -> tuple[float, list[float]]:
+    """(first call incl. compile, per-call times of `repeats` more calls); fn blocks itself."""
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return first, times
+
+
+def emit(record: dict) -> None:
+    print(json.dumps(record, sort_keys=True))
