@@ -58,6 +58,7 @@ class ModelConfig:
     # Layers are scanned (stacked params, compile time flat in depth); unrolling k layers per
     # scan iteration trades compile time for speed (on CPU, full unroll is ~1.4x faster).
     scan_unroll: int = 1
+    scan_layers: bool = True  # False: one module per layer (params layers_0, …), for decoding
     attention: str = "xla"
 
     def __post_init__(self):

@@ -5,10 +5,13 @@ segment_ids, cache) -> (logits, cache)` is a pure function. Layers are scanned
 (parameters stacked on a leading `layers` axis) so compile time does not grow with
 depth. Every parameter carries logical axis names (see `rlvr.sharding`).
 
-The KV cache is position-indexed: slot `j` of a row holds the key/value of the token
-at position `j`. Writing by position makes ragged (right-padded) prompts and
-one-token decode steps the same code path; tokens with segment id 0 (padding) are
-never written.
+The KV cache is paged and position-indexed: `cache = {"k", "v": [layers, pages, page_size,
+kv_heads, head_dim], "page_table": [batch, pages_per_row]}`; the token at position `p` of
+row `b` lives in page `page_table[b, p // page_size]` at offset `p % page_size`. Writing by
+position makes ragged prompts, chunked prefill and one-token decode steps the same code
+path; tokens with segment id 0 (padding) are never written. A contiguous per-row cache
+(`init_cache`) is the special case of one page per row; the rollout engine shares prompt
+pages between the samples of a group.
 """
 
 from __future__ import annotations
@@ -156,7 +159,7 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask, write_pos, cache):
+    def __call__(self, x, cos, sin, mask, kv_index, pool, layer_id):
         cfg = self.cfg
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         h, kvh, d, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
@@ -169,17 +172,21 @@ class Attention(nn.Module):
         q = constrain(apply_rope(q, cos, sin), ("batch", "length", "heads", "head_dim"))
         k = constrain(apply_rope(k, cos, sin), ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
-        new_cache = None
-        if cache is not None:
+        new_kv = None
+        if pool is not None:
+            # Read this layer's pages (the pool itself is not rewritten here: the new k/v are
+            # returned and scattered into the pool once, after all layers), then put the
+            # current tokens' k/v into the gathered view at their positions.
+            new_kv = (k.astype(pool["k"].dtype), v.astype(pool["v"].dtype))
+            _, read_idx, columns = kv_index
+            offset = layer_id * (pool["k"].shape[1] * pool["k"].shape[2])
             rows = jnp.arange(x.shape[0])[:, None]
-            new_cache = {
-                "k": cache["k"].at[rows, write_pos].set(k.astype(cache["k"].dtype), mode="drop"),
-                "v": cache["v"].at[rows, write_pos].set(v.astype(cache["v"].dtype), mode="drop"),
-            }
-            k, v = new_cache["k"].astype(q.dtype), new_cache["v"].astype(q.dtype)
+            k = pool["k"].reshape(-1, kvh, d)[offset + read_idx].at[rows, columns].set(new_kv[0], mode="drop")
+            v = pool["v"].reshape(-1, kvh, d)[offset + read_idx].at[rows, columns].set(new_kv[1], mode="drop")
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
         out = dot_product_attention(q, k, v, mask)
         out = Linear((h, d), (e,), ("heads", "head_dim"), ("embed",), cfg.o_bias, name="o_proj", **dense)(out)
-        return out, new_cache
+        return out, new_kv
 
 
 class MLP(nn.Module):
@@ -200,14 +207,14 @@ class DecoderLayer(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask, write_pos, cache):
+    def __call__(self, x, cos, sin, mask, kv_index, pool, layer_id):
         cfg = self.cfg
         norm = dict(dim=cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=cfg.param_dtype)
-        attn_out, new_cache = Attention(cfg, name="self_attn")(
-            RMSNorm(**norm, name="input_layernorm")(x), cos, sin, mask, write_pos, cache)
+        attn_out, new_kv = Attention(cfg, name="self_attn")(
+            RMSNorm(**norm, name="input_layernorm")(x), cos, sin, mask, kv_index, pool, layer_id)
         x = x + attn_out
         x = x + MLP(cfg, name="mlp")(RMSNorm(**norm, name="post_attention_layernorm")(x))
-        return constrain(x, ("batch", "length", "embed")), new_cache
+        return constrain(x, ("batch", "length", "embed")), new_kv
 
 
 class Transformer(nn.Module):
@@ -220,15 +227,18 @@ class Transformer(nn.Module):
         layer_cls = DecoderLayer
         if cfg.remat_policy != "none":
             layer_cls = nn.remat(DecoderLayer, prevent_cse=False, policy=_REMAT_POLICIES[cfg.remat_policy])
-        self.layers = nn.scan(
-            layer_cls,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0),
-            length=cfg.num_layers,
-            unroll=cfg.scan_unroll,
-            metadata_params={nn.PARTITION_NAME: "layers"},
-        )(cfg, name="layers")
+        if cfg.scan_layers:
+            self.layers = nn.scan(
+                layer_cls,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0),
+                length=cfg.num_layers,
+                unroll=cfg.scan_unroll,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )(cfg, name="layers")
+        else:  # one module per layer (params `layers_0`, …): used for decoding, see unstack_layers
+            self.layer_list = [layer_cls(cfg, name=f"layers_{i}") for i in range(cfg.num_layers)]
         self.embed_tokens = self.param(
             "embed_tokens", nn.with_logical_partitioning(_INIT, ("vocab", "embed")),
             (cfg.vocab_size, cfg.hidden_size), _dtype(cfg.param_dtype))
@@ -252,15 +262,25 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg, positions)
         if cache is None:
             mask = attention_mask(positions, segment_ids, positions, segment_ids, cfg.sliding_window)
-            write_pos = positions
-        else:
-            slots = cache["k"].shape[2]
-            kv_pos = jnp.broadcast_to(jnp.arange(slots), (tokens.shape[0], slots))
-            q_seg = (segment_ids != 0).astype(jnp.int32)
-            mask = attention_mask(positions, q_seg, kv_pos, jnp.ones_like(kv_pos), cfg.sliding_window)
-            write_pos = jnp.where(segment_ids != 0, positions, slots)  # padding: out of bounds, dropped
-        x, new_cache = self.layers(x, cos, sin, mask, write_pos, cache)
-        return self.norm(x), new_cache
+            x, _ = self._run_layers(x, cos, sin, mask, None, None)
+            return self.norm(x), None
+        mask, kv_index = paged_indices(cache, positions, segment_ids, cfg.sliding_window)
+        pool = {"k": cache["k"], "v": cache["v"]}
+        x, (new_k, new_v) = self._run_layers(x, cos, sin, mask, kv_index, pool)
+        write_idx = kv_index[0]
+        new_cache = {name: _scatter_pages(pool[name], write_idx, new) for name, new in (("k", new_k), ("v", new_v))}
+        return self.norm(x), {**new_cache, "page_table": cache["page_table"]}
+
+    def _run_layers(self, x, cos, sin, mask, kv_index, pool):
+        if self.cfg.scan_layers:
+            return self.layers(x, cos, sin, mask, kv_index, pool, jnp.arange(self.cfg.num_layers))
+        new_kv = []
+        for i, layer in enumerate(self.layer_list):
+            x, kv = layer(x, cos, sin, mask, kv_index, pool, i)
+            new_kv.append(kv)
+        if pool is None:
+            return x, None
+        return x, tuple(jnp.stack(parts) for parts in zip(*new_kv, strict=True))
 
     def logits(self, x):
         if self.cfg.tie_word_embeddings:
@@ -284,14 +304,60 @@ class Transformer(nn.Module):
         return self.logits(x), values, cache
 
 
+def _scatter_pages(pages, write_idx, new):
+    """pages [L, N, P, KVH, D] with new [L, B, T, KVH, D] written at flat slots write_idx [B, T]."""
+    shape = pages.shape
+    flat = pages.reshape(shape[0], shape[1] * shape[2], *shape[3:])
+    return flat.at[:, write_idx].set(new, mode="drop").reshape(shape)
+
+
+def paged_indices(cache: Cache, positions, segment_ids, sliding_window: int = 0):
+    """(mask [B,1,1,T,S], (write_idx [B,T], read_idx [B,S], columns [B,T])) for a paged cache.
+
+    Row b reads its S = pages_per_row · page_size slots in position order (so the gathered
+    view's column is the position); a token writes to its position's slot unless it is
+    padding or beyond the row's capacity (then its index is out of bounds and dropped)."""
+    num_pages, page_size = cache["k"].shape[1], cache["k"].shape[2]
+    table = cache["page_table"]
+    capacity = table.shape[1] * page_size
+    kv_pos = jnp.broadcast_to(jnp.arange(capacity), (table.shape[0], capacity))
+    valid = (segment_ids != 0) & (positions < capacity)
+    mask = attention_mask(positions, valid.astype(jnp.int32), kv_pos, jnp.ones_like(kv_pos), sliding_window)
+    page = jnp.take_along_axis(table, jnp.clip(positions // page_size, 0, table.shape[1] - 1), axis=1)
+    write_idx = jnp.where(valid, page * page_size + positions % page_size, num_pages * page_size)
+    read_idx = (table[:, :, None] * page_size + jnp.arange(page_size)).reshape(table.shape[0], capacity)
+    columns = jnp.where(valid, positions, capacity)
+    return mask, (write_idx, read_idx, columns)
+
+
 def init_cache(cfg: ModelConfig, batch: int, max_length: int, dtype: str | None = None) -> Cache:
-    """An empty position-indexed KV cache: k/v of shape [layers, batch, max_length, kv_heads, head_dim]."""
-    shape = (cfg.num_layers, batch, max_length, cfg.num_kv_heads, cfg.head_dim)
+    """An empty contiguous cache: one page of `max_length` slots per row."""
+    return init_paged_cache(cfg, batch, max_length, dtype,
+                            page_table=jnp.arange(batch, dtype=jnp.int32)[:, None])
+
+
+def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: str | None = None,
+                     page_table=None) -> Cache:
+    """An empty page pool: k/v [layers, num_pages, page_size, kv_heads, head_dim]."""
+    shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
     dt = _dtype(dtype or cfg.dtype)
-    return {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}
+    table = page_table if page_table is not None else jnp.zeros((1, 1), jnp.int32)
+    return {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt), "page_table": table}
 
 
-CACHE_LOGICAL_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+CACHE_LOGICAL_AXES = ("layers", None, None, "kv_heads", "head_dim")
+
+
+def unstack_layers(params: Params) -> Params:
+    """Scanned params (`layers/...` stacked on axis 0) -> per-layer `layers_i/...`, for a
+    `scan_layers=False` model. Decoding many small steps is faster with per-layer weights:
+    nothing is re-sliced from the stack inside the decode loop."""
+    params = dict(params)
+    stacked = params.pop("layers")
+    count = jax.tree.leaves(stacked)[0].shape[0]
+    for i in range(count):
+        params[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+    return params
 
 
 def forward(cfg: ModelConfig, params: Params, tokens, positions=None, segment_ids=None, cache=None):

@@ -1,0 +1,1 @@
+"""Rollout: the embedded JAX engine, its SGLang-compatible server, and the SGLang client."""
