@@ -41,6 +41,7 @@ setup(
         "jinja2>=3.1",
         "absl-py>=2.1",
         "tensorboardX>=2.6",  # TensorBoard event files without TensorFlow
+        "httpx>=0.27",
     ],
     extras_require={
         # The CPU wheel, pinned: an unpinned torch pulls a multi-GB CUDA build.

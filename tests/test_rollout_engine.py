@@ -161,11 +161,15 @@ def test_abort_pause_update_resume_tags_versions(params):
     assert out.weight_version == 1
 
 
-def test_decode_and_prefill_compile_once(params):
+def test_compilations_are_bounded_by_the_fixed_buckets(params):
+    """Prefill has at most 4 shapes ((1 or rows) x (chunk/4 or chunk)), decode one: after a
+    workload that touched them, requests of any other lengths compile nothing new."""
     engine = Engine(CFG, params, **OPTS)
-    engine.generate([_req("w", _prompts([5])[0])])
+    engine.generate([_req("w", _prompts([5])[0])])  # one row, short chunk
+    engine.generate([_req(f"w{i}", p) for i, p in enumerate(_prompts([3, 40, 17, 9], seed=8))])
     before = (device_fns.decode._cache_size(), device_fns.prefill._cache_size())
-    engine.generate([_req(f"n{i}", p, max_new_tokens=5 + i) for i, p in enumerate(_prompts([3, 40, 17, 9, 60]))])
+    engine.generate([_req(f"n{i}", p, max_new_tokens=5 + i) for i, p in enumerate(_prompts([2, 61, 33, 8, 70]))])
+    engine.generate([_req("single", _prompts([50], seed=9)[0], max_new_tokens=3)])
     assert (device_fns.decode._cache_size(), device_fns.prefill._cache_size()) == before
 
 

@@ -146,6 +146,8 @@ def dot_product_attention(q, k, v, mask) -> jax.Array:
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
     g = h // kvh
+    if t == 1:
+        return _single_query_attention(q, k, v, mask)
     q = (q * (1.0 / math.sqrt(d))).reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     logits = jnp.einsum("bkqd,bksd->bkqs", q, k, preferred_element_type=jnp.float32).reshape(b, kvh, g, t, s)
@@ -153,6 +155,20 @@ def dot_product_attention(q, k, v, mask) -> jax.Array:
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype).reshape(b, kvh, g * t, s)
     out = jnp.einsum("bkqs,bksd->bkqd", probs, v).reshape(b, kvh, g, t, d)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+
+
+def _single_query_attention(q, k, v, mask) -> jax.Array:
+    """One query per row (decoding): broadcast-multiply-and-reduce in the cache's own
+    [B, S, KVH, D] layout. The work is tiny; what matters is not transposing the gathered
+    cache (a batched matmul would copy it to [B, KVH, S, D] every layer and step)."""
+    b, _, h, d = q.shape
+    kvh = k.shape[2]
+    q = (q[:, 0] * (1.0 / math.sqrt(d))).reshape(b, 1, kvh, h // kvh, d)
+    logits = jnp.sum(q.astype(jnp.float32) * k[:, :, :, None, :].astype(jnp.float32), axis=-1)  # [B,S,KVH,G]
+    logits = jnp.where(mask[:, 0, 0, 0, :, None, None], logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=1).astype(v.dtype)
+    out = jnp.sum(probs[..., None] * v[:, :, :, None, :], axis=1)  # [B, KVH, G, D]
+    return out.reshape(b, 1, h, d)
 
 
 class Attention(nn.Module):
@@ -173,7 +189,16 @@ class Attention(nn.Module):
         k = constrain(apply_rope(k, cos, sin), ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         new_kv = None
-        if pool is not None:
+        if pool is not None and not cfg.scan_layers:
+            # Unscanned (decoding): write this layer's new k/v into the pool in place, then
+            # read the row's pages from the updated pool; no copy of the pool is needed.
+            write_idx, read_idx, _ = kv_index
+            new_kv = {name: _scatter_layer(pool[name], layer_id, write_idx, val)
+                      for name, val in (("k", k), ("v", v))}
+            offset = layer_id * (pool["k"].shape[1] * pool["k"].shape[2])
+            k = new_kv["k"].reshape(-1, kvh, d)[offset + read_idx].astype(q.dtype)
+            v = new_kv["v"].reshape(-1, kvh, d)[offset + read_idx].astype(q.dtype)
+        elif pool is not None:
             # Read this layer's pages (the pool itself is not rewritten here: the new k/v are
             # returned and scattered into the pool once, after all layers), then put the
             # current tokens' k/v into the gathered view at their positions.
@@ -266,21 +291,20 @@ class Transformer(nn.Module):
             return self.norm(x), None
         mask, kv_index = paged_indices(cache, positions, segment_ids, cfg.sliding_window)
         pool = {"k": cache["k"], "v": cache["v"]}
-        x, (new_k, new_v) = self._run_layers(x, cos, sin, mask, kv_index, pool)
-        write_idx = kv_index[0]
-        new_cache = {name: _scatter_pages(pool[name], write_idx, new) for name, new in (("k", new_k), ("v", new_v))}
-        return self.norm(x), {**new_cache, "page_table": cache["page_table"]}
+        x, updated = self._run_layers(x, cos, sin, mask, kv_index, pool)
+        if cfg.scan_layers:  # the scan returned each layer's new k/v: write them all at once
+            new_k, new_v = updated
+            updated = {name: _scatter_pages(pool[name], kv_index[0], new)
+                       for name, new in (("k", new_k), ("v", new_v))}
+        return self.norm(x), {**updated, "page_table": cache["page_table"]}
 
     def _run_layers(self, x, cos, sin, mask, kv_index, pool):
         if self.cfg.scan_layers:
             return self.layers(x, cos, sin, mask, kv_index, pool, jnp.arange(self.cfg.num_layers))
-        new_kv = []
         for i, layer in enumerate(self.layer_list):
-            x, kv = layer(x, cos, sin, mask, kv_index, pool, i)
-            new_kv.append(kv)
-        if pool is None:
-            return x, None
-        return x, tuple(jnp.stack(parts) for parts in zip(*new_kv, strict=True))
+            x, updated = layer(x, cos, sin, mask, kv_index, pool, i)
+            pool = updated if pool is not None else None
+        return x, pool
 
     def logits(self, x):
         if self.cfg.tie_word_embeddings:
@@ -302,6 +326,13 @@ class Transformer(nn.Module):
         x, cache = self.hidden_states(tokens, positions, segment_ids, cache)
         values = self.value_proj(x.astype(jnp.float32))[..., 0]
         return self.logits(x), values, cache
+
+
+def _scatter_layer(pages, layer: int, write_idx, new):
+    """pages [L, N, P, KVH, D] with layer `layer`'s new [B, T, KVH, D] written at write_idx [B, T]."""
+    shape = pages.shape
+    flat = pages.reshape(shape[0], shape[1] * shape[2], *shape[3:])
+    return flat.at[layer, write_idx].set(new.astype(pages.dtype), mode="drop").reshape(shape)
 
 
 def _scatter_pages(pages, write_idx, new):

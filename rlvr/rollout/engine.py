@@ -271,8 +271,16 @@ class Engine:
         for start in range(0, len(pending), self.prefill_rows):
             self._prefill_rows(pending[start: start + self.prefill_rows])
 
+    def _prefill_shape(self, seqs: list[_Sequence]) -> tuple[int, int]:
+        """The smallest of the fixed (rows, chunk) buckets that fits: a single request
+        admitted into a freed slot does not pay for a full-size prefill."""
+        rows = 1 if len(seqs) == 1 else self.prefill_rows
+        longest = max(len(s.prompt) - s.prefilled for s in seqs)
+        small = max(self.prefill_chunk // 4, 1)
+        return rows, (small if longest <= small else self.prefill_chunk)
+
     def _prefill_rows(self, seqs: list[_Sequence]) -> None:
-        rows, chunk = self.prefill_rows, self.prefill_chunk
+        rows, chunk = self._prefill_shape(seqs)
         tokens = np.zeros((rows, chunk), np.int32)
         positions = np.zeros((rows, chunk), np.int32)
         segments = np.zeros((rows, chunk), np.int32)
@@ -311,8 +319,9 @@ class Engine:
                 self._ensure_pages(seq, seq.length + self.decode_steps)
                 tokens[i], positions[i], generated[i] = seq.output[-1], seq.length - 1, len(seq.output)
         active = np.array([s is not None for s in seqs])
+        table = self.page_table[:, : self._read_pages(seqs)]
         self.pool, toks, logprobs, emitted = device_fns.decode(
-            self.decode_cfg, self.decode_steps, self.params, self.pool, jnp.asarray(self.page_table),
+            self.decode_cfg, self.decode_steps, self.params, self.pool, jnp.asarray(table),
             jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(active), jnp.asarray(generated),
             self._sampling_arrays(seqs))
         toks, logprobs, emitted = np.asarray(toks), np.asarray(logprobs), np.asarray(emitted)
@@ -320,6 +329,13 @@ class Engine:
             if seq is not None:
                 n = int(emitted[i])
                 self._append(seq, toks[i, :n].tolist(), logprobs[i, :n].tolist())
+
+    def _read_pages(self, seqs: list[_Sequence | None]) -> int:
+        """Pages each row attends over in this decode call: the longest row's need rounded
+        up to a power of two (a few fixed shapes), so short sequences do not read (and
+        mask) the full max_len worth of cache every step."""
+        need = max(math.ceil((s.length + self.decode_steps) / self.page_size) for s in seqs if s is not None)
+        return min(1 << max(need - 1, 0).bit_length(), self.pages_per_row)
 
     # --- finishing -----------------------------------------------------------------------
 

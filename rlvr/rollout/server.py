@@ -1,0 +1,374 @@
+"""SGLang's native HTTP API over an `EngineDriver`, on the standard library only.
+
+`serve(driver)` answers the routes RL frameworks (slime, veRL, our `SGLangClient`) call on a real
+SGLang server, so the embedded JAX engine and GPU SGLang servers are interchangeable:
+
+* generation: `POST|PUT /generate` (text or input_ids, single or batch, `n`, `rid`, logprobs, SSE
+  streaming), OpenAI `POST /v1/completions`, `POST /v1/chat/completions` (tools) and `GET /v1/models`;
+* control: `/abort_request`, `/pause_generation`, `/continue_generation`, `/flush_cache`,
+  `/update_weights_from_disk`, `/update_weight_version`;
+* status: `/health`, `/health_generate`, `/ready`, `/model_info` (`/get_model_info`),
+  `/server_info` (`/get_server_info`), `/v1/loads`.
+
+Every finished request can be recorded for training: `serve(..., recorder=fn)` calls `fn(record)`
+with the exact prompt / output ids, logprobs, weight versions, finish reason, endpoint and request
+body (see `server_protocol.record_of`); it runs on the HTTP handler threads, so it must be
+thread-safe (`list.append` is). Bad requests get SGLang-style 4xx JSON errors, never a crash.
+
+Differences from SGLang: `/pause_generation` mode "retract" is served as "in_place" (see its
+docstring); weight versions are integers; `/health` is a cheap liveness check and
+`/health_generate` the 1-token generation; prompt logprobs (`logprob_start_len >= 0`),
+`top_logprobs_num`, penalties and constrained decoding are refused with 400. A client that
+disconnects has its requests aborted.
+
+Run one from a Hugging Face directory with `python -m rlvr.rollout.server --hf_dir=DIR --port=30000`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, wait
+from datetime import datetime, timezone
+from typing import Any
+
+from rlvr.rollout import server_openai
+from rlvr.rollout.driver import DriverClosedError, EngineDriver, RequestRejected
+from rlvr.rollout.server_http import Reply, RolloutHTTPServer
+from rlvr.rollout.server_protocol import (
+    ApiError,
+    ModelLimits,
+    check_bool,
+    check_str,
+    expect_object,
+    generate_output,
+    is_int,
+    parse_generate,
+    parse_json,
+    record_of,
+)
+from rlvr.rollout.types import Completion, Request, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 20.0
+_CANCEL_GRACE_S = 5.0
+Recorder = Callable[[dict[str, Any]], None]
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def _version(name: str, value: Any) -> int:
+    if is_int(value) and value >= 0:
+        return value
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    raise ApiError(f"{name} must be a non-negative integer (or a string of digits): rlvr labels weights with ints")
+
+
+class RolloutApp:
+    """The route handlers; `RolloutHTTPServer` only moves bytes."""
+
+    def __init__(self, driver: EngineDriver, recorder: Recorder | None = None, served_model_name: str | None = None):
+        self.driver = driver
+        self.recorder = recorder
+        info = driver.model_info()
+        self.model_path = str(info.get("model_path") or "rlvr-model")
+        self.model_name = served_model_name or self.model_path
+        self.limits = ModelLimits.from_model_info(info, driver.tokenizer)
+        self.start_time = time.time()
+        self.address: tuple[str, int] = ("", 0)
+        self.routes: dict[str, tuple[set[str], Callable[..., Reply]]] = {
+            "/generate": ({"POST", "PUT"}, self.generate),
+            "/abort_request": ({"POST"}, self.abort_request),
+            "/pause_generation": ({"POST"}, self.pause_generation),
+            "/continue_generation": ({"POST"}, self.continue_generation),
+            "/flush_cache": ({"GET", "POST"}, self.flush_cache),
+            "/health": ({"GET"}, self.health),
+            "/health_generate": ({"GET"}, self.health_generate),
+            "/ready": ({"GET"}, self.health),
+            "/model_info": ({"GET"}, self.model_info),
+            "/get_model_info": ({"GET"}, self.model_info),
+            "/server_info": ({"GET"}, self.server_info),
+            "/get_server_info": ({"GET"}, self.server_info),
+            "/v1/loads": ({"GET"}, self.loads),
+            "/update_weights_from_disk": ({"POST"}, self.update_weights_from_disk),
+            "/update_weight_version": ({"POST"}, self.update_weight_version),
+            "/v1/completions": ({"POST"}, self.openai(server_openai.completions)),
+            "/v1/chat/completions": ({"POST"}, self.openai(server_openai.chat_completions)),
+            "/v1/models": ({"GET"}, lambda raw, cancelled: Reply(200, server_openai.models(self))),
+        }
+
+    def dispatch(self, method: str, path: str, raw: bytes, cancelled: Callable[[], bool]) -> Reply:
+        path = path.rstrip("/") or "/"
+        if path not in self.routes:
+            raise ApiError(f"no route {path}", 404)
+        methods, handler = self.routes[path]
+        if method not in methods:
+            reply = Reply(405, ApiError(f"method {method} not allowed on {path}", 405).body())
+            reply.headers["Allow"] = ", ".join(sorted(methods))
+            return reply
+        return handler(raw, cancelled)
+
+    # --- running requests -----------------------------------------------------------------
+
+    def run(self, requests: list[Request], cancelled: Callable[[], bool] | None = None) -> list[Completion]:
+        """Completions of `requests` in order; aborts them if the HTTP client goes away."""
+        try:
+            futures = self.driver.submit_many(requests)
+        except ValueError as e:
+            raise ApiError(str(e)) from None
+        except DriverClosedError as e:
+            raise ApiError(str(e), 503) from None
+        pending, deadline = set(futures), None
+        while pending:
+            done, pending = wait(pending, timeout=0.25, return_when=FIRST_EXCEPTION)
+            if any(f.exception() is not None for f in done):
+                break
+            if pending and deadline is None and cancelled is not None and cancelled():
+                for request in requests:
+                    self.driver.abort(request.rid)
+                deadline = time.monotonic() + _CANCEL_GRACE_S
+            if pending and deadline is not None and time.monotonic() > deadline:
+                raise ApiError("client disconnected", 499, "ClientClosedRequest")
+        errors = [f.exception() for f in futures if f.done() and f.exception() is not None]
+        if errors:
+            for request in requests:
+                self.driver.abort(request.rid)
+            if isinstance(errors[0], RequestRejected):
+                raise ApiError(f"request rejected by the engine: {errors[0]}")
+            status = 503 if isinstance(errors[0], DriverClosedError) else 500
+            raise ApiError(f"engine error: {type(errors[0]).__name__}: {errors[0]}", status)
+        return [f.result() for f in futures]
+
+    def record(self, endpoint: str, body: Any, c: Completion, text: str | None) -> None:
+        if self.recorder is None:
+            return
+        try:
+            self.recorder(record_of(endpoint, body, c, text))
+        except Exception:
+            logger.exception("recorder failed on %s", c.rid)
+
+    def generate(self, raw: bytes, cancelled: Callable[[], bool]) -> Reply:
+        body = parse_json(raw)
+        gen = parse_generate(body, self.limits)
+        start, tok = time.monotonic(), self.limits.tokenizer
+        if gen.stream:
+            try:
+                chunks = self.driver.stream_many(gen.requests)
+            except ValueError as e:
+                raise ApiError(str(e)) from None
+            except DriverClosedError as e:
+                raise ApiError(str(e), 503) from None
+            return Reply(stream=self._stream(chunks, gen, body, start))
+        outs = []
+        for c, opts in zip(self.run(gen.requests, cancelled), gen.options, strict=True):
+            outs.append(generate_output(c, opts, tok, start))
+            self.record("/generate", body, c, outs[-1]["text"])
+        return Reply(200, outs if gen.batch else outs[0])
+
+    def _stream(self, chunks: Iterator[tuple[int, Completion]], gen: Any, body: Any, start: float) -> Iterator[bytes]:
+        """Cumulative SSE chunks (`index` in batch streams), then `data: [DONE]`."""
+        try:
+            for index, c in chunks:
+                out = generate_output(c, gen.options[index], self.limits.tokenizer, start,
+                                      index if gen.batch else None)
+                if c.finish_reason is not None:
+                    self.record("/generate", body, c, out["text"])
+                yield _sse(out)
+        except Exception as e:
+            status = 400 if isinstance(e, RequestRejected) else 503 if isinstance(e, DriverClosedError) else 500
+            yield _sse(ApiError(f"engine error: {type(e).__name__}: {e}", status).body())
+        finally:
+            chunks.close()  # type: ignore[attr-defined]  # aborts unfinished requests
+        yield b"data: [DONE]\n\n"
+
+    def openai(self, fn: Callable[..., dict[str, Any]]) -> Callable[[bytes, Callable[[], bool]], Reply]:
+        return lambda raw, cancelled: Reply(200, fn(self, parse_json(raw), cancelled))
+
+    # --- control --------------------------------------------------------------------------
+
+    def abort_request(self, raw: bytes, cancelled: Any) -> Reply:
+        """Aborts `rid` (and the `rid_i` samples of an n>1 request), or everything with abort_all."""
+        body = expect_object(parse_json(raw, allow_empty=True))
+        rid = body.get("rid") or ""
+        if not isinstance(rid, str):
+            raise ApiError("rid must be a string")
+        if check_bool("abort_all", body.get("abort_all", False)):
+            self.driver.abort_all()
+        elif rid:
+            for live in self.driver.live_rids():
+                if live == rid or live.startswith(rid + "_"):
+                    self.driver.abort(live)
+        return Reply(200)
+
+    def pause_generation(self, raw: bytes, cancelled: Any) -> Reply:
+        """mode "abort" (default) aborts running and queued requests; "in_place" freezes them with
+        their KV cache kept. "retract" is served as "in_place": the engine keeps the sequences
+        (nothing is recomputed), so flush_cache fails until continue_generation, as with in_place."""
+        body = expect_object(parse_json(raw, allow_empty=True))
+        mode = body.get("mode") or "abort"
+        if mode not in ("abort", "retract", "in_place"):
+            raise ApiError(f"mode must be 'abort', 'retract' or 'in_place', got {json.dumps(mode)[:40]}")
+        count = self.driver.pause("abort" if mode == "abort" else "in_place")
+        what = "aborted" if mode == "abort" else "paused in place"
+        return Reply(200, {"message": f"Generation paused ({mode}); {count} requests {what}.", "status": "ok"})
+
+    def continue_generation(self, raw: bytes, cancelled: Any) -> Reply:
+        expect_object(parse_json(raw, allow_empty=True))
+        self.driver.resume()
+        return Reply(200, {"message": "Generation continued.", "status": "ok"})
+
+    def flush_cache(self, raw: bytes, cancelled: Any) -> Reply:
+        try:
+            self.driver.flush_cache()
+        except RuntimeError as e:
+            raise ApiError(f"Cache not flushed: {e}") from None
+        return Reply(200, "Cache flushed.\n")
+
+    def update_weights_from_disk(self, raw: bytes, cancelled: Any) -> Reply:
+        """Loads an HF safetensors dir (rlvr.models.hf.export_hf_checkpoint) as `weight_version`
+        (default: current + 1). With flush_cache, the prefix cache is dropped if nothing runs."""
+        body = expect_object(parse_json(raw))
+        path = check_str("model_path", body.get("model_path"))
+        version = body.get("weight_version")
+        version = self.driver.weight_version + 1 if version is None else _version("weight_version", version)
+        if body.get("load_format") not in (None, "auto", "safetensors"):
+            raise ApiError("load_format must be 'auto' or 'safetensors'")
+        load = self.driver.load()
+        paused = load["num_running_reqs"] + load["num_waiting_reqs"]
+        if check_bool("abort_all_requests", body.get("abort_all_requests", False)):
+            self.driver.abort_all()
+        try:
+            self.driver.update_weights_from_disk(path, version)
+        except Exception as e:
+            message = f"Failed to update weights: {type(e).__name__}: {e}"
+            return Reply(400, {"success": False, "message": message, "num_paused_requests": 0})
+        message = "Succeeded to update model weights."
+        if check_bool("flush_cache", body.get("flush_cache", True)):
+            try:
+                self.driver.flush_cache()
+            except RuntimeError:
+                message += " The prefix cache was not flushed: requests are still running."
+        return Reply(200, {"success": True, "message": message, "num_paused_requests": paused})
+
+    def update_weight_version(self, raw: bytes, cancelled: Any) -> Reply:
+        body = expect_object(parse_json(raw))
+        version = _version("new_version", body.get("new_version"))
+        if check_bool("abort_all_requests", body.get("abort_all_requests", True)):
+            self.driver.abort_all()
+        try:
+            self.driver.set_weight_version(version)
+        except Exception as e:
+            return Reply(400, {"success": False, "message": f"{type(e).__name__}: {e}"})
+        return Reply(200, {"success": True, "message": f"weight version set to {version}",
+                           "new_version": str(version)})
+
+    # --- status ---------------------------------------------------------------------------
+
+    def health(self, raw: bytes, cancelled: Any) -> Reply:
+        return Reply(200 if self.driver.alive else 503)
+
+    def health_generate(self, raw: bytes, cancelled: Any) -> Reply:
+        """A 1-token greedy generation from input_ids=[0]; skipped (200) while paused or while
+        running requests make progress, as SGLang skips it on a busy server."""
+        if not self.driver.alive:
+            return Reply(503)
+        load = self.driver.load()
+        busy = load["num_running_reqs"] > 0 and time.monotonic() - self.driver.last_progress < HEALTH_TIMEOUT_S
+        if self.driver.paused or busy:
+            return Reply(200)
+        request = Request(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], SamplingParams(max_new_tokens=1, temperature=0.0))
+        try:
+            self.driver.submit(request).result(HEALTH_TIMEOUT_S)
+        except Exception:
+            self.driver.abort(request.rid)
+            return Reply(503)
+        return Reply(200)
+
+    def model_info(self, raw: bytes, cancelled: Any) -> Reply:
+        info = self.driver.model_info()
+        return Reply(200, {**info, "model_path": self.model_path, "served_model_name": self.model_name,
+                           "tokenizer_path": info.get("tokenizer_path", self.model_path), "is_generation": True,
+                           "preferred_sampling_params": None, "weight_version": str(self.driver.weight_version),
+                           "has_tokenizer": self.limits.tokenizer is not None})
+
+    def server_info(self, raw: bytes, cancelled: Any) -> Reply:
+        state = {**self.driver.load(), "weight_version": str(self.driver.weight_version),
+                 "paused": self.driver.paused}
+        return Reply(200, {"host": self.address[0], "port": self.address[1], "model_path": self.model_path,
+                           "served_model_name": self.model_name, "context_length": self.limits.context_length,
+                           "vocab_size": self.limits.vocab_size, "engine": "rlvr", "version": "rlvr-0.1.0",
+                           "startup_time": self.start_time, "internal_states": [state]})
+
+    def loads(self, raw: bytes, cancelled: Any) -> Reply:
+        load = self.driver.load()
+        return Reply(200, {"timestamp": datetime.now(timezone.utc).isoformat(), "dp_rank_count": 1,
+                           "loads": [{"dp_rank": 0, **load}], **load})
+
+
+def serve(driver: EngineDriver, host: str = "127.0.0.1", port: int = 0, recorder: Recorder | None = None,
+          served_model_name: str | None = None) -> tuple[RolloutHTTPServer, threading.Thread]:
+    """Starts the HTTP server on a daemon thread; `server.url` is its address (port 0 = any free)."""
+    app = RolloutApp(driver, recorder, served_model_name)
+    server = RolloutHTTPServer((host, port), app)
+    app.address = server.server_address[:2]
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},
+                              name=f"rlvr-http-{app.address[1]}", daemon=True)
+    thread.start()
+    return server, thread
+
+
+def build_engine(hf_dir: str, options: dict[str, Any]) -> Any:
+    """Engine(cfg, params, tokenizer) from a Hugging Face checkpoint directory."""
+    from rlvr.models.hf import load_hf_checkpoint
+    from rlvr.models.tokenizer import Tokenizer
+    from rlvr.rollout.engine import Engine
+
+    cfg, params = load_hf_checkpoint(hf_dir)
+    has_tok = os.path.exists(os.path.join(hf_dir, "tokenizer.json"))
+    if "model_path" in inspect.signature(Engine).parameters:
+        options.setdefault("model_path", hf_dir)
+    return Engine(cfg, params, tokenizer=Tokenizer.from_dir(hf_dir) if has_tok else None, **options)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="SGLang-compatible server over the rlvr JAX engine.")
+    parser.add_argument("--hf_dir", "--model-path", dest="hf_dir", required=True, help="HF checkpoint directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--served_model_name", default=None)
+    parser.add_argument("--engine_option", action="append", default=[], metavar="KEY=JSON",
+                        help="extra Engine(...) keyword, e.g. --engine_option max_running=64")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    options = {}
+    for item in args.engine_option:
+        key, _, value = item.partition("=")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    driver = EngineDriver(build_engine(args.hf_dir, options))
+    server, thread = serve(driver, args.host, args.port, served_model_name=args.served_model_name)
+    logger.info("serving %s on %s", args.hf_dir, server.url)
+    try:
+        thread.join()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+        driver.close()
+
+
+if __name__ == "__main__":
+    main()
