@@ -17,9 +17,9 @@ $(VENV)/.installed-core: setup.py | $(PYTHON)
 	$(PYTHON) -m pip install -q -e .
 	touch $@
 
-# Test install: adds the dev, hf (transformers + the CPU torch wheel, pinned) and tfds extras.
+# Test install: adds the dev, hf (transformers + the CPU torch wheel, pinned), tfds and data extras.
 $(VENV)/.installed-test: setup.py $(VENV)/.installed-core
-	$(PYTHON) -m pip install -q -e '.[dev,hf,tfds]'
+	$(PYTHON) -m pip install -q -e '.[dev,hf,tfds,data]'
 	touch $@
 
 # gVisor for the sandbox: installed with apt when running as root and missing.

@@ -162,15 +162,26 @@ def test_abort_pause_update_resume_tags_versions(params):
 
 
 def test_compilations_are_bounded_by_the_fixed_buckets(params):
-    """Prefill has at most 4 shapes ((1 or rows) x (chunk/4 or chunk)), decode one: after a
-    workload that touched them, requests of any other lengths compile nothing new."""
+    """Decode compiles once per power-of-two read bucket (at most log2(pages_per_row)+1 = 5
+    here) and prefill at most 4 shapes; repeating a workload with other ids, seeds and
+    lengths inside the same buckets compiles nothing new."""
+    def counts():
+        return device_fns.decode._cache_size(), device_fns.prefill._cache_size()
+
     engine = Engine(CFG, params, **OPTS)
-    engine.generate([_req("w", _prompts([5])[0])])  # one row, short chunk
-    engine.generate([_req(f"w{i}", p) for i, p in enumerate(_prompts([3, 40, 17, 9], seed=8))])
-    before = (device_fns.decode._cache_size(), device_fns.prefill._cache_size())
-    engine.generate([_req(f"n{i}", p, max_new_tokens=5 + i) for i, p in enumerate(_prompts([2, 61, 33, 8, 70]))])
-    engine.generate([_req("single", _prompts([50], seed=9)[0], max_new_tokens=3)])
-    assert (device_fns.decode._cache_size(), device_fns.prefill._cache_size()) == before
+    start = counts()
+
+    def workload(tag, seed):
+        engine.generate([_req(f"{tag}s", _prompts([5], seed=seed)[0])])
+        lengths = [3, 40, 17, 9, 61, 2, 70]
+        engine.generate([_req(f"{tag}{i}", p, max_new_tokens=5 + i, temperature=1.0, sampling_seed=seed + i)
+                         for i, p in enumerate(_prompts(lengths, seed=seed))])
+
+    workload("a", 0)
+    first = counts()
+    assert first[0] - start[0] <= 5 and first[1] - start[1] <= 4
+    workload("b", 1)
+    assert counts() == first
 
 
 def test_bad_requests_are_refused_with_the_field(params):

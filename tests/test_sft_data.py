@@ -143,3 +143,15 @@ def test_tfds_data_source_without_tensorflow(tmp_path):
     ids, mask = encode_record(TOK, source[0])
     runs = _masked_runs(ids, mask)
     assert len(runs) == 1 and runs[0].startswith("r") and runs[0].endswith("<|im_end|>\n")
+
+
+def test_grain_map_dataset_is_a_source():
+    """A grain pipeline (any MapDataset: len + random access) feeds the same stream."""
+    import grain
+
+    records = [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(12)]
+    dataset = grain.MapDataset.source(records).map(lambda r: {**r, "completion": r["completion"].upper()})
+    stream = TokenStream(dataset, lambda r: encode_record(TOK, r), 2, 32, TOK.pad_id, seed=0)
+    batch = next(stream)
+    text = TOK.decode([t for t, m in zip(batch["tokens"].ravel(), batch["loss_mask"].ravel(), strict=True) if m])
+    assert "A" in text and "a" not in text.replace("<|im_end|>", "")
