@@ -32,12 +32,21 @@ def _prompts(lengths, seed=0):
     return [rng.integers(0, 256, n).tolist() for n in lengths]
 
 
-def _naive_greedy(params, prompt, steps):
-    """Reference: a full forward pass over the whole sequence for every new token."""
+@jax.jit
+def _full_forward(params, tokens, segment_ids):
+    return forward(CFG, params, tokens, None, segment_ids)[0]
+
+
+def _naive_greedy(params, prompt, steps, width=128):
+    """Reference: a full forward pass (no cache) over the whole sequence for every new token,
+    in a fixed-width padded buffer so it compiles once."""
     tokens, out = list(prompt), []
     for _ in range(steps):
-        logits, _ = forward(CFG, params, jnp.asarray([tokens]))
-        out.append(int(jnp.argmax(logits[0, -1])))
+        buffer = np.zeros((1, width), np.int32)
+        buffer[0, : len(tokens)] = tokens
+        segments = (np.arange(width) < len(tokens)).astype(np.int32)[None]
+        logits = _full_forward(params, jnp.asarray(buffer), jnp.asarray(segments))
+        out.append(int(jnp.argmax(logits[0, len(tokens) - 1])))
         tokens.append(out[-1])
     return out
 
