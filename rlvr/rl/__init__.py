@@ -1,0 +1,1 @@
+"""RL maths for GRPO/PPO-family post-training: advantages, policy losses, filters (pure jnp)."""
