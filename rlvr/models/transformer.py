@@ -376,8 +376,6 @@ def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: st
     return {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt), "page_table": table}
 
 
-CACHE_LOGICAL_AXES = ("layers", None, None, "kv_heads", "head_dim")
-
 
 def unstack_layers(params: Params) -> Params:
     """Scanned params (`layers/...` stacked on axis 0) -> per-layer `layers_i/...`, for a

@@ -50,7 +50,7 @@ def _is_stop(tokens, sampling):
 def _sample_with_raw_logprob(raw_logits, sampling, generated, positions):
     """Sample from the processed distribution; report the raw policy log-prob."""
     masked = _mask_stops(raw_logits, sampling, generated)
-    tokens, _ = sample_tokens(masked, sampling["temperature"], sampling["top_k"], sampling["top_p"],
+    tokens = sample_tokens(masked, sampling["temperature"], sampling["top_k"], sampling["top_p"],
                               sampling["min_p"], sampling["seed"], positions)
     raw = jnp.take_along_axis(jax.nn.log_softmax(raw_logits.astype(jnp.float32), axis=-1), tokens[:, None],
                               axis=-1)[:, 0]

@@ -2,8 +2,8 @@
 
 Every row carries its own parameters, so one jitted decode step serves a batch of requests
 with different settings. A row's random key is `fold_in(key(seed), position)`: the same seed
-and prompt give the same tokens whatever else is in the batch. The returned log-prob is the
-RAW policy's (temperature 1, no truncation): what the trainer computes for the same token.
+and prompt give the same tokens whatever else is in the batch. Log-probs are the caller's
+business (the engine reports the raw policy's, see `device_fns`).
 """
 
 from __future__ import annotations
@@ -31,14 +31,12 @@ def _filtered_logits(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_
 
 
 def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                  min_p: jax.Array, seeds: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(tokens [S], raw log-probs [S]) from logits [S, V]; temperature 0 is greedy."""
+                  min_p: jax.Array, seeds: jax.Array, positions: jax.Array) -> jax.Array:
+    """Tokens [S] sampled from logits [S, V]; temperature 0 is greedy."""
     logits = logits.astype(jnp.float32)
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
     needs_filter = jnp.any((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
     scaled = jax.lax.cond(needs_filter, _filtered_logits, lambda s, *_: s, scaled, top_k, top_p, min_p)
     keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
     sampled = jax.vmap(jax.random.categorical)(keys, scaled)
-    tokens = jnp.where(temperature <= 0.0, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
-    return tokens, logprobs
+    return jnp.where(temperature <= 0.0, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
