@@ -39,7 +39,7 @@ install-test: $(VENV)/.installed-test system-deps
 
 quickstart: install
 	rm -rf $(QUICKSTART_DIR)
-	$(PYTHON) -m rlvr.main --config=configs/tiny.py --workdir=$(QUICKSTART_DIR)
+	$(PYTHON) -m rlvr.main --config=configs/quickstart.py --workdir=$(QUICKSTART_DIR)
 
 test: install-test
 	$(PYTHON) -m pytest -q

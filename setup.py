@@ -42,6 +42,7 @@ setup(
         "absl-py>=2.1",
         "tensorboardX>=2.6",  # TensorBoard event files without TensorFlow
         "httpx>=0.27",
+        "matplotlib>=3.8",  # the RL quickstart's learning-curve PNG
     ],
     extras_require={
         # The CPU wheel, pinned: an unpinned torch pulls a multi-GB CUDA build.

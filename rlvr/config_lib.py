@@ -46,7 +46,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.job = "sft"  # which trainer: see rlvr.main.TRAINERS
     c.seed = 0
     c.model = model_config_dict()
-    c.init = ml_collections.ConfigDict({"hf_checkpoint": ""})  # HF dir to load weights from
+    # Weights to start from: an HF dir, or an rlvr workdir's latest checkpoint (e.g. an SFT run).
+    c.init = ml_collections.ConfigDict({"hf_checkpoint": "", "workdir": ""})
     c.tokenizer = ml_collections.ConfigDict({"path": ""})  # HF dir; "" = built-in byte-level
     c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1, "sequence": 1})
     c.data = ml_collections.ConfigDict({
@@ -90,6 +91,7 @@ def base_config() -> ml_collections.ConfigDict:
         "orpo_lambda": 0.1,
         "reference": "precompute",  # precompute (one pass before training) | online (frozen params)
     })
+    c.rl = rl_config()
     c.checkpoint = ml_collections.ConfigDict({
         "every_steps": 50,
         "keep": 3,
@@ -97,6 +99,83 @@ def base_config() -> ml_collections.ConfigDict:
         "resume": True,
     })
     return c
+
+
+def rl_config() -> ml_collections.ConfigDict:
+    """`rl.*`: the RL job (rlvr.trainers.rl). Each algorithm choice is one field."""
+    return ml_collections.ConfigDict({
+        # task family and verifier (rlvr.tasks)
+        "task": "add", "min_digits": 1, "max_digits": 3, "format_weight": 0.0,
+        # rollout
+        "prompts_per_step": 16, "group_size": 8, "max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0,
+        "seq_len": 32,  # train rows: longest prompt + max_new_tokens must fit
+        "backend": "embedded",  # embedded (in-process JAX engine) | sglang (HTTP servers at sglang_urls)
+        "sglang_urls": "",  # comma-separated
+        "engine": ml_collections.ConfigDict({"max_slots": 128, "max_len": 64, "page_size": 16, "decode_steps": 8,
+                                             "prefill_rows": 16, "prefill_chunk": 32}),
+        # loop
+        "mode": "sync",  # sync | async
+        "max_staleness": 1,  # async: max weight versions between sampling and training a sample
+        # algorithm
+        "advantage": "grpo",  # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae (PPO)
+        "value_coef": 0.5, "value_clip": 0.2, "gae_gamma": 1.0, "gae_lambda": 0.95,  # gae: value head + loss
+        "policy_loss": "ppo_clip",  # ppo_clip | gspo
+        "aggregation": "token_mean",  # token_mean | seq_mean_token_mean | seq_mean_token_sum | token_sum_norm
+        "clip_low": 0.2, "clip_high": 0.2,  # clip_high > clip_low: DAPO clip-higher
+        "dual_clip": 0.0,  # > 1 enables dual-clip with this c; 0 = off
+        "gspo_clip_low": 3e-4, "gspo_clip_high": 4e-4,
+        "kl_coef": 0.0, "kl_estimator": "k3", "kl_mode": "loss",  # loss (term) | reward (penalty)
+        "reference_model": False,  # keep the frozen reference even at kl_coef=0 (KL is still reported)
+        "entropy_coef": 0.0,
+        "tis_cap": 2.0,  # truncated importance sampling cap on π_trainer/π_sampler; 0 = off
+        "tis_level": "token",  # token | sequence
+        "dynamic_sampling": False, "max_refill_rounds": 2,  # DAPO: drop zero-variance groups, refill
+        "overlong_buffer": 0, "overlong_penalty": 1.0,  # DAPO soft overlong punishment (0 = off)
+        "pack": False,  # several rollouts per train row
+        "updates_per_batch": 1,  # PPO mini-batches: optimizer steps per rollout batch (proximal = weights before)
+        # evaluation (held-out greedy) and the SFT warm start
+        "eval_examples": 128, "eval_every": 0,
+        "sft_steps": 0, "sft_demos": 256, "sft_batch_size": 16, "sft_learning_rate": 3e-3,
+        "sft_off_format": 0.0,  # fraction of demonstrations written in a format the verifier rejects
+    })
+
+
+def _validate_rl(config: ml_collections.ConfigDict) -> None:
+    from rlvr.rl.advantages import ADVANTAGE_FNS
+    from rlvr.rl.policy_loss import AGGREGATIONS, KL_ESTIMATORS
+    from rlvr.tasks import FAMILIES
+
+    rl = config.rl
+    _one_of(config, "rl.task", FAMILIES)
+    _one_of(config, "rl.backend", ("embedded", "sglang"))
+    _one_of(config, "rl.mode", ("sync", "async"))
+    _one_of(config, "rl.advantage", [*ADVANTAGE_FNS, "gae"])
+    _one_of(config, "rl.policy_loss", ("ppo_clip", "gspo"))
+    _one_of(config, "rl.aggregation", AGGREGATIONS)
+    _one_of(config, "rl.kl_estimator", KL_ESTIMATORS)
+    _one_of(config, "rl.kl_mode", ("loss", "reward"))
+    _one_of(config, "rl.tis_level", ("token", "sequence"))
+    for path in ("rl.prompts_per_step", "rl.group_size", "rl.max_new_tokens", "rl.seq_len", "rl.eval_examples",
+                 "rl.updates_per_batch"):
+        _positive(config, path)
+    if rl.max_staleness < 0:
+        raise ConfigError(f"rl.max_staleness={rl.max_staleness}: must be >= 0 (0 = synchronous).")
+    if rl.policy_loss == "gspo" and rl.aggregation != "seq_mean_token_mean":
+        raise ConfigError("rl.policy_loss='gspo' is a sequence-level loss: set rl.aggregation='seq_mean_token_mean'.")
+    if rl.dual_clip and rl.dual_clip <= 1:
+        raise ConfigError(f"rl.dual_clip={rl.dual_clip}: must be > 1 (or 0 to turn it off).")
+    if rl.backend == "sglang" and not rl.sglang_urls.strip():
+        raise ConfigError("rl.backend='sglang' needs rl.sglang_urls (comma-separated server URLs).")
+    if rl.seq_len > rl.engine.max_len:
+        raise ConfigError(f"rl.seq_len={rl.seq_len} exceeds rl.engine.max_len={rl.engine.max_len}; raise "
+                          "rl.engine.max_len (a multiple of rl.engine.page_size).")
+    if rl.max_new_tokens >= rl.seq_len:
+        raise ConfigError(f"rl.max_new_tokens={rl.max_new_tokens} leaves no room for the prompt in "
+                          f"rl.seq_len={rl.seq_len}; raise rl.seq_len.")
+    if rl.group_size < 2 and rl.advantage in ("grpo", "dr_grpo", "rloo"):
+        raise ConfigError(f"rl.advantage={rl.advantage!r} compares samples within a group: set rl.group_size >= 2.")
+    if rl.sft_steps and config.init.workdir:
+        raise ConfigError("set either rl.sft_steps (warm start here) or init.workdir (start from a run), not both.")
 
 
 # --- validation --------------------------------------------------------------------------
@@ -164,11 +243,20 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
         raise ConfigError(
             f"data.batch_size={config.data.batch_size} must be a multiple of mesh.data×mesh.fsdp="
             f"{data_shards}; change the batch size or the mesh.")
+    rows = config.rl.prompts_per_step * config.rl.group_size
+    multiple = data_shards * config.train.micro_batches * config.rl.updates_per_batch
+    if config.job == "rl" and not config.rl.pack and rows % multiple:
+        raise ConfigError(
+            f"rl.prompts_per_step×rl.group_size={rows} must be a multiple of mesh.data×mesh.fsdp×train.micro_batches"
+            f"×rl.updates_per_batch={multiple}; change them or the mesh.")
     if config.data.source == "jsonl" and not config.data.path:
         raise ConfigError("data.path is empty but data.source='jsonl'; give a JSONL file.")
     _existing_path(config, "data.path", "data file")
     _existing_path(config, "init.hf_checkpoint", "checkpoint directory")
     _existing_path(config, "tokenizer.path", "tokenizer directory")
+    _existing_path(config, "init.workdir", "workdir")
+    if config.job == "rl":
+        _validate_rl(config)
     if config.data.seq_len > config.model.max_position_embeddings:
         raise ConfigError(
             f"data.seq_len={config.data.seq_len} exceeds model.max_position_embeddings="

@@ -91,10 +91,17 @@ def ppo_clip(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: 
     Metrics: clip_fraction (tokens where the clipped branch is active), approx_kl (k3 estimator of
     KL(old || new)), ratio_mean, and dual_clip_fraction when dual-clipping.
     """
-    mask = mask.astype(jnp.float32)
-    adv = _token_advantages(advantages, logp.shape)
-    log_ratio = logp.astype(jnp.float32) - old_logp.astype(jnp.float32)
-    ratio = jnp.exp(log_ratio)
+    loss, metrics = ppo_clip_tokens(logp, old_logp, _token_advantages(advantages, logp.shape), eps_low, eps_high,
+                                    dual_clip_c)
+    return _finish(loss, mask.astype(jnp.float32), aggregation, metrics, return_sums, norm_len)
+
+
+def ppo_clip_tokens(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, eps_low: float = 0.2,
+                    eps_high: float = 0.2, dual_clip_c: float | None = None):
+    """`ppo_clip` before aggregation: (per-token loss [B, T], per-token metrics), with per-token
+    advantages [B, T]. The RL trainer aggregates these itself so packed rows work."""
+    adv = advantages.astype(jnp.float32)
+    ratio = jnp.exp(logp.astype(jnp.float32) - old_logp.astype(jnp.float32))
     unclipped = -adv * ratio
     clipped = -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
     # where, not maximum: at a tie the unclipped branch (and its full gradient) is taken
@@ -106,7 +113,7 @@ def ppo_clip(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: 
         dual = (adv < 0) & (loss > cap)
         loss = jnp.where(dual, cap, loss)
         metrics["dual_clip_fraction"] = dual.astype(jnp.float32)
-    return _finish(loss, mask, aggregation, metrics, return_sums, norm_len)
+    return loss, metrics
 
 
 def gspo(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: jax.Array,
@@ -137,6 +144,27 @@ def gspo(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: jax.
     return jnp.sum(loss) / weight, {k: v / weight for k, v in sums.items() if k != "weight"}
 
 
+def gspo_tokens(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: jax.Array,
+                seq_index: jax.Array, num_seqs: int, eps_low: float = 3e-4, eps_high: float = 4e-4):
+    """`gspo` before aggregation, for padded or packed rows: sequences are identified by
+    `seq_index` [B, T] (ints in [0, num_seqs]; num_seqs marks padding) instead of rows. Returns
+    (per-token loss, per-token metrics) where every token of sequence i carries sequence i's loss,
+    so weighting each token by 1/len_i ("seq_mean_token_mean") gives exactly `gspo`'s loss."""
+    mask = mask.astype(jnp.float32)
+    flat = seq_index.reshape(-1)
+    seg = lambda x: jax.ops.segment_sum(x.reshape(-1), flat, num_segments=num_seqs + 1)
+    lengths = seg(mask)
+    log_ratio = (logp.astype(jnp.float32) - old_logp.astype(jnp.float32)) * mask
+    seq_ratio = jnp.exp(seg(log_ratio) / jnp.maximum(lengths, 1.0))[seq_index]
+    adv = advantages.astype(jnp.float32)
+    unclipped = -adv * seq_ratio
+    clipped = -adv * jnp.clip(seq_ratio, 1.0 - eps_low, 1.0 + eps_high)
+    loss = jnp.where(clipped > unclipped, clipped, unclipped)
+    metrics = {"clip_fraction": (clipped > unclipped).astype(jnp.float32), "approx_kl": kl_k3(logp, old_logp),
+               "ratio_mean": seq_ratio}
+    return loss, metrics
+
+
 def kl_k1(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
     """k1 = logp - ref_logp: unbiased per-sample estimate of KL(pi || ref) under samples of pi, high variance."""
     return logp.astype(jnp.float32) - ref_logp.astype(jnp.float32)
@@ -163,6 +191,16 @@ def entropy_from_logits(logits: jax.Array, mask: jax.Array) -> jax.Array:
     ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
     mask = mask.astype(jnp.float32)
     return jnp.sum(ent * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def value_loss_tokens(values: jax.Array, old_values: jax.Array, returns: jax.Array, clip: float | None = 0.2):
+    """`value_loss` before aggregation: (per-token loss, per-token clip indicator)."""
+    v, r = values.astype(jnp.float32), returns.astype(jnp.float32)
+    unclipped = jnp.square(v - r)
+    if clip is None:
+        return 0.5 * unclipped, jnp.zeros_like(v)
+    clipped = jnp.square(jnp.clip(v, old_values - clip, old_values + clip) - r)
+    return 0.5 * jnp.maximum(unclipped, clipped), (clipped > unclipped).astype(jnp.float32)
 
 
 def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, mask: jax.Array,

@@ -1,0 +1,180 @@
+"""GRPO step time of the real RL loop on the fixed tiny config, sync and async, vs the Tunix peer.
+
+    .venv/bin/python benchmarks/rl_step.py [--rounds 2 --warmup 2 --steps 4]
+
+Runs `rlvr.trainers.rl.train` 2 x rounds times in one process, rl.mode="sync" and rl.mode="async"
+(max_staleness=1) in ABBA order (sync, async, async, sync: a linear drift of the machine's speed
+cancels out of the ratio), on the `bench` preset (4 layers, d256, 4.46M params, fp32, random
+init), and reads the per-step records of metrics.jsonl. Workload, mirroring the GRPO part of
+Tunix's bench_tunix.py: 8 prompts x group 4 = 32 completions of 64 new tokens (temperature 1, top_p 1) from
+64-token prompts; a frozen reference model whose KL (k3, coefficient 0.04) is in the loss;
+PPO clip 0.2, one AdamW update (lr 1e-6) per step. The prompts are arithmetic tasks with two
+31-digit operands ("a+b=", exactly 64 byte tokens); the random model never answers them, so
+rewards (and advantages) are 0, which changes no shape and no FLOP.
+
+A step is the loop's step_s: rollout (generate + verify + advantages), batch assembly, the
+jitted train step (policy forward/backward, reference forward, AdamW) and the weight sync to
+the engine. Medians over the measured steps of a mode's runs pooled (2 x 4 by default; Tunix:
+7), each run skipping `--warmup` steps (compiles, pipeline fill); held-out evaluation and the
+final checkpoint run outside the timed steps. The sync/async ratio is measured in one
+invocation and is the robust figure on a noisy machine; `vs_tunix` compares with a figure
+measured on another day (raw, and scaled by the matmul yardstick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import TUNIX, calibrate_matmul_gflops, emit  # noqa: E402
+
+from rlvr import config_lib  # noqa: E402
+from rlvr.trainers import rl as rl_trainer  # noqa: E402
+
+PROMPTS, GROUP, NEW_TOKENS, PROMPT_DIGITS = 8, 4, 64, 31  # "a+b=" with 31-digit operands: 64 tokens
+TUNIX_BREAKDOWN = {"rollout_s": 0.5314, "reference_s": 0.2445, "actor_train_s": 1.495}  # results_qwen3_r5.json
+
+
+def bench_config(mode: str, num_steps: int):
+    c = config_lib.base_config()
+    c.job = "rl"
+    c.model = config_lib.model_config_dict(preset="bench")
+    rl = c.rl
+    rl.task, rl.min_digits, rl.max_digits = "add", PROMPT_DIGITS, PROMPT_DIGITS
+    rl.prompts_per_step, rl.group_size, rl.max_new_tokens = PROMPTS, GROUP, NEW_TOKENS
+    rl.temperature, rl.top_p = 1.0, 1.0
+    rl.seq_len = 2 * PROMPT_DIGITS + 2 + NEW_TOKENS  # 128, as Tunix's 64 + 64 train rows
+    rl.engine.max_len, rl.engine.page_size, rl.engine.max_slots = 128, 16, 32
+    rl.engine.decode_steps, rl.engine.prefill_rows, rl.engine.prefill_chunk = 16, 8, 64  # as benchmarks/rollout.py
+    rl.mode, rl.max_staleness = mode, 1
+    # Tunix's GRPOConfig(beta=0.04, epsilon=0.2, num_iterations=1): k3 KL in the loss, no IS correction.
+    rl.reference_model, rl.kl_coef, rl.kl_estimator, rl.kl_mode = True, 0.04, "k3", "loss"
+    rl.clip_low, rl.clip_high, rl.tis_cap = 0.2, 0.2, 0.0
+    rl.advantage, rl.aggregation = "grpo", "seq_mean_token_mean"
+    rl.eval_examples, rl.eval_every, rl.sft_steps = 1, 0, 0
+    # Tunix passes optax.adamw(1e-6): b2 0.999, weight decay 1e-4, no clipping, constant lr.
+    opt = c.optimizer
+    opt.learning_rate, opt.warmup_steps, opt.schedule = 1e-6, 0, "constant"
+    opt.b2, opt.weight_decay, opt.grad_clip = 0.999, 1e-4, 0.0
+    c.train.num_steps, c.train.log_every, c.train.tensorboard = num_steps, 10**6, False
+    c.checkpoint.every_steps, c.checkpoint.resume = 10**6, False
+    config_lib.validate(c, jax.device_count())
+    c.lock()
+    return c
+
+
+def run_mode(mode: str, warmup: int, steps: int) -> dict:
+    """One `train()` run; its per-step records (warm-up and measured) and wall time."""
+    with tempfile.TemporaryDirectory(prefix=f"rl_step_{mode}_") as workdir:
+        t0 = time.perf_counter()
+        with contextlib.redirect_stdout(sys.stderr):  # the loop's prints; stdout is the JSON line
+            rl_trainer.train(bench_config(mode, warmup + steps), workdir)
+        wall = time.perf_counter() - t0
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f]
+    return {"warm": records[:warmup], "timed": records[warmup:], "wall_s": wall}
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Medians over the measured steps of all runs of one mode (pooled)."""
+    timed = [r for run in runs for r in run["timed"]]
+    med = lambda key: statistics.median(r[key] for r in timed)
+    step_s = med("step_s")
+    return {
+        "step_s": round(step_s, 4),
+        "steps_per_s": round(1 / step_s, 3),
+        "breakdown_median_s": {
+            "generate": round(statistics.median(r["generate_s"] - r["verify_s"] for r in timed), 4),
+            "verify": round(med("verify_s"), 5),
+            "train": round(med("train_s"), 4),
+            "sync": round(med("sync_s"), 4),
+            "idle_wait": round(med("wait_for_rollout_s"), 4),
+        },
+        "warmup_step_s_per_run": [[round(r["step_s"], 3) for r in run["warm"]] for run in runs],
+        "step_s_per_run": [[round(r["step_s"], 4) for r in run["timed"]] for run in runs],
+        "response_length_mean": round(statistics.mean(r["response_length"] for r in timed), 2),
+        "truncated_fraction_mean": round(statistics.mean(r["truncated_fraction"] for r in timed), 3),
+        "staleness_max": max(r["staleness_max"] for r in timed),
+        "partial_rollout_fraction_mean": round(statistics.mean(r["partial_rollout_fraction"] for r in timed), 3),
+        "kl_to_reference_last": timed[-1].get("kl"),
+        "run_wall_s": [round(run["wall_s"], 1) for run in runs],
+    }
+
+
+NOTES = (
+    "Tunix: bench_tunix.py GRPO part, median of 5 process repeats of (2 warm-up + 7 timed) steps, where a step is "
+    "the interval between batch pulls of GRPOLearner.train() (vanilla static-batch sampler, 32x64 tokens, kv cache "
+    "128; a separate reference forward; reward/advantages; one AdamW update on 32x128 rows; colocated, weight sync "
+    "0 s). Ours: the same shapes, sampling (temperature 1, top_p 1, EOS allowed), beta 0.04/k3, epsilon 0.2, AdamW "
+    "lr 1e-6 b2 0.999 wd 1e-4, no clipping, 2 warm-up steps per run; one invocation, medians over the measured "
+    "steps of 2 runs per mode (ABBA order). Differences: prompts are "
+    "64-byte arithmetic tasks (two 31-digit operands) from the byte tokenizer, not BOS + 63 random ids; reward is "
+    "the exact-match verifier (all 0 on a random model, so zero advantages; Tunix used a trivial per-token reward), "
+    "same compute either way; the reference forward runs inside our jitted train step (in 'train'), Tunix times it "
+    "separately; our engine is paged with continuous batching and shares each group's prompt pages; 'sync' copies "
+    "the params into the engine (Tunix shares them); our loss also computes the entropy metric (one extra "
+    "log-softmax); our step_s excludes the per-step metrics write (ms), Tunix's pull interval includes its logging. "
+    "'generate' = generate_s - verify_s (engine time incl. tokenizing); 'idle_wait' = wait_for_rollout_s, the "
+    "trainer's wait for a batch (in sync mode the whole rollout: generate + verify + advantages). Breakdown "
+    "entries are separate medians, so they need not add up to step_s. Timings on a shared 2-core CPU are noisy: "
+    "compare the sync/async ratio (same run) more than absolute figures; vs_tunix compares with another day's run "
+    "(vs_tunix_calibrated scales by the matmul yardstick, itself only an estimate)."
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--warmup", type=int, default=2, help="steps skipped at the start of every run")
+    parser.add_argument("--steps", type=int, default=4, help="measured steps per run")
+    parser.add_argument("--rounds", type=int, default=2, help="sync+async run pairs, in ABBA order")
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    cache = tempfile.TemporaryDirectory(prefix="rl_step_jax_cache_")
+    # Later runs re-jit the same train step: a compilation cache for this invocation only (the
+    # first run's compile times stay honest) keeps their warm-up short.
+    jax.config.update("jax_compilation_cache_dir", cache.name)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    calibs = [calibrate_matmul_gflops()]
+    runs: dict[str, list[dict]] = {"sync": [], "async": []}
+    pairs = []  # (sync step_s, async step_s) of each adjacent pair of runs
+    for r in range(args.rounds):
+        for mode in ("sync", "async") if r % 2 == 0 else ("async", "sync"):  # ABBA: cancels linear drift
+            runs[mode].append(run_mode(mode, args.warmup, args.steps))
+            calibs.append(calibrate_matmul_gflops())
+        pairs.append(tuple(statistics.median(x["step_s"] for x in runs[m][-1]["timed"]) for m in ("sync", "async")))
+    cache.cleanup()
+    sync, async_ = summarize(runs["sync"]), summarize(runs["async"])
+    calib = statistics.mean(calibs)
+    raw = TUNIX["grpo_step_s"] / sync["step_s"]
+    emit({
+        "benchmark": "rl_step", "model": "bench preset (4 layers, d256, 4.46M params, fp32, random init)",
+        "workload": f"{PROMPTS} prompts x group {GROUP} x {NEW_TOKENS} new tokens, 64-token prompts, reference "
+                    "model (k3 KL, coef 0.04), 1 AdamW update/step",
+        "devices": str(jax.devices()[0]), "cpu_count": os.cpu_count(),
+        "runs_per_mode": args.rounds, "warmup_steps_per_run": args.warmup, "measured_steps_per_run": args.steps,
+        "calib_matmul_gflops": round(calib, 1), "calib_matmul_gflops_between_runs": [round(c, 1) for c in calibs],
+        "sync": sync, "async_staleness1": async_,
+        "grpo_step_s": sync["step_s"],
+        "async_speedup": round(sync["step_s"] / async_["step_s"], 3),
+        "async_speedup_per_pair": [round(s / a, 3) for s, a in pairs],
+        "tunix_grpo_step_s": TUNIX["grpo_step_s"], "tunix_breakdown_s": TUNIX_BREAKDOWN,
+        "tunix_calib_matmul_gflops": TUNIX["calib_matmul_gflops"],
+        "vs_tunix": round(raw, 3),
+        "vs_tunix_calibrated": round(raw * TUNIX["calib_matmul_gflops"] / calib, 3),
+        "vs_tunix_async": round(TUNIX["grpo_step_s"] / async_["step_s"], 3),
+        "total_runtime_s": round(time.perf_counter() - t0, 1),
+        "notes": NOTES,
+    })
+
+
+if __name__ == "__main__":
+    main()

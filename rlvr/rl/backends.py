@@ -1,0 +1,104 @@
+"""Rollout backends for the RL trainer: the embedded JAX engine, or SGLang servers over HTTP.
+
+Both have the same three calls, each safe to call from any thread, so the trainer can push new
+weights while a producer thread is generating (partial rollouts):
+
+  generate(requests) -> completions     blocking, results in request order
+  update_weights(params, version)       in-flight sequences continue on the new weights
+  close()
+
+`EmbeddedBackend` runs `rlvr.rollout.engine.Engine` behind an `EngineDriver` thread; weights
+move in memory. `SGLangBackend` talks to `rlvr.rollout.server` or real SGLang servers through
+`SGLangClient`; weights move as a Hugging Face checkpoint on a shared filesystem
+(export -> /update_weights_from_disk with pause mode in_place), as slime and veRL do without
+NCCL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import shutil
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from rlvr.rollout.driver import EngineDriver
+from rlvr.rollout.engine import Engine
+from rlvr.rollout.types import Completion, Request
+
+
+class EmbeddedBackend:
+    """The in-process engine on the trainer's devices."""
+
+    def __init__(self, cfg, params, tokenizer, *, version: int = 0, **engine_options: Any):
+        self.engine = Engine(dataclasses.replace(cfg, value_head=False), _copy(params), tokenizer, **engine_options)
+        self.engine.weight_version = version
+        self.driver = EngineDriver(self.engine)
+
+    def generate(self, requests: Sequence[Request]) -> list[Completion]:
+        return self.driver.generate(list(requests))
+
+    def update_weights(self, params, version: int) -> None:
+        # A copy: the train step donates (and so invalidates) the state's buffers.
+        self.driver.update_weights(_copy(params), version)
+
+    def close(self) -> None:
+        self.driver.close()
+
+
+class SGLangBackend:
+    """SGLang servers (or the embedded HTTP server) at `urls`; weights synced through `export_dir`.
+
+    The client's coroutines run on one event loop in a background thread, so generation from the
+    producer thread and weight updates from the trainer thread share one connection pool.
+    """
+
+    def __init__(self, urls: Sequence[str], cfg, export_dir: str, tokenizer_dir: str | None = None,
+                 keep_exports: int = 2, **client_options: Any):
+        from rlvr.rollout.client import SGLangClient
+
+        self.cfg = dataclasses.replace(cfg, value_head=False)
+        self.export_dir, self.tokenizer_dir = export_dir, tokenizer_dir
+        self.keep_exports = keep_exports
+        self._exports: list[str] = []
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="rlvr-sglang-client", daemon=True)
+        self._thread.start()
+        self.client = self._run(_make_client(SGLangClient, list(urls), client_options))
+
+    def _run(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def generate(self, requests: Sequence[Request]) -> list[Completion]:
+        return self._run(self.client.generate(list(requests)))
+
+    def update_weights(self, params, version: int) -> None:
+        from rlvr.models import hf
+
+        path = os.path.join(self.export_dir, f"weights_v{version}")
+        hf.export_hf_checkpoint(self.cfg, _copy(params), path, tokenizer_dir=self.tokenizer_dir)
+        self._run(self.client.update_weights_from_disk(path, version, pause_mode="in_place"))
+        self._exports.append(path)
+        while len(self._exports) > self.keep_exports:  # servers being revived re-sync from the latest
+            shutil.rmtree(self._exports.pop(0), ignore_errors=True)
+
+    def close(self) -> None:
+        try:
+            self._run(self.client.aclose(), timeout=30)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+
+
+async def _make_client(cls, urls, options):
+    return cls(urls, **options)  # created on the loop that will use it
+
+
+def _copy(params):
+    """A copy of the policy's params (without a PPO value head, which sampling does not use)."""
+    return jax.tree.map(jnp.copy, {k: v for k, v in params.items() if k != "value_proj"})

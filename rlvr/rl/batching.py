@@ -1,0 +1,108 @@
+"""Scored rollouts -> the token-aligned train batch `rlvr.rl.objective.rl_loss` reads.
+
+Padded (one sequence per row) or packed (several per row, with segment ids). The aggregation
+is encoded as per-token weights and per-row weights, so packing never changes the loss:
+
+  token_mean           w_t = 1        row weight = sampled tokens in the row   (DAPO)
+  seq_mean_token_mean  w_t = 1/len_i  row weight = sequences in the row        (GRPO)
+  seq_mean_token_sum   w_t = 1        row weight = sequences in the row
+  token_sum_norm       w_t = 1        row weight = sequences × norm_len        (Dr.GRPO)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from rlvr.rl.policy_loss import AGGREGATIONS
+
+
+@dataclasses.dataclass
+class Sample:
+    """One scored completion of one prompt (a member of a group)."""
+
+    group: int  # index of its group within the batch
+    task_index: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    behaviour_logp: list[float]
+    versions: list[int]  # weight version that produced each output token
+    truncated: bool
+    rewards: dict[str, float]  # "reward" plus components
+    advantage: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, values: dict[str, Any]) -> Sample:
+        return cls(**values)
+
+
+def _row_unit(aggregation: str, length: int, norm_len: int) -> float:
+    if aggregation == "token_mean":
+        return float(length)
+    if aggregation == "token_sum_norm":
+        return float(norm_len) if length else 0.0
+    return 1.0 if length else 0.0
+
+
+def _bucket_rows(needed: int, multiple: int, limit: int) -> int:
+    """Rows for a packed batch: the next power of two >= needed (few distinct shapes, so few
+    compiles), a multiple of `multiple` (data shards × micro-batches), at most `limit`."""
+    rows = 1 << max(needed - 1, 0).bit_length()
+    rows = -(-rows // multiple) * multiple
+    return max(min(rows, -(-limit // multiple) * multiple), -(-needed // multiple) * multiple)
+
+
+def build_batch(samples: list[Sample], seq_len: int, pad_id: int, aggregation: str = "token_mean",
+                norm_len: int = 1, pack: bool = False, row_multiple: int = 1) -> dict[str, np.ndarray]:
+    """The train batch for `samples` (see the module docstring). Raises ValueError when a
+    sample does not fit `seq_len` (rl.seq_len must cover prompt + max_new_tokens)."""
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"rl.aggregation={aggregation!r}: choose one of {AGGREGATIONS}")
+    rows: list[list[int]] = []  # sample indices per row
+    used: list[int] = []
+    for i, s in enumerate(samples):
+        length = len(s.prompt_ids) + len(s.output_ids)
+        if length > seq_len:
+            raise ValueError(f"a rollout of {length} tokens does not fit rl.seq_len={seq_len}; raise rl.seq_len to "
+                             f"at least the longest prompt + rl.max_new_tokens")
+        if pack and rows and used[-1] + length <= seq_len:
+            rows[-1].append(i)
+            used[-1] += length
+        else:
+            rows.append([i])
+            used.append(length)
+    num_rows = _bucket_rows(len(rows), row_multiple, len(samples)) if pack else len(rows)
+    if num_rows % row_multiple:
+        raise ValueError(f"{num_rows} sequences per step is not a multiple of {row_multiple} (data shards × "
+                         "micro-batches); change rl.prompts_per_step × rl.group_size or train.micro_batches")
+    shape = (num_rows, seq_len)
+    out = {k: np.zeros(shape, np.int32) for k in ("tokens", "positions", "segment_ids", "loss_mask")}
+    out["tokens"][:] = pad_id
+    out["seq_index"] = np.full(shape, len(samples), np.int32)
+    for k in ("advantages", "behaviour_logp", "token_weight"):
+        out[k] = np.zeros(shape, np.float32)
+    out["row_weight"] = np.zeros((num_rows,), np.float32)
+    for r, members in enumerate(rows):
+        col = 0
+        for segment, i in enumerate(members, start=1):
+            s = samples[i]
+            ids = s.prompt_ids + s.output_ids
+            n, p = len(ids), len(s.prompt_ids)
+            span, out_span = slice(col, col + n), slice(col + p, col + n)
+            out["tokens"][r, span] = ids
+            out["positions"][r, span] = np.arange(n)
+            out["segment_ids"][r, span] = segment
+            out["loss_mask"][r, out_span] = 1
+            out["seq_index"][r, span] = i
+            out["advantages"][r, out_span] = s.advantage
+            out["behaviour_logp"][r, out_span] = s.behaviour_logp
+            length = len(s.output_ids)
+            out["token_weight"][r, out_span] = 1.0 / max(length, 1) if aggregation == "seq_mean_token_mean" else 1.0
+            out["row_weight"][r] += _row_unit(aggregation, length, norm_len)
+            col += n
+    return out

@@ -1,0 +1,128 @@
+"""The RL training objective: one jitted loss over a batch of scored rollouts.
+
+`rl_loss(cfg, objective, params, batch, rng, frozen)` follows the step contract of
+`rlvr.train.step` (a SUM and `aux["weight"]`). The batch (built by `rlvr.rl.batching`) holds
+token-aligned arrays, so padded rows and packed rows (several sequences per row) are the same
+computation:
+
+  tokens, positions, segment_ids, loss_mask   the sequences; loss_mask = 1 on sampled tokens
+  advantages, behaviour_logp                  per token (the sampler's log-prob of each token)
+  token_weight [B, T], row_weight [B]         the aggregation: loss = Σ l_t·w_t / Σ row_weight
+  seq_index                                   which sequence a token belongs to (GSPO, TIS)
+
+The per-token loss is PPO-clip or GSPO against the proximal policy (the trainer's own
+log-probs, stop-gradient, unless the batch carries `old_logp` from a pass before several
+updates), multiplied by truncated importance weights π_proximal/π_behaviour when `tis_cap > 0`
+(which corrects stale samples from async rollouts and sampler/trainer numerics), plus a KL
+penalty to the frozen reference policy, an entropy bonus, and for PPO with GAE the clipped value
+loss of the value head (which shares the policy's backbone). Metric sums are over tokens;
+`aux["tokens"]` lets the trainer turn them into token means.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from rlvr import losses
+from rlvr.models.transformer import forward, forward_with_values
+from rlvr.rl import policy_loss as pl
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """Static loss options (hashable: part of the jitted function's identity)."""
+
+    policy_loss: str = "ppo_clip"  # ppo_clip | gspo
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    kl_coef: float = 0.0  # KL-to-reference loss term (0 = off)
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    tis_cap: float = 0.0  # 0 = no truncated importance sampling
+    tis_level: str = "token"  # token | sequence
+    num_seqs: int = 1  # sequences per batch (static size for segment sums)
+    value_coef: float = 0.0  # > 0: PPO's clipped value loss on the value head (batch has returns, old_values)
+    value_clip: float | None = 0.2
+
+
+def _per_sequence_sum(x: jax.Array, seq_index: jax.Array, num_seqs: int) -> jax.Array:
+    """Broadcasts each sequence's sum of `x` back to its tokens."""
+    sums = jax.ops.segment_sum(x.reshape(-1), seq_index.reshape(-1), num_segments=num_seqs + 1)
+    return sums[seq_index]
+
+
+def _importance_weights(obj: Objective, proximal: jax.Array, behaviour: jax.Array, mask: jax.Array,
+                        seq_index: jax.Array):
+    """min(π_proximal/π_behaviour, cap), stop-gradient, per token or per sequence."""
+    diff = (proximal - behaviour) * mask
+    if obj.tis_level == "sequence":
+        diff = _per_sequence_sum(diff, seq_index, obj.num_seqs)
+    ratio = jnp.exp(diff)
+    return jax.lax.stop_gradient(jnp.minimum(ratio, obj.tis_cap)), (ratio > obj.tis_cap).astype(jnp.float32)
+
+
+def rl_loss(cfg, obj: Objective, params, batch: dict[str, jax.Array], rng, frozen):
+    """(Σ weighted per-token loss, aux sums); see the module docstring. `frozen` is None or
+    {"ref": reference params}."""
+    del rng
+    tokens = batch["tokens"]
+    if obj.value_coef:
+        logits, values, _ = forward_with_values(cfg, params, tokens, batch["positions"], batch["segment_ids"])
+    else:
+        logits, _ = forward(cfg, params, tokens, batch["positions"], batch["segment_ids"])
+    logp = losses.next_token_logprobs(logits, tokens)
+    mask = losses.target_mask(batch["loss_mask"], batch["segment_ids"]).astype(jnp.float32)
+    shift = lambda name: batch[name][:, 1:]
+    advantages, behaviour, seq_index = shift("advantages"), shift("behaviour_logp"), shift("seq_index")
+    proximal = shift("old_logp") if "old_logp" in batch else jax.lax.stop_gradient(logp)
+
+    if obj.policy_loss == "gspo":
+        loss, metrics = pl.gspo_tokens(logp, proximal, advantages, mask, seq_index, obj.num_seqs,
+                                       obj.clip_low, obj.clip_high)
+    else:
+        loss, metrics = pl.ppo_clip_tokens(logp, proximal, advantages, obj.clip_low, obj.clip_high,
+                                           obj.dual_clip)
+    metrics["logprob_mismatch"] = jnp.abs(jax.lax.stop_gradient(logp) - behaviour)
+    if obj.tis_cap > 0:
+        weights, capped = _importance_weights(obj, proximal, behaviour, mask, seq_index)
+        loss = loss * weights
+        metrics["tis_capped_fraction"] = capped
+    if frozen is not None:
+        ref_logits, _ = forward(cfg, frozen["ref"], tokens, batch["positions"], batch["segment_ids"])
+        ref_logp = jax.lax.stop_gradient(losses.next_token_logprobs(ref_logits, tokens))
+        kl = pl.KL_ESTIMATORS[obj.kl_estimator](logp, ref_logp)
+        metrics["kl"] = kl
+        if obj.kl_coef:
+            loss = loss + obj.kl_coef * kl
+    if obj.value_coef:  # the value of the state each target token is sampled from
+        v_loss, v_clipped = pl.value_loss_tokens(values[:, :-1], shift("old_values"), shift("returns"),
+                                                 obj.value_clip)
+        loss = loss + obj.value_coef * v_loss
+        metrics.update(value_loss=jax.lax.stop_gradient(v_loss), value_clip_fraction=v_clipped)
+    log_probs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+    metrics["entropy"] = jax.lax.stop_gradient(entropy)
+    if obj.entropy_coef:
+        loss = loss - obj.entropy_coef * entropy
+
+    loss_sum = jnp.sum(loss * shift("token_weight") * mask)
+    aux = {k: jnp.sum(v * mask) for k, v in metrics.items()}
+    aux.update(weight=jnp.sum(batch["row_weight"]), tokens=jnp.sum(mask))
+    return loss_sum, aux
+
+
+def token_means(metrics: dict[str, float]) -> dict[str, float]:
+    """Turns the step's metrics (aux sums / weight) into token means for the per-token metrics."""
+    tokens = metrics.get("tokens", 0.0)
+    per_token = ("clip_fraction", "approx_kl", "ratio_mean", "logprob_mismatch", "tis_capped_fraction",
+                 "kl", "entropy", "dual_clip_fraction", "value_loss", "value_clip_fraction")
+    out = dict(metrics)
+    for key in per_token:
+        if key in out:
+            out[key] = out[key] / tokens if tokens else 0.0
+    out.pop("tokens", None)
+    return out

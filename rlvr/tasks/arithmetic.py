@@ -1,0 +1,74 @@
+"""Multi-digit arithmetic with a required answer format: the quickstart's verifiable task.
+
+Prompt `"482+59="`; the only accepted completion is the exact result followed by the end
+token (`"541<|im_end|>"`). The verifier is exact string match, so a reward of 1 cannot be
+gamed; a wrong number, extra text, or running out of tokens scores 0. `format` (digits only,
+terminated) is reported separately and, with `format_weight > 0`, adds a small shaped reward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+OPS = {"add": ("+", lambda a, b: a + b), "sub": ("-", lambda a, b: a - b), "mul": ("*", lambda a, b: a * b)}
+_ANSWER = re.compile(r"-?\d+")
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    index: int  # position in its stream: the data cursor of a run
+    prompt: str
+    answer: str
+
+
+class ArithmeticFamily:
+    """`a <op> b` with operands of `min_digits`..`max_digits` digits (digit count uniform)."""
+
+    def __init__(self, op: str = "add", min_digits: int = 1, max_digits: int = 3, seed: int = 0,
+                 format_weight: float = 0.0):
+        if op not in OPS:
+            raise ValueError(f"rl.task={op!r}: arithmetic ops are {sorted(OPS)}")
+        if not 1 <= min_digits <= max_digits:
+            raise ValueError(f"rl.min_digits={min_digits}, rl.max_digits={max_digits}: need 1 <= min <= max")
+        self.op, self.min_digits, self.max_digits, self.seed = op, min_digits, max_digits, seed
+        self.format_weight = format_weight
+
+    def _operand(self, rng: np.random.Generator) -> int:
+        digits = int(rng.integers(self.min_digits, self.max_digits + 1))
+        if digits > 18:  # beyond int64: the same uniform draw, digit by digit
+            return int("".join(str(d) for d in [rng.integers(1, 10), *rng.integers(0, 10, digits - 1)]))
+        low = 0 if digits == 1 else 10 ** (digits - 1)
+        return int(rng.integers(low, 10**digits))
+
+    def task(self, index: int, stream: int = 0) -> Task:
+        """Task `index` of `stream` (0 = training, 1 = held-out, 2 = demonstrations)."""
+        rng = np.random.default_rng([self.seed, stream, index])
+        a, b = self._operand(rng), self._operand(rng)
+        symbol, fn = OPS[self.op]
+        return Task(index, f"{a}{symbol}{b}=", str(fn(a, b)))
+
+    def tasks(self, start: int, count: int, stream: int = 0) -> list[Task]:
+        return [self.task(i, stream) for i in range(start, start + count)]
+
+    def score(self, task: Task, completion: str, truncated: bool) -> dict[str, float]:
+        """{"reward", "correct", "format", "value"} for the completion text (end token removed).
+
+        correct: exactly the answer (the reward); format: digits only, terminated; value: the
+        first number in the text is the answer, whatever the format (a diagnostic that separates
+        arithmetic skill from format compliance)."""
+        well_formed = not truncated and _ANSWER.fullmatch(completion) is not None
+        correct = well_formed and completion == task.answer
+        first = _ANSWER.search(completion)
+        reward = float(correct) + self.format_weight * float(well_formed)
+        return {"reward": reward, "correct": float(correct), "format": float(well_formed),
+                "value": float(first is not None and first.group() == task.answer)}
+
+    def demonstration(self, task: Task, off_format: bool = False) -> dict[str, str]:
+        """A supervised record for warm-start SFT (the `{"prompt", "completion"}` JSONL form).
+        `off_format` writes the answer in a convention the verifier rejects ("541.", as a source
+        with a different house style would), to model demonstrations that are right in substance
+        but wrong in form."""
+        return {"prompt": task.prompt, "completion": task.answer + ("." if off_format else "")}

@@ -1,0 +1,398 @@
+"""Reinforcement learning with verifiable rewards (GRPO/PPO family), sync or async.
+
+Read top to bottom:
+
+  initial policy   SFT warm start on demonstrations (rl.sft_steps), an rlvr workdir, an HF
+                   checkpoint, or random init; its copy is the frozen reference policy
+  each step        producer: sample tasks → rollout (embedded engine or SGLang servers) →
+                   verify → advantages (→ drop zero-variance groups and refill)
+                   trainer:  batch (pad or pack) → jitted sharded step → weight sync →
+                   metrics → checkpoint
+  at the end       held-out greedy accuracy before and after RL, summary.json, rl_curve.png
+
+rl.mode = "sync" generates each batch with the current weights. rl.mode = "async" generates
+on a background thread up to rl.max_staleness versions ahead, overlapping rollout with
+training; a weight update mid-generation continues in-flight sequences on the new weights
+(partial rollouts). max_staleness = 0 is the synchronous loop exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from rlvr import api, observe
+from rlvr.rl import backends
+from rlvr.rl.batching import build_batch
+from rlvr.rl.objective import Objective, rl_loss, token_means
+from rlvr.rl.producer import Producer, ScoredBatch
+from rlvr.rollout.types import Request, SamplingParams
+from rlvr.tasks import build_family
+from rlvr.train import step as step_lib
+from rlvr.train.checkpoint import Checkpointer
+from rlvr.train.optimizer import build_optimizer, learning_rate_schedule
+
+# --- the initial policy ------------------------------------------------------------------------
+
+def warm_start(config: ml_collections.ConfigDict, workdir: str, family) -> str:
+    """SFT on `rl.sft_demos` demonstrations into `workdir/sft` (resumable; skipped when done).
+    Returns the SFT workdir."""
+    from rlvr.trainers import sft
+
+    rl = config.rl
+    sft_dir = os.path.join(workdir, "sft")
+    if os.path.exists(os.path.join(sft_dir, "summary.json")):
+        return sft_dir
+    os.makedirs(sft_dir, exist_ok=True)
+    demos = os.path.join(sft_dir, "demos.jsonl")
+    off_format = np.random.default_rng([config.seed, 2]).random(rl.sft_demos) < rl.sft_off_format
+    with open(demos, "w") as f:
+        for i in range(rl.sft_demos):
+            f.write(json.dumps(family.demonstration(family.task(i, stream=2), bool(off_format[i]))) + "\n")
+    c = ml_collections.ConfigDict(config.to_dict())
+    c.job = "sft"
+    c.data.source, c.data.path, c.data.eval_path = "jsonl", demos, ""
+    c.data.batch_size, c.data.seq_len, c.data.pack = rl.sft_batch_size, rl.seq_len * 4, True
+    c.optimizer.learning_rate = rl.sft_learning_rate
+    c.optimizer.warmup_steps = min(config.optimizer.warmup_steps, rl.sft_steps // 10)
+    c.train.num_steps = rl.sft_steps
+    c.train.log_every = max(rl.sft_steps // 4, 1)
+    c.checkpoint.every_steps = rl.sft_steps
+    print(f"warm start: SFT on {rl.sft_demos} demonstrations for {rl.sft_steps} steps -> {sft_dir}")
+    observe.write_run_info(c, sft_dir)
+    sft.train(c, sft_dir)
+    return sft_dir
+
+
+def initial_model(config: ml_collections.ConfigDict, workdir: str, family) -> tuple[api.Model, str]:
+    """(the policy RL starts from, a pointer to it for the record and for resuming)."""
+    if config.rl.sft_steps:
+        sft_dir = warm_start(config, workdir, family)
+        return api.load_trained(sft_dir), f"rlvr-workdir:{sft_dir}"
+    if config.init.workdir:
+        return api.load_trained(config.init.workdir), f"rlvr-workdir:{config.init.workdir}"
+    source = config.init.hf_checkpoint or f"random-init:seed={config.seed}"
+    return api.build_model(config), source
+
+
+def build_backend(config: ml_collections.ConfigDict, model: api.Model, params, tokenizer, workdir: str,
+                  version: int):
+    rl = config.rl
+    if rl.backend == "embedded":
+        e = rl.engine
+        return backends.EmbeddedBackend(model.cfg, params, tokenizer, version=version, max_slots=e.max_slots,
+                                        max_len=e.max_len, page_size=e.page_size, decode_steps=e.decode_steps,
+                                        prefill_rows=e.prefill_rows, prefill_chunk=e.prefill_chunk,
+                                        seed=config.seed)
+    urls = [u.strip() for u in rl.sglang_urls.split(",") if u.strip()]
+    backend = backends.SGLangBackend(urls, model.cfg, os.path.join(workdir, "weights"),
+                                     tokenizer_dir=config.tokenizer.path or config.init.hf_checkpoint or None)
+    backend.update_weights(params, version)  # the servers start from the trainer's policy
+    return backend
+
+
+def build_objective(rl: ml_collections.ConfigDict) -> Objective:
+    gspo = rl.policy_loss == "gspo"
+    return Objective(policy_loss=rl.policy_loss,
+                     clip_low=rl.gspo_clip_low if gspo else rl.clip_low,
+                     clip_high=rl.gspo_clip_high if gspo else rl.clip_high,
+                     dual_clip=rl.dual_clip or None, kl_coef=rl.kl_coef if rl.kl_mode == "loss" else 0.0,
+                     kl_estimator=rl.kl_estimator, entropy_coef=rl.entropy_coef, tis_cap=rl.tis_cap,
+                     tis_level=rl.tis_level, num_seqs=rl.prompts_per_step * rl.group_size,
+                     value_coef=rl.value_coef if rl.advantage == "gae" else 0.0, value_clip=rl.value_clip or None)
+
+
+# --- evaluation ----------------------------------------------------------------------------------
+
+def evaluate(backend, family, tokenizer, rl: ml_collections.ConfigDict, tag: str) -> tuple[float, float]:
+    """Greedy held-out (accuracy, value accuracy) on `rl.eval_examples` tasks: accuracy is the
+    mean "correct" (else reward); value accuracy the mean "value" (right answer in any format)."""
+    tasks = family.tasks(0, rl.eval_examples, stream=1)
+    params = SamplingParams(max_new_tokens=rl.max_new_tokens, temperature=0.0)
+    requests = [Request(f"eval-{tag}-{t.index}", tokenizer.encode(t.prompt), params) for t in tasks]
+    scores, values = [], []
+    for task, c in zip(tasks, backend.generate(requests), strict=True):
+        out = [t for t in c.output_ids if t != tokenizer.eos_id]
+        r = family.score(task, tokenizer.decode(out), c.finish_reason.get("type") != "stop")
+        scores.append(r.get("correct", r["reward"]))
+        values.append(r.get("value", scores[-1]))
+    return float(np.mean(scores)), float(np.mean(values))
+
+
+# --- metrics -------------------------------------------------------------------------------------
+
+def rollout_metrics(batch: ScoredBatch, version: int) -> dict[str, float]:
+    """Reward (total and components), pass rates, lengths and staleness of one batch."""
+    samples = batch.samples
+    out: dict[str, float] = {}
+    for key in samples[0].rewards:
+        out[f"reward/{key}" if key != "reward" else "reward"] = float(np.mean([s.rewards[key] for s in samples]))
+    correct = np.array([s.rewards.get("correct", s.rewards["reward"] > 0) for s in samples], np.float32)
+    groups = correct.reshape(-1, len(samples) // (max(s.group for s in samples) + 1))
+    out["pass_rate"] = float(correct.mean())
+    out["pass_at_group"] = float(groups.max(axis=1).mean())
+    out["response_length"] = float(np.mean([len(s.output_ids) for s in samples]))
+    out["truncated_fraction"] = float(np.mean([s.truncated for s in samples]))
+    oldest = [min(s.versions) if s.versions else version for s in samples]
+    out["staleness_mean"] = float(np.mean([version - v for v in oldest]))
+    out["staleness_max"] = float(max(version - v for v in oldest))
+    out["partial_rollout_fraction"] = float(np.mean([len(set(s.versions)) > 1 for s in samples]))
+    out["failures"] = float(len(batch.failures))
+    out.update(batch.stats)
+    return out
+
+
+def write_plot(workdir: str, history: list[dict[str, float]], evals: list[tuple[int, float, float]]) -> str | None:
+    """rl_curve.png: training reward per step and held-out accuracy at each evaluation."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    left.plot([h["step"] for h in history], [h["reward"] for h in history], lw=1)
+    left.set(xlabel="RL step", ylabel="mean training reward", title="reward")
+    right.plot([e[0] for e in evals], [e[1] for e in evals], marker="o", label="exact (the reward)")
+    right.plot([e[0] for e in evals], [e[2] for e in evals], marker=".", ls="--", label="value, any format")
+    right.legend(loc="lower right")
+    right.set(xlabel="RL step", ylabel="held-out greedy accuracy", title="held-out accuracy", ylim=(0, 1))
+    fig.tight_layout()
+    path = os.path.join(workdir, "rl_curve.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# --- the loop ------------------------------------------------------------------------------------
+
+def _ref_logprobs_fn(cfg, ref_params, rl, pad_id: int):
+    """samples -> per-token reference log-probs of their outputs (for rl.kl_mode="reward")."""
+    from rlvr import losses
+    from rlvr.models.transformer import forward
+
+    @jax.jit
+    def logprobs(params, tokens, positions, segment_ids):
+        logits, _ = forward(cfg, params, tokens, positions, segment_ids)
+        return losses.next_token_logprobs(logits, tokens)
+
+    def fn(samples):
+        arrays = build_batch(samples, rl.seq_len, pad_id)
+        lp = np.asarray(logprobs(ref_params, arrays["tokens"], arrays["positions"], arrays["segment_ids"]))
+        return [lp[i, len(s.prompt_ids) - 1: len(s.prompt_ids) - 1 + len(s.output_ids)]
+                for i, s in enumerate(samples)]
+    return fn
+
+
+def _logprobs_fn(cfg):
+    """(params, batch) -> the policy's log-prob of every token [B, T] (0 at position 0), aligned
+    like behaviour_logp: the proximal policy of PPO mini-batch updates."""
+    from rlvr import losses
+    from rlvr.models.transformer import forward
+
+    @jax.jit
+    def logprobs(params, tokens, positions, segment_ids):
+        logits, _ = forward(cfg, params, tokens, positions, segment_ids)
+        lp = losses.next_token_logprobs(logits, tokens)
+        return jnp.pad(lp, ((0, 0), (1, 0)))
+
+    return lambda params, b: np.asarray(logprobs(params, b["tokens"], b["positions"], b["segment_ids"]))
+
+
+def with_value_head(model: api.Model) -> api.Model:
+    """The policy plus a zero-initialised scalar value head on its backbone (PPO's critic): the
+    value starts at 0 everywhere and is learned by the value loss."""
+    import dataclasses
+
+    from rlvr.models import params as params_lib
+
+    if model.cfg.value_head:
+        return model
+    cfg = dataclasses.replace(model.cfg, value_head=True)
+    shardings = params_lib.param_shardings(cfg, model.mesh)
+    head = jax.tree.map(lambda sh, a: jax.device_put(jnp.zeros(a.shape, a.dtype), sh),
+                        shardings["value_proj"], params_lib.abstract_params(cfg)["value_proj"])
+    return api.Model(cfg, {**model.params, "value_proj": head}, model.mesh)
+
+
+def _gae_fn(cfg, rl):
+    """(params, batch) -> batch with per-token GAE advantages (whitened over tokens), returns and
+    old values: the reward sits on each sequence's last sampled token, values come from the
+    value head before the update."""
+    from rlvr import losses
+    from rlvr.models.transformer import forward_with_values
+    from rlvr.rl.advantages import gae
+
+    @jax.jit
+    def compute(params, tokens, positions, segment_ids, loss_mask, final_reward):
+        _, values, _ = forward_with_values(cfg, params, tokens, positions, segment_ids)
+        mask = losses.target_mask(loss_mask, segment_ids).astype(jnp.float32)
+        values = values[:, :-1]
+        adv, returns = gae(final_reward[:, 1:], values, mask, rl.gae_gamma, rl.gae_lambda)
+        mean = jnp.sum(adv * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+        std = jnp.sqrt(jnp.sum(jnp.square(adv - mean) * mask) / jnp.maximum(jnp.sum(mask), 1.0))
+        adv = (adv - mean) / (std + 1e-6) * mask
+        pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)))
+        return pad(adv), pad(returns), pad(values * mask)
+
+    def fn(params, arrays, samples):
+        final_reward = np.zeros_like(arrays["advantages"])
+        last = arrays["loss_mask"] * (np.roll(arrays["loss_mask"], -1, axis=1) == 0)  # last sampled token
+        rows, cols = np.nonzero(last)
+        final_reward[rows, cols] = [samples[i].rewards["reward"] for i in arrays["seq_index"][rows, cols]]
+        adv, returns, old_values = compute(params, arrays["tokens"], arrays["positions"], arrays["segment_ids"],
+                                           arrays["loss_mask"], final_reward)
+        return {**arrays, "advantages": np.asarray(adv), "returns": np.asarray(returns),
+                "old_values": np.asarray(old_values)}
+    return fn
+
+
+def _mini_batches(arrays: dict[str, np.ndarray], count: int, rng: np.random.Generator):
+    """`count` equal mini-batches of shuffled rows (one optimizer step each)."""
+    if count == 1:
+        yield arrays
+        return
+    order = rng.permutation(arrays["tokens"].shape[0])
+    for part in np.split(order, count):
+        yield {k: v[part] for k, v in arrays.items()}
+
+
+def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+    rl, wall_start = config.rl, time.perf_counter()
+    tokenizer = api.build_tokenizer(config)
+    family = build_family(rl, config.seed)
+    model, reference_pointer = initial_model(config, workdir, family)
+    if rl.advantage == "gae":
+        model = with_value_head(model)
+    api.check_vocab(model.cfg, tokenizer)
+    num_steps, updates = config.train.num_steps, rl.updates_per_batch
+    optimizer = build_optimizer(config.optimizer, num_steps * updates)  # one optimizer step per mini-batch
+    shardings = step_lib.state_shardings(model.cfg, optimizer, model.mesh)
+    use_ref = rl.reference_model or rl.kl_coef > 0
+    ref_params = jax.tree.map(jnp.copy, model.params) if use_ref else None
+    checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep,
+                               config.checkpoint.async_save)
+
+    extra: dict[str, Any] = {}
+    if config.checkpoint.resume and checkpoints.latest_step() is not None:
+        state, extra = checkpoints.restore(step_lib.abstract_state(model.cfg, optimizer, shardings))
+        print(f"resumed from step {int(state['step'])} ({checkpoints.directory})")
+    else:
+        state = step_lib.init_state(model.params, optimizer, shardings)
+    model.params = None  # owned (and donated) by `state`
+    start = int(state["step"]) // updates
+    backend = build_backend(config, model, state["params"], tokenizer, workdir, version=start)
+    history: list[dict[str, float]] = extra.get("history", [])
+    evals: list[tuple[int, float, float]] = [tuple(e) for e in extra.get("evals", [])]
+    if not evals:
+        evals.append((0, *evaluate(backend, family, tokenizer, rl, "before")))
+        print(f"held-out accuracy before RL: {evals[0][1]:.3f}")
+
+    producer_state = extra.get("producer", {"cursor": 0, "buffered": []})
+    ref_fn = _ref_logprobs_fn(model.cfg, ref_params, rl, tokenizer.pad_id) if rl.kl_mode == "reward" and use_ref \
+        else None
+    producer = Producer(backend, family, tokenizer, rl, config.seed, cursor=producer_state["cursor"],
+                        buffered=[ScoredBatch.from_json(b) for b in producer_state["buffered"]],
+                        ref_logprobs=ref_fn)
+    objective = build_objective(rl)
+    loss_fn = functools.partial(rl_loss, model.cfg, objective)
+    frozen = {"ref": ref_params} if use_ref and rl.kl_mode == "loss" or rl.reference_model else None
+    frozen_sh = {"ref": shardings["params"]} if frozen is not None else None
+    lr = learning_rate_schedule(config.optimizer, num_steps * updates)
+    mesh_shape = dict(model.mesh.shape)
+    row_multiple = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1) * config.train.micro_batches * updates
+    steps: dict[tuple[int, int], Any] = {}  # one compiled step per mini-batch shape (packing buckets)
+    old_logprobs = _logprobs_fn(model.cfg) if updates > 1 else None
+    gae_fn = _gae_fn(model.cfg, rl) if rl.advantage == "gae" else None
+    rng = jax.random.key(config.seed)
+    writer = observe.MetricsWriter(workdir, tensorboard=config.train.tensorboard)
+    failures_log = open(os.path.join(workdir, "failures.jsonl"), "a")
+    progress = observe.Progress(num_steps, start)
+    if rl.mode == "async":
+        producer.start(start, version=start)
+    try:
+        for step in range(start, num_steps):
+            t0 = time.perf_counter()
+            batch = producer.next_batch(step)
+            t1 = time.perf_counter()
+            arrays = build_batch(batch.samples, rl.seq_len, tokenizer.pad_id, rl.aggregation, rl.max_new_tokens,
+                                 rl.pack, row_multiple)
+            shape = arrays["tokens"].shape
+            if gae_fn is not None:
+                arrays = gae_fn(state["params"], arrays, batch.samples)
+            if old_logprobs is not None:  # the proximal policy for every mini-batch: the weights before them
+                arrays["old_logp"] = old_logprobs(state["params"], arrays)
+            metrics_list = []
+            for mini in _mini_batches(arrays, updates, np.random.default_rng([config.seed, step])):
+                key = mini["tokens"].shape
+                if key not in steps:
+                    batch_sh = step_lib.batch_shardings(mini, model.mesh)
+                    steps[key] = (step_lib.build_train_step(
+                        loss_fn, optimizer, model.mesh, shardings, batch_sh, micro_batches=config.train.micro_batches,
+                        learning_rate=lr, frozen_sharding=frozen_sh), batch_sh)
+                train_step, batch_sh = steps[key]
+                state, metrics = train_step(state, jax.device_put(mini, batch_sh), rng, frozen)
+                metrics_list.append(metrics)
+            metrics = {k: float(np.mean([m[k] for m in jax.device_get(metrics_list)])) for k in metrics_list[0]}
+            t2 = time.perf_counter()
+            backend.update_weights(state["params"], step + 1)
+            producer.set_version(step + 1)
+            t3 = time.perf_counter()
+
+            record = {**rollout_metrics(batch, step), **token_means(metrics)}
+            record.update(wait_for_rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2, step_s=t3 - t0,
+                          rows=float(shape[0]))
+            for failure in batch.failures:
+                failures_log.write(json.dumps({"step": step, **failure}) + "\n")
+            failures_log.flush()
+            done = step + 1
+            if rl.eval_every and done % rl.eval_every == 0 and done != num_steps:
+                evals.append((done, *evaluate(backend, family, tokenizer, rl, f"s{done}")))
+                record["heldout_accuracy"] = evals[-1][1]
+            history.append({"step": done, "reward": record["reward"]})
+            writer.write(done, record)
+            if done % config.train.log_every == 0 or done == num_steps or done == start + 1:
+                progress.update(done, {"reward": record["reward"], "acc": evals[-1][1],
+                                       "stale": record["staleness_max"]})
+            if done % config.checkpoint.every_steps == 0 or done == num_steps:
+                if done == num_steps:
+                    evals.append((done, *evaluate(backend, family, tokenizer, rl, "after")))
+                checkpoints.save(done, state, {"producer": producer.state(), "reference": reference_pointer,
+                                               "history": history, "evals": evals}, force=True)
+        progress.close()
+    finally:
+        producer.stop()
+        checkpoints.close()
+        writer.close()
+        failures_log.close()
+        backend.close()
+    if evals[-1][0] != num_steps:  # resumed after the final step was already saved
+        raise RuntimeError("final evaluation missing from the last checkpoint")
+    before, after = evals[0][1], evals[-1][1]
+    last = history[-10:]
+    summary = {"job": "rl", "seed": config.seed, "final_step": num_steps, "mode": rl.mode,
+               "advantage": rl.advantage, "policy_loss": rl.policy_loss,
+               "heldout_accuracy_before": before, "heldout_accuracy_after": after,
+               "improvement_points": round(100 * (after - before), 2),
+               "heldout_value_accuracy_before": evals[0][2], "heldout_value_accuracy_after": evals[-1][2],
+               "final_reward_mean_last10": float(np.mean([h["reward"] for h in last])) if last else None,
+               "evals": evals, "wall_s": round(time.perf_counter() - wall_start, 1),
+               "reference": reference_pointer}
+    plot = write_plot(workdir, history, evals)
+    if plot:
+        summary["plot"] = plot
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(f"held-out accuracy: before RL {before:.3f} -> after RL {after:.3f} "
+          f"({summary['improvement_points']:+.1f} points)")
+    print("summary: " + json.dumps({k: v for k, v in summary.items() if k != "evals"}))
+    return summary

@@ -1,0 +1,593 @@
+"""The RL objective, batching, producer, task and config (rlvr.rl.objective, batching, producer,
+rlvr.tasks.arithmetic, rlvr.config_lib): each checked against hand-computed numbers or an
+independent, separately tested reference (row-based `policy_loss` functions on padded rows)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlvr import config_lib, sharding
+from rlvr.losses import next_token_logprobs
+from rlvr.models import params as params_lib
+from rlvr.models.config import ModelConfig
+from rlvr.models.tokenizer import byte_level_tokenizer
+from rlvr.models.transformer import forward
+from rlvr.rl import advantages as adv_lib
+from rlvr.rl import policy_loss as pl
+from rlvr.rl.batching import Sample, build_batch
+from rlvr.rl.objective import Objective, rl_loss, token_means
+from rlvr.rl.producer import Producer, ScoredBatch, sample_seed
+from rlvr.rollout.types import Completion
+from rlvr.tasks.arithmetic import ArithmeticFamily, Task
+from rlvr.train.step import accumulate_gradients
+
+CFG = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                  head_dim=16, dtype="float32", param_dtype="float32")
+SEQ_LEN = 24
+PAD = 0
+NORM_LEN = 8
+N = 8  # samples in the shared batch (all model batches are [8, 24]: few compiles)
+CAP = 2.0
+
+
+def close(a, b, tol=1e-5):
+    np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=tol, atol=tol)
+
+
+def tree_close(a, b, tol=1e-5):
+    jax.tree.map(lambda x, y: close(x, y, tol), a, b)
+
+
+def scaled(tree, weight):
+    """tree / weight on the host (no per-shape eager compiles)."""
+    return jax.tree.map(lambda g: np.asarray(g, np.float64) / float(weight), tree)
+
+
+# ---------------------------------------------------------------- jitted helpers (few compiles)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def loss_and_grad(obj: Objective, params, batch, frozen, micro_batches: int):
+    """(loss_sum, aux sums, grads) of rl_loss through the trainer's accumulate_gradients."""
+    grads, sums = accumulate_gradients(functools.partial(rl_loss, CFG, obj), params, batch, jax.random.key(0),
+                                       frozen, micro_batches)
+    sums = dict(sums)
+    return sums.pop("loss"), sums, grads
+
+
+def _logp(params, tokens, positions, segment_ids):
+    logits, _ = forward(CFG, params, tokens, positions, segment_ids)
+    return next_token_logprobs(logits, tokens)
+
+
+@jax.jit
+def _logits(params, tokens, positions, segment_ids):
+    return forward(CFG, params, tokens, positions, segment_ids)[0]
+
+
+def trainer_logp(params, batch):
+    return next_token_logprobs(_logits(params, batch["tokens"], batch["positions"], batch["segment_ids"]),
+                               batch["tokens"])
+
+
+@jax.jit
+def _logp_vjp(params, tokens, positions, segment_ids, cotangent):
+    _, vjp = jax.vjp(lambda p: _logp(p, tokens, positions, segment_ids), params)
+    return vjp(cotangent)[0]
+
+
+def logp_vjp(params, batch, cotangent):
+    """d/dparams Σ cotangent·logp(params): the chain rule from a reference's d/dlogp."""
+    return _logp_vjp(params, batch["tokens"], batch["positions"], batch["segment_ids"], cotangent)
+
+
+def _unpacked_mask(samples, rows: int) -> np.ndarray:
+    """Targets mask [rows, T-1] of one-sample-per-row batches, written from the sample lengths."""
+    mask = np.zeros((rows, SEQ_LEN - 1), np.float32)
+    for i, s in enumerate(samples):
+        p = len(s.prompt_ids)
+        mask[i, p - 1: p - 1 + len(s.output_ids)] = 1.0
+    return mask
+
+
+def _per_token(samples, values, rows: int) -> np.ndarray:
+    """Per-sample output-token values (lists) -> shifted [rows, T-1] layout of padded rows."""
+    out = np.zeros((rows, SEQ_LEN - 1), np.float32)
+    for i, (s, v) in enumerate(zip(samples, values, strict=True)):
+        p = len(s.prompt_ids)
+        out[i, p - 1: p - 1 + len(s.output_ids)] = v
+    return out
+
+
+def _with_logps(samples, behaviour):
+    """The samples with `behaviour` (per-sample lists) as their behaviour_logp."""
+    return [dataclasses.replace(s, behaviour_logp=[float(x) for x in b]) for s, b in zip(samples, behaviour,
+                                                                                        strict=True)]
+
+
+def _batch(samples, aggregation="token_mean", pack=False, old=None, row_multiple=1):
+    """build_batch as jnp arrays, plus `old_logp` (a proximal policy) laid out like behaviour_logp."""
+    arrays = build_batch(samples, SEQ_LEN, PAD, aggregation, NORM_LEN, pack=pack, row_multiple=row_multiple)
+    if old is not None:
+        arrays["old_logp"] = build_batch(_with_logps(samples, old), SEQ_LEN, PAD, aggregation, NORM_LEN,
+                                         pack=pack)["behaviour_logp"]
+    return {k: jnp.asarray(v) for k, v in arrays.items()}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """8 random samples (prompt 2-6, output 1-8 tokens) whose behaviour log-probs are the trainer's
+    ± 0.6 nats (so TIS weights matter), and an old (proximal) policy ~ trainer ± 0.3."""
+    rng = np.random.default_rng(0)
+    mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    params = params_lib.init_params(CFG, jax.random.key(0), mesh)
+    leaves, treedef = jax.tree.flatten(params)
+    ref_params = jax.tree.unflatten(treedef, [x + 0.3 * jnp.asarray(rng.normal(size=x.shape), x.dtype)
+                                              for x in leaves])
+    samples = []
+    for i in range(N):
+        p, o = int(rng.integers(2, 7)), int(rng.integers(1, 9))
+        samples.append(Sample(group=i // 4, task_index=i, prompt_ids=rng.integers(1, 32, p).tolist(),
+                              output_ids=rng.integers(1, 32, o).tolist(), behaviour_logp=[0.0] * o,
+                              versions=[0] * o, truncated=False, rewards={"reward": 0.0},
+                              advantage=float(rng.normal())))
+    logp = np.asarray(trainer_logp(params, _batch(samples)))
+    trainer = [logp[i, len(s.prompt_ids) - 1: len(s.prompt_ids) - 1 + len(s.output_ids)]
+               for i, s in enumerate(samples)]
+    samples = _with_logps(samples, [t + rng.normal(0, 0.6, t.shape) for t in trainer])
+    old = [t + rng.normal(0, 0.3, t.shape) for t in trainer]
+    return {"params": params, "ref": ref_params, "samples": samples, "old": old, "trainer": trainer}
+
+
+# The objectives under test (num_seqs = N).
+PPO_TIS_TOKEN = Objective("ppo_clip", 0.2, 0.28, dual_clip=3.0, tis_cap=CAP, tis_level="token", num_seqs=N)
+GSPO_TIS_SEQ = Objective("gspo", 3e-4, 4e-4, tis_cap=CAP, tis_level="sequence", num_seqs=N)
+PPO_PLAIN = Objective("ppo_clip", 0.2, 0.28, dual_clip=1.2, num_seqs=N)
+KL_OBJ = Objective("ppo_clip", kl_coef=0.5, entropy_coef=0.05, tis_cap=CAP, num_seqs=N)
+
+
+# ---------------------------------------------------------------- 1. packed == unpacked
+
+
+@pytest.mark.parametrize("obj", [PPO_TIS_TOKEN, GSPO_TIS_SEQ], ids=["ppo_tis_token", "gspo_tis_seq"])
+def test_packed_equals_unpacked(setup, obj):
+    params, samples = setup["params"], setup["samples"]
+    aggregations = ["seq_mean_token_mean"] if obj.policy_loss == "gspo" else list(pl.AGGREGATIONS)
+    for aggregation in aggregations:
+        results = []
+        for pack in (False, True):
+            # packed rows are bucketed up to N (a multiple of 8 rows): the same shape, one compile
+            batch = _batch(samples, aggregation, pack, row_multiple=N)
+            loss_sum, aux, grads = loss_and_grad(obj, params, batch, None, 1)
+            w = aux["weight"]
+            used = int(np.sum(np.any(np.asarray(batch["segment_ids"]) > 0, axis=1)))
+            results.append((used, loss_sum / w, scaled(grads, w), aux))
+        (rows_u, loss_u, grads_u, aux_u), (rows_p, loss_p, grads_p, aux_p) = results
+        assert rows_u == N and rows_p < N  # packing really put several sequences in a row
+        assert abs(float(loss_u)) > 1e-2
+        close(loss_p, loss_u)
+        tree_close(grads_p, grads_u)
+        for key in ("tokens", "tis_capped_fraction", "logprob_mismatch", "entropy", "ratio_mean"):
+            close(aux_p[key], aux_u[key], 1e-4)
+        # the TIS weights matter: some tokens are capped, and not all
+        assert 0 < float(aux_u["tis_capped_fraction"]) < float(aux_u["tokens"])
+
+
+# ---------------------------------------------------------------- 2. rl_loss == row-based reference
+
+
+def _hand_ppo(logp, old, adv, eps_low, eps_high, dual):
+    ratio = jnp.exp(logp - old)
+    loss = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - eps_low, 1 + eps_high))
+    if dual is not None:
+        loss = jnp.where(adv < 0, jnp.minimum(loss, dual * jnp.abs(adv)), loss)
+    return loss
+
+
+@pytest.mark.parametrize("obj, with_old", [(PPO_PLAIN, False), (PPO_PLAIN, True), (PPO_TIS_TOKEN, False),
+                                           (GSPO_TIS_SEQ, False)],
+                         ids=["ppo", "ppo_old_logp", "ppo_tis_token", "gspo_tis_seq"])
+def test_rl_loss_matches_row_based_reference(setup, obj, with_old):
+    """Padded rows: rl_loss == policy_loss's row-based functions on the trainer's own log-probs
+    (proximal = stop_gradient(logp), or the batch's old_logp when given: then clipping is active)."""
+    params, samples = setup["params"], setup["samples"]
+    mask = jnp.asarray(_unpacked_mask(samples, N))
+    behaviour = jnp.asarray(_per_token(samples, [s.behaviour_logp for s in samples], N))
+    adv = jnp.asarray([s.advantage for s in samples], jnp.float32)
+    adv_tok = jnp.broadcast_to(adv[:, None], mask.shape)
+    old_fixed = jnp.asarray(_per_token(samples, setup["old"], N))
+    aggregations = ["seq_mean_token_mean"] if obj.policy_loss == "gspo" else list(pl.AGGREGATIONS)
+    for aggregation in aggregations:
+        batch = _batch(samples, aggregation, old=setup["old"] if with_old else None)
+        logp = trainer_logp(params, batch)
+        close(jnp.where(mask > 0, logp, 0.0), _per_token(samples, setup["trainer"], N))  # layout check
+
+        def reference(lp, aggregation=aggregation):
+            old = old_fixed if with_old else jax.lax.stop_gradient(lp)
+            if obj.policy_loss == "gspo":  # per-sequence GSPO losses x sequence-level TIS weights
+                seq_loss = jax.vmap(lambda a, b, c, m: pl.gspo(a[None], b[None], c[None], m[None], obj.clip_low,
+                                                               obj.clip_high, return_sums=True)[0])(lp, old, adv, mask)
+                w, _ = pl.truncated_importance_weights(old, behaviour, mask, obj.tis_cap, "sequence")
+                w_seq = jnp.sum(w, axis=1) / jnp.sum(mask, axis=1)
+                weight = jnp.sum(jnp.sum(mask, axis=1) > 0).astype(jnp.float32)
+                return jnp.sum(seq_loss * w_seq) / weight, {"weight": weight}
+            if obj.tis_cap == 0:
+                s, aux = pl.ppo_clip(lp, old, adv, mask, obj.clip_low, obj.clip_high, obj.dual_clip,
+                                     aggregation, return_sums=True, norm_len=NORM_LEN)
+            else:
+                w, _ = pl.truncated_importance_weights(old, behaviour, mask, obj.tis_cap, obj.tis_level)
+                per_token = _hand_ppo(lp, old, adv_tok, obj.clip_low, obj.clip_high, obj.dual_clip) * w
+                s, aux = pl.to_step_sums(per_token, mask, aggregation, NORM_LEN)
+            return s / aux["weight"], aux
+
+        (ref_loss, ref_aux), ref_dlogp = jax.jit(jax.value_and_grad(reference, has_aux=True))(logp)
+        loss_sum, aux, grads = loss_and_grad(obj, params, batch, None, 1)
+        close(aux["weight"], ref_aux["weight"])
+        assert abs(float(ref_loss)) > 1e-2
+        close(loss_sum / aux["weight"], ref_loss)
+        tree_close(scaled(grads, aux["weight"]), logp_vjp(params, batch, ref_dlogp))
+        if with_old and aggregation == "token_mean":  # token-mean metric sums agree too
+            for key in ("clip_fraction", "dual_clip_fraction", "ratio_mean", "approx_kl"):
+                close(aux[key], ref_aux[key], 1e-4)
+            assert 0 < float(aux["clip_fraction"]) < float(aux["tokens"])
+            assert float(aux["dual_clip_fraction"]) > 0
+
+
+# ---------------------------------------------------------------- 3. KL to the reference policy
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _kl_entropy_reference(params, ref_params, batch, mask, kl_coef, entropy_coef):
+    """kl_coef · token-mean k3(π, π_ref) - entropy_coef · token-mean entropy, and its gradient."""
+    def loss(p):
+        logits = _logits(p, batch["tokens"], batch["positions"], batch["segment_ids"])
+        logp = next_token_logprobs(logits, batch["tokens"])
+        ref_logp = _logp(ref_params, batch["tokens"], batch["positions"], batch["segment_ids"])
+        kl = jnp.sum(pl.kl_k3(logp, ref_logp) * mask) / jnp.sum(mask)
+        entropy = pl.entropy_from_logits(logits[:, :-1], mask)
+        return kl_coef * kl - entropy_coef * entropy, (kl, entropy)
+    return jax.value_and_grad(loss, has_aux=True)(params)
+
+
+def test_kl_and_entropy_terms_and_metrics(setup):
+    params, ref_params = setup["params"], setup["ref"]
+    samples = [dataclasses.replace(s, advantage=0.0) for s in setup["samples"]]
+    batch = _batch(samples)
+    mask = jnp.asarray(_unpacked_mask(samples, N))
+    (expected, (kl, entropy)), expected_grads = _kl_entropy_reference(params, ref_params, batch, mask,
+                                                                       KL_OBJ.kl_coef, KL_OBJ.entropy_coef)
+    assert float(kl) > 1e-2 and float(entropy) > 1.0
+    loss_sum, aux, grads = loss_and_grad(KL_OBJ, params, batch, {"ref": ref_params}, 1)
+    weight = aux["weight"]
+    assert float(weight) == float(jnp.sum(mask)) == float(aux["tokens"])
+    # zero advantages: no policy term, the loss is exactly kl_coef·mean k3 - entropy_coef·mean entropy
+    close(loss_sum / weight, expected)
+    tree_close(scaled(grads, weight), expected_grads)
+    metrics = token_means({k: float(v) / float(weight) for k, v in aux.items()})
+    close(metrics["kl"], kl)
+    close(metrics["entropy"], entropy)
+    logp = trainer_logp(params, batch)
+    behaviour = jnp.asarray(_per_token(samples, [s.behaviour_logp for s in samples], N))
+    close(metrics["logprob_mismatch"], jnp.sum(jnp.abs(logp - behaviour) * mask) / jnp.sum(mask))
+    assert "tokens" not in metrics
+
+
+# ---------------------------------------------------------------- 4. truncated importance sampling
+
+
+@pytest.mark.parametrize("obj, weights, capped", [
+    (PPO_TIS_TOKEN, [[2.0, 0.5, 1.5, 2.0], [1.0, 1.5]], 2 / 6),   # ratios 3.0 and 2.5 capped at 2
+    (GSPO_TIS_SEQ, [[2.0] * 4, [1.5] * 2], 4 / 6),                # seq ratios 5.625 (capped), 1.5
+], ids=["token", "sequence"])
+def test_tis_hand_computed(setup, obj, weights, capped):
+    """At ratio 1 (proximal = trainer) both PPO and GSPO give per-token loss -A and, summed over a
+    sequence's tokens (token_mean), gradient -A·∇logp per token; TIS scales each by its weight."""
+    params = setup["params"]
+    ratios = [[3.0, 0.5, 1.5, 2.5], [1.0, 1.5]]
+    adv = [1.0, -0.5]
+    samples = [Sample(0, 0, [3, 4, 5], [6, 7, 8, 9], [0.0] * 4, [0] * 4, False, {"reward": 1.0}, adv[0]),
+               Sample(0, 1, [10, 11], [12, 13], [0.0] * 2, [0] * 2, False, {"reward": 0.0}, adv[1])]
+    # both packed into row 0 of 8 rows (the shared batch shape); targets at 2-5 and 8-9
+    positions = [slice(2, 6), slice(8, 10)]
+    logp = np.asarray(trainer_logp(params, _batch(samples, pack=True, row_multiple=N)))
+    trainer = [logp[0, positions[0]], logp[0, positions[1]]]
+    # behaviour = trainer - log(ratio), so π_trainer/π_behaviour is exactly `ratios`
+    samples = _with_logps(samples, [t - np.log(r) for t, r in zip(trainer, ratios, strict=True)])
+    batch = _batch(samples, pack=True, row_multiple=N)
+    assert batch["tokens"].shape == (N, SEQ_LEN)
+    loss_sum, aux, grads = loss_and_grad(obj, params, batch, None, 1)
+    assert float(aux["weight"]) == 6.0 and float(aux["tokens"]) == 6.0
+    expected = {"token": -4.75 / 6, "sequence": -6.5 / 6}[obj.tis_level]
+    close(sum(-a * sum(w) for a, w in zip(adv, weights, strict=True)) / 6, expected)
+    close(loss_sum / aux["weight"], expected)
+    metrics = token_means({k: float(v) / float(aux["weight"]) for k, v in aux.items()})
+    close(metrics["tis_capped_fraction"], capped)
+    cot = np.zeros_like(logp)
+    for pos, a, w in zip(positions, adv, weights, strict=True):
+        cot[0, pos] = -a * np.asarray(w) / 6
+    tree_close(scaled(grads, 6), logp_vjp(params, batch, jnp.asarray(cot)))
+
+
+# ---------------------------------------------------------------- 5. micro-batches
+
+
+def test_micro_batches_equal_full_batch(setup):
+    params = setup["params"]
+    batch = _batch(setup["samples"])
+    frozen = {"ref": setup["ref"]}
+    loss_1, sums_1, grads_1 = loss_and_grad(KL_OBJ, params, batch, frozen, 1)
+    loss_2, sums_2, grads_2 = loss_and_grad(KL_OBJ, params, batch, frozen, 2)
+    assert set(sums_1) == set(sums_2) and {"weight", "kl", "tokens", "tis_capped_fraction"} <= set(sums_1)
+    assert abs(float(loss_1)) > 1e-2
+    close(loss_2, loss_1)
+    tree_close(grads_2, grads_1)
+    tree_close(sums_2, sums_1, 1e-4)
+
+
+# ---------------------------------------------------------------- 6. gspo_tokens == gspo
+
+
+def _scatter(flat, index, fill):
+    """[rows, cols] layout of the token values `flat`: index -1 marks prompt/padding (`fill` there)."""
+    return jnp.where(index >= 0, flat[np.maximum(index, 0)], fill)
+
+
+def test_gspo_tokens_equals_gspo_padded_and_packed():
+    rng = np.random.default_rng(1)
+    lengths, eps = [6, 3, 0, 5], 0.05
+    B, total = len(lengths), sum(lengths)
+    starts = np.cumsum([0] + lengths[:-1])
+    x = jnp.asarray(rng.normal(-2.0, 0.5, total), jnp.float32)  # every sampled token's logp
+    old_flat = jnp.asarray(np.asarray(x) + rng.normal(0, 0.2, total), jnp.float32)
+    adv = jnp.asarray([1.0, -1.5, 2.0, -0.5], jnp.float32)
+    # layouts: (flat token index or -1, sequence index; B = padding). Every sequence starts with
+    # a prompt token (-1, its own sequence index, not in the mask), as build_batch lays them out.
+    padded_idx, padded_seq = np.full((B, 7), -1), np.full((B, 7), B)
+    for i, (s, n) in enumerate(zip(starts, lengths, strict=True)):
+        padded_idx[i, 1:1 + n], padded_seq[i, :1 + n] = np.arange(s, s + n), i
+    # packed: row 0 = sequences 0 and 1, row 1 = sequence 3, sequence 2 (prompt only), padding
+    packed_idx, packed_seq = np.full((2, 11), -1), np.full((2, 11), B)
+    packed_idx[0, 1:7], packed_idx[0, 8:11], packed_idx[1, 1:6] = np.arange(0, 6), np.arange(6, 9), np.arange(9, 14)
+    packed_seq[0, :7], packed_seq[0, 7:11], packed_seq[1, :6], packed_seq[1, 6] = 0, 1, 3, 2
+
+    def reference(flat):
+        mask = (padded_idx >= 0).astype(np.float32)
+        return pl.gspo(_scatter(flat, padded_idx, -1.0), _scatter(old_flat, padded_idx, -3.0), adv, mask, eps,
+                       eps)[0]
+
+    def per_token(index, seq):
+        def fn(flat):
+            mask = (index >= 0).astype(np.float32)
+            adv_tok = jnp.where(seq < B, adv[np.minimum(seq, B - 1)], 0.0)
+            weight = mask / np.maximum(np.asarray(lengths + [1]), 1)[seq]  # 1/len_i: "seq_mean_token_mean"
+            loss, _ = pl.gspo_tokens(_scatter(flat, index, -1.0), _scatter(old_flat, index, -3.0), adv_tok, mask,
+                                     jnp.asarray(seq, jnp.int32), B, eps, eps)
+            return jnp.sum(loss * weight) / 3.0  # 3 sequences with tokens
+        return fn
+
+    ref_loss, ref_grad = jax.jit(jax.value_and_grad(reference))(x)
+    seq_ratio = [math.exp(float(np.mean(np.asarray(x)[s:s + n] - np.asarray(old_flat)[s:s + n])))
+                 for s, n in zip(starts, lengths, strict=True) if n]
+    assert any(abs(r - 1) > eps for r in seq_ratio) and any(abs(r - 1) < eps for r in seq_ratio)  # some clip
+    assert float(jnp.max(jnp.abs(ref_grad))) > 1e-3
+    for index, seq in ((padded_idx, padded_seq), (packed_idx, packed_seq)):
+        loss, grad = jax.jit(jax.value_and_grad(per_token(index, seq)))(x)
+        close(loss, ref_loss)
+        close(grad, ref_grad)
+
+
+# ---------------------------------------------------------------- 7. arithmetic tasks
+
+
+def _score(family, task, text, truncated=False):
+    out = family.score(task, text, truncated)
+    return out["reward"], out["correct"], out["format"]
+
+
+def test_arithmetic_scores_hand_checked():
+    family = ArithmeticFamily()
+    task = Task(0, "482+59=", "541")
+    assert _score(family, task, "541") == (1.0, 1.0, 1.0)
+    assert _score(family, task, "541 ") == (0.0, 0.0, 0.0)  # wrong format
+    assert _score(family, task, "540") == (0.0, 0.0, 1.0)
+    assert _score(family, task, "541", truncated=True) == (0.0, 0.0, 0.0)
+    assert _score(family, task, "The answer is 541") == (0.0, 0.0, 0.0)
+    shaped = ArithmeticFamily(format_weight=0.1)
+    assert _score(shaped, task, "541") == pytest.approx((1.1, 1.0, 1.0))
+    assert _score(shaped, task, "540") == pytest.approx((0.1, 0.0, 1.0))
+    assert _score(shaped, task, "54x") == (0.0, 0.0, 0.0)
+    assert _score(shaped, task, "541", truncated=True) == (0.0, 0.0, 0.0)
+    assert _score(shaped, Task(0, "3-10=", "-7"), "-7") == pytest.approx((1.1, 1.0, 1.0))
+
+
+def test_arithmetic_tasks_deterministic_and_correct():
+    family = ArithmeticFamily(seed=3, min_digits=2, max_digits=3)
+    first = family.tasks(0, 20)
+    assert first == ArithmeticFamily(seed=3, min_digits=2, max_digits=3).tasks(0, 20)
+    assert [t.index for t in first] == list(range(20))
+    assert family.tasks(5, 3) == first[5:8]
+    assert family.tasks(0, 20, stream=1) != first
+    assert ArithmeticFamily(seed=4, min_digits=2, max_digits=3).tasks(0, 20) != first
+    for op, symbol, fn in (("add", "+", lambda a, b: a + b), ("sub", "-", lambda a, b: a - b),
+                           ("mul", "*", lambda a, b: a * b)):
+        tasks = ArithmeticFamily(op=op, seed=3, min_digits=2, max_digits=3).tasks(0, 30)
+        for t in tasks:
+            m = re.fullmatch(r"(\d+)" + re.escape(symbol) + r"(\d+)=", t.prompt)
+            assert m, t.prompt
+            a, b = int(m.group(1)), int(m.group(2))
+            assert 10 <= a <= 999 and 10 <= b <= 999
+            assert t.answer == str(fn(a, b))
+        if op == "sub":
+            assert any(t.answer.startswith("-") for t in tasks)
+    with pytest.raises(ValueError, match="rl.task"):
+        ArithmeticFamily(op="div")
+
+
+# ---------------------------------------------------------------- 8. config validation
+
+
+def _config(**overrides):
+    return config_lib.load_config("configs/quickstart.py", overrides)
+
+
+def _validate(config):
+    config_lib.validate(config, 8, {"rl": None, "sft": None})
+
+
+def test_quickstart_config_is_valid():
+    _validate(_config())
+    _validate(_config(**{"rl.policy_loss": "gspo", "rl.aggregation": "seq_mean_token_mean"}))
+    _validate(_config(**{"rl.prompts_per_step": 3, "rl.group_size": 2, "rl.pack": True}))  # packed: rows bucketed
+
+
+@pytest.mark.parametrize("overrides, pattern", [
+    ({"rl.advantage": "grpoo"}, r"rl\.advantage='grpoo'.*Did you mean \"grpo\""),
+    ({"rl.policy_loss": "gspo", "rl.aggregation": "token_mean"}, r"rl\.aggregation='seq_mean_token_mean'"),
+    ({"rl.seq_len": 40}, r"rl\.seq_len=40 exceeds rl\.engine\.max_len=32"),
+    ({"rl.backend": "sglang"}, r"rl\.sglang_urls"),
+    ({"rl.prompts_per_step": 3, "rl.group_size": 2}, r"rl\.prompts_per_step×rl\.group_size=6"),
+])
+def test_bad_rl_config_names_the_field(overrides, pattern):
+    with pytest.raises(config_lib.ConfigError, match=pattern):
+        _validate(_config(**overrides))
+
+
+# ---------------------------------------------------------------- 9. the producer
+
+
+class FakeBackend:
+    """`generate` answers every request with `outcome(task, k) -> (text, finish_type)`."""
+
+    def __init__(self, tokenizer, family, outcome):
+        self.tokenizer, self.family, self.outcome = tokenizer, family, outcome
+        self.requests = []
+
+    def generate(self, requests):
+        self.requests += requests
+        out = []
+        for r in requests:
+            _, t, k = r.rid.split("-")
+            task, k = self.family.task(int(t[1:])), int(k[1:])
+            text, finish = self.outcome(task, k)
+            ids = self.tokenizer.encode(text) + ([self.tokenizer.eos_id] if finish == "stop" else [])
+            reason = {"stop": {"type": "stop", "matched": self.tokenizer.eos_id},
+                      "length": {"type": "length", "length": len(ids)},
+                      "abort": {"type": "abort", "message": "engine died"}}[finish]
+            out.append(Completion(r.rid, list(r.input_ids), ids, [-0.1 * (j + 1) for j in range(len(ids))],
+                                  [7] * len(ids), reason))
+        return out
+
+
+def _wrong(task):
+    return str(int(task.answer) + 1)
+
+
+def _producer(outcome, family=None, **rl_overrides):
+    rl = config_lib.load_config("configs/quickstart.py:smoke").rl
+    for key, value in rl_overrides.items():
+        setattr(rl, key, value)
+    tokenizer = byte_level_tokenizer()
+    family = family or ArithmeticFamily(seed=5)
+    backend = FakeBackend(tokenizer, family, outcome)
+    return Producer(backend, family, tokenizer, rl, seed=11), backend, tokenizer, family
+
+
+def _group_rewards(batch, k):
+    return np.array([s.rewards["reward"] for s in batch.samples], np.float32).reshape(-1, k)
+
+
+def test_producer_batch_order_and_advantages():
+    # even k answers correctly; task 2's group is all correct (zero variance, kept without dynamic sampling)
+    outcome = lambda task, k: (task.answer if k % 2 == 0 or task.index == 2 else _wrong(task), "stop")
+    producer, backend, tokenizer, family = _producer(outcome)
+    G, K = producer.rl.prompts_per_step, producer.rl.group_size
+    assert (G, K) == (4, 4)
+    batch = producer.make_batch(0)
+    assert len(batch.samples) == G * K and batch.cursor_end == G and batch.failures == []
+    assert batch.stats["generation_rounds"] == 1.0 and batch.stats["groups_filtered"] == 0.0
+    for g in range(G):
+        task = family.task(g)
+        for k in range(K):
+            s, req = batch.samples[g * K + k], backend.requests[g * K + k]
+            assert (s.group, s.task_index) == (g, g)
+            assert s.prompt_ids == tokenizer.encode(task.prompt) == req.input_ids
+            assert req.sampling.sampling_seed == sample_seed(11, g, k)
+            assert req.sampling.max_new_tokens == producer.rl.max_new_tokens
+            assert tokenizer.decode(s.output_ids[:-1]) == outcome(task, k)[0]
+            assert s.behaviour_logp == pytest.approx([-0.1 * (j + 1) for j in range(len(s.output_ids))])
+            assert s.versions == [7] * len(s.output_ids) and not s.truncated
+            assert s.rewards["reward"] == (1.0 if k % 2 == 0 or g == 2 else 0.0)
+    rewards = _group_rewards(batch, K)
+    close([s.advantage for s in batch.samples], np.asarray(adv_lib.grpo(jnp.asarray(rewards))).reshape(-1))
+    close([s.advantage for s in batch.samples[:K]], [1, -1, 1, -1])  # hand: mean 0.5, std 0.5
+    assert all(s.advantage == 0.0 for s in batch.samples[2 * K:3 * K])
+    # the next batch continues the task stream
+    nxt = producer.make_batch(1)
+    assert nxt.cursor_end == 2 * G and [s.task_index for s in nxt.samples[::K]] == [4, 5, 6, 7]
+    assert len({r.sampling.sampling_seed for r in backend.requests}) == 2 * G * K
+
+
+def test_producer_dynamic_sampling_refills():
+    # odd tasks: every sample correct (zero variance, dropped); even tasks: even k correct
+    outcome = lambda task, k: (task.answer if task.index % 2 or k % 2 == 0 else _wrong(task), "stop")
+    producer, backend, _, _ = _producer(outcome, dynamic_sampling=True, max_refill_rounds=2)
+    batch = producer.make_batch(0)
+    K = producer.rl.group_size
+    # round 1: tasks 0-3 keep 0, 2; round 2: tasks 4, 5 keep 4; round 3: task 6
+    assert len(backend.requests) == 7 * K
+    assert [s.task_index for s in batch.samples[::K]] == [0, 2, 4, 6]
+    assert [s.group for s in batch.samples] == [g for g in range(4) for _ in range(K)]
+    assert batch.cursor_end == 7
+    assert batch.stats["generation_rounds"] == 3.0 and batch.stats["groups_filtered"] == 3.0
+    close([s.advantage for s in batch.samples], np.tile([1.0, -1.0], 8))
+
+
+def test_producer_dynamic_sampling_gives_up_after_max_refill_rounds():
+    producer, backend, _, _ = _producer(lambda task, k: (_wrong(task), "stop"), dynamic_sampling=True,
+                                        max_refill_rounds=2)
+    batch = producer.make_batch(0)
+    K = producer.rl.group_size
+    assert len(backend.requests) == 3 * 4 * K  # 1 round + 2 refills of 4 prompts each
+    assert batch.cursor_end == 12 and batch.stats["generation_rounds"] == 3.0
+    assert [s.task_index for s in batch.samples[::K]] == [0, 1, 2, 3]  # trains on flat groups
+    assert all(s.advantage == 0.0 for s in batch.samples)
+
+
+class ExplodingFamily(ArithmeticFamily):
+    def score(self, task, completion, truncated):
+        if completion == "boom":
+            raise ValueError("bad verifier")
+        return super().score(task, completion, truncated)
+
+
+def test_producer_records_failures_and_round_trips():
+    # k=0 correct, k=1 crashes the verifier, k=2 wrong and truncated, k=3 aborted
+    def outcome(task, k):
+        return [(task.answer, "stop"), ("boom", "stop"), (task.answer, "length"), (task.answer, "abort")][k]
+
+    producer, _, _, _ = _producer(outcome, family=ExplodingFamily(seed=5))
+    batch = producer.make_batch(3)
+    K = producer.rl.group_size
+    assert len(batch.failures) == 2 * 4
+    for g in range(4):
+        group = batch.samples[g * K:(g + 1) * K]
+        assert [s.rewards["reward"] for s in group] == [1.0, 0.0, 0.0, 0.0]
+        assert [s.rewards["verifier_error"] for s in group] == [0.0, 1.0, 0.0, 1.0]
+        assert [s.truncated for s in group] == [False, False, True, True]
+        crash, abort = batch.failures[2 * g], batch.failures[2 * g + 1]
+        assert crash == {"task_index": g, "rid": f"s3-t{g}-k1", "error": "ValueError: bad verifier"}
+        assert abort == {"task_index": g, "rid": f"s3-t{g}-k3", "error": "RuntimeError: rollout aborted: engine died"}
+    close([s.advantage for s in batch.samples], np.asarray(adv_lib.grpo(jnp.asarray(_group_rewards(batch, K))))
+          .reshape(-1))
+    restored = ScoredBatch.from_json(json.loads(json.dumps(batch.to_json())))
+    assert restored == batch
+    assert restored.samples[0] is not batch.samples[0] and isinstance(restored.samples[0], Sample)
