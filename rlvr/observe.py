@@ -68,6 +68,21 @@ class MetricsWriter:
             self._tb.close()
 
 
+def drop_metrics_after(workdir: str, step: int, filename: str = "metrics.jsonl") -> None:
+    """On resume from checkpoint `step`: removes records of later steps, which a killed run wrote
+    after its last checkpoint and the resumed run is about to write again."""
+    path = os.path.join(workdir, filename)
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    if len(kept) != len(lines):
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+
+
 def _to_python(value: Any) -> Any:
     try:
         return float(value)

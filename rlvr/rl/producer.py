@@ -171,17 +171,17 @@ class Producer:
 
     # --- synchronous / asynchronous production ------------------------------------------------
 
-    def start(self, first_step: int, version: int) -> None:
-        """Starts the background thread producing batches first_step, first_step+1, … (async mode)."""
+    def start(self, first_step: int, end_step: int, version: int) -> None:
+        """Starts the background thread producing batches first_step, …, end_step - 1 (async mode)."""
         self._version = version
-        self._thread = threading.Thread(target=self._run, args=(first_step + len(self._queue),),
+        self._thread = threading.Thread(target=self._run, args=(first_step + len(self._queue), end_step),
                                         name="rlvr-rollout-producer", daemon=True)
         self._thread.start()
 
-    def _run(self, step: int) -> None:
+    def _run(self, step: int, end_step: int) -> None:
         k = self.rl.max_staleness
         try:
-            while True:
+            while step < end_step:
                 with self._cond:
                     while not self._stop and self._version < step - k:
                         self._cond.wait()

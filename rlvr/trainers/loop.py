@@ -43,6 +43,7 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str, model: Model, lo
         data.set_state(extra["data"])
         resumed_from = int(state["step"])
         print(f"resumed from step {resumed_from} ({checkpoints.directory})")
+        observe.drop_metrics_after(workdir, resumed_from)
     else:
         state = step_lib.init_state(model.params, optimizer, shardings)
     model.params = None  # now owned (and donated) by `state`

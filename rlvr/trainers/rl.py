@@ -285,7 +285,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     if config.checkpoint.resume and checkpoints.latest_step() is not None:
         state, extra = checkpoints.restore(step_lib.abstract_state(model.cfg, optimizer, shardings))
-        print(f"resumed from step {int(state['step'])} ({checkpoints.directory})")
+        print(f"resumed from step {int(state['step']) // updates} ({checkpoints.directory})")
+        observe.drop_metrics_after(workdir, int(state["step"]) // updates)
     else:
         state = step_lib.init_state(model.params, optimizer, shardings)
     model.params = None  # owned (and donated) by `state`
@@ -305,7 +306,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                         ref_logprobs=ref_fn)
     objective = build_objective(rl)
     loss_fn = functools.partial(rl_loss, model.cfg, objective)
-    frozen = {"ref": ref_params} if use_ref and rl.kl_mode == "loss" or rl.reference_model else None
+    # The reference runs inside the step for a KL loss term, or (rl.reference_model) to report the KL.
+    frozen = {"ref": ref_params} if (use_ref and rl.kl_mode == "loss") or rl.reference_model else None
     frozen_sh = {"ref": shardings["params"]} if frozen is not None else None
     lr = learning_rate_schedule(config.optimizer, num_steps * updates)
     mesh_shape = dict(model.mesh.shape)
@@ -318,7 +320,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     failures_log = open(os.path.join(workdir, "failures.jsonl"), "a")
     progress = observe.Progress(num_steps, start)
     if rl.mode == "async":
-        producer.start(start, version=start)
+        producer.start(start, num_steps, version=start)
     try:
         for step in range(start, num_steps):
             t0 = time.perf_counter()
