@@ -366,6 +366,7 @@ def test_other_algorithms_train(algorithm, sync_run, tmp_path):
     assert all(r["grad_norm"] > 0 and np.isfinite(r["loss"]) for r in rows), rows
     if algorithm["rl.advantage"] == "gae":
         assert all(r["value_loss"] > 0 for r in rows)  # the value head starts at 0, returns do not
+        assert "value_proj" in _params(run)  # the workdir loads back with its value head
     else:
         assert all("reward/kl_penalty" in r for r in rows)
         assert all(r["groups_generated"] >= PROMPTS for r in rows)

@@ -73,7 +73,6 @@ class Producer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._stop = False
-        self.idle_s = 0.0  # trainer time spent waiting for a batch
 
     # --- one batch ------------------------------------------------------------------------
 
@@ -213,14 +212,12 @@ class Producer:
                 batch = self.make_batch(step)
                 self._completed_cursor = batch.cursor_end
             return batch
-        t0 = time.perf_counter()
         with self._cond:
             while not self._queue and self._error is None:
                 self._cond.wait()
             if self._error is not None and not self._queue:
                 raise RuntimeError("rollout producer failed") from self._error
             batch = self._queue.popleft()
-        self.idle_s += time.perf_counter() - t0
         if batch.step != step:
             raise RuntimeError(f"producer made batch {batch.step} for train step {step}")
         return batch

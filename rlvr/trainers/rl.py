@@ -224,6 +224,18 @@ def with_value_head(model: api.Model) -> api.Model:
     return api.Model(cfg, {**model.params, "value_proj": head}, model.mesh)
 
 
+def _record_value_head(workdir: str) -> None:
+    """Marks model.value_head in the run's config.json, so `api.load_trained(workdir)` rebuilds
+    the checkpoint's structure (policy + value head)."""
+    path = os.path.join(workdir, "config.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            recorded = json.load(f)
+        recorded["model"]["value_head"] = True
+        with open(path, "w") as f:
+            json.dump(recorded, f, indent=2, sort_keys=True)
+
+
 def _gae_fn(cfg, rl):
     """(params, batch) -> batch with per-token GAE advantages (whitened over tokens), returns and
     old values: the reward sits on each sequence's last sampled token, values come from the
@@ -273,6 +285,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     model, reference_pointer = initial_model(config, workdir, family)
     if rl.advantage == "gae":
         model = with_value_head(model)
+        _record_value_head(workdir)
     api.check_vocab(model.cfg, tokenizer)
     num_steps, updates = config.train.num_steps, rl.updates_per_batch
     optimizer = build_optimizer(config.optimizer, num_steps * updates)  # one optimizer step per mini-batch
