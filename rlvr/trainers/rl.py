@@ -177,19 +177,11 @@ def write_plot(workdir: str, history: list[dict[str, float]], evals: list[tuple[
 
 def _ref_logprobs_fn(cfg, ref_params, rl, pad_id: int):
     """samples -> per-token reference log-probs of their outputs (for rl.kl_mode="reward")."""
-    from rlvr import losses
-    from rlvr.models.transformer import forward
-
-    @jax.jit
-    def logprobs(params, tokens, positions, segment_ids):
-        logits, _ = forward(cfg, params, tokens, positions, segment_ids)
-        return losses.next_token_logprobs(logits, tokens)
+    logprobs = _logprobs_fn(cfg)
 
     def fn(samples):
-        arrays = build_batch(samples, rl.seq_len, pad_id)
-        lp = np.asarray(logprobs(ref_params, arrays["tokens"], arrays["positions"], arrays["segment_ids"]))
-        return [lp[i, len(s.prompt_ids) - 1: len(s.prompt_ids) - 1 + len(s.output_ids)]
-                for i, s in enumerate(samples)]
+        lp = logprobs(ref_params, build_batch(samples, rl.seq_len, pad_id))
+        return [lp[i, len(s.prompt_ids): len(s.prompt_ids) + len(s.output_ids)] for i, s in enumerate(samples)]
     return fn
 
 
@@ -278,6 +270,47 @@ def _mini_batches(arrays: dict[str, np.ndarray], count: int, rng: np.random.Gene
         yield {k: v[part] for k, v in arrays.items()}
 
 
+class PolicyUpdate:
+    """One scored batch -> `rl.updates_per_batch` optimizer steps: GAE advantages (PPO) and the
+    proximal log-probs first when needed, then one jitted, sharded step per shuffled mini-batch
+    (compiled once per mini-batch shape). Returns the new state and the mean metrics."""
+
+    def __init__(self, config: ml_collections.ConfigDict, model: api.Model, optimizer, shardings, frozen,
+                 learning_rate):
+        rl = config.rl
+        self.config, self.model, self.optimizer, self.shardings = config, model, optimizer, shardings
+        self.frozen, self.learning_rate, self.updates = frozen, learning_rate, rl.updates_per_batch
+        self.frozen_sharding = {"ref": shardings["params"]} if frozen is not None else None
+        self.loss_fn = functools.partial(rl_loss, model.cfg, build_objective(rl))
+        self.old_logprobs = _logprobs_fn(model.cfg) if self.updates > 1 else None
+        self.gae = _gae_fn(model.cfg, rl) if rl.advantage == "gae" else None
+        self.rng = jax.random.key(config.seed)
+        self._steps: dict[tuple[int, ...], Any] = {}
+
+    def _step(self, mini: dict[str, np.ndarray]):
+        shape = mini["tokens"].shape
+        if shape not in self._steps:
+            batch_sh = step_lib.batch_shardings(mini, self.model.mesh)
+            self._steps[shape] = (step_lib.build_train_step(
+                self.loss_fn, self.optimizer, self.model.mesh, self.shardings, batch_sh,
+                micro_batches=self.config.train.micro_batches, learning_rate=self.learning_rate,
+                frozen_sharding=self.frozen_sharding), batch_sh)
+        return self._steps[shape]
+
+    def __call__(self, state, arrays: dict[str, np.ndarray], samples, step: int):
+        if self.gae is not None:
+            arrays = self.gae(state["params"], arrays, samples)
+        if self.old_logprobs is not None:  # the proximal policy of every mini-batch: the weights before them
+            arrays["old_logp"] = self.old_logprobs(state["params"], arrays)
+        metrics = []
+        for mini in _mini_batches(arrays, self.updates, np.random.default_rng([self.config.seed, step])):
+            train_step, batch_sh = self._step(mini)
+            state, m = train_step(state, jax.device_put(mini, batch_sh), self.rng, self.frozen)
+            metrics.append(m)
+        metrics = jax.device_get(metrics)
+        return state, {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
+
+
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     rl, wall_start = config.rl, time.perf_counter()
     tokenizer = api.build_tokenizer(config)
@@ -317,18 +350,12 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     producer = Producer(backend, family, tokenizer, rl, config.seed, cursor=producer_state["cursor"],
                         buffered=[ScoredBatch.from_json(b) for b in producer_state["buffered"]],
                         ref_logprobs=ref_fn)
-    objective = build_objective(rl)
-    loss_fn = functools.partial(rl_loss, model.cfg, objective)
     # The reference runs inside the step for a KL loss term, or (rl.reference_model) to report the KL.
     frozen = {"ref": ref_params} if (use_ref and rl.kl_mode == "loss") or rl.reference_model else None
-    frozen_sh = {"ref": shardings["params"]} if frozen is not None else None
-    lr = learning_rate_schedule(config.optimizer, num_steps * updates)
+    update = PolicyUpdate(config, model, optimizer, shardings, frozen,
+                          learning_rate_schedule(config.optimizer, num_steps * updates))
     mesh_shape = dict(model.mesh.shape)
     row_multiple = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1) * config.train.micro_batches * updates
-    steps: dict[tuple[int, int], Any] = {}  # one compiled step per mini-batch shape (packing buckets)
-    old_logprobs = _logprobs_fn(model.cfg) if updates > 1 else None
-    gae_fn = _gae_fn(model.cfg, rl) if rl.advantage == "gae" else None
-    rng = jax.random.key(config.seed)
     writer = observe.MetricsWriter(workdir, tensorboard=config.train.tensorboard)
     failures_log = open(os.path.join(workdir, "failures.jsonl"), "a")
     progress = observe.Progress(num_steps, start)
@@ -341,23 +368,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             t1 = time.perf_counter()
             arrays = build_batch(batch.samples, rl.seq_len, tokenizer.pad_id, rl.aggregation, rl.max_new_tokens,
                                  rl.pack, row_multiple)
-            shape = arrays["tokens"].shape
-            if gae_fn is not None:
-                arrays = gae_fn(state["params"], arrays, batch.samples)
-            if old_logprobs is not None:  # the proximal policy for every mini-batch: the weights before them
-                arrays["old_logp"] = old_logprobs(state["params"], arrays)
-            metrics_list = []
-            for mini in _mini_batches(arrays, updates, np.random.default_rng([config.seed, step])):
-                key = mini["tokens"].shape
-                if key not in steps:
-                    batch_sh = step_lib.batch_shardings(mini, model.mesh)
-                    steps[key] = (step_lib.build_train_step(
-                        loss_fn, optimizer, model.mesh, shardings, batch_sh, micro_batches=config.train.micro_batches,
-                        learning_rate=lr, frozen_sharding=frozen_sh), batch_sh)
-                train_step, batch_sh = steps[key]
-                state, metrics = train_step(state, jax.device_put(mini, batch_sh), rng, frozen)
-                metrics_list.append(metrics)
-            metrics = {k: float(np.mean([m[k] for m in jax.device_get(metrics_list)])) for k in metrics_list[0]}
+            state, metrics = update(state, arrays, batch.samples, step)
             t2 = time.perf_counter()
             backend.update_weights(state["params"], step + 1)
             producer.set_version(step + 1)
@@ -365,7 +376,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
             record = {**rollout_metrics(batch, step), **token_means(metrics)}
             record.update(wait_for_rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2, step_s=t3 - t0,
-                          rows=float(shape[0]))
+                          rows=float(arrays["tokens"].shape[0]))
             for failure in batch.failures:
                 failures_log.write(json.dumps({"step": step, **failure}) + "\n")
             failures_log.flush()
