@@ -131,6 +131,9 @@ def rl_config() -> ml_collections.ConfigDict:
         "tis_level": "token",  # token | sequence
         "dynamic_sampling": False, "max_refill_rounds": 2,  # DAPO: drop zero-variance groups, refill
         "overlong_buffer": 0, "overlong_penalty": 1.0,  # DAPO soft overlong punishment (0 = off)
+        # difficulty curriculum (rlvr.tasks.curriculum): levels = operand digits rl.min_digits..rl.max_digits,
+        # sampled near the level whose pass rate is inside [band_low, band_high]
+        "curriculum": False, "curriculum_band_low": 0.2, "curriculum_band_high": 0.8, "curriculum_min_samples": 32,
         "pack": False,  # several rollouts per train row
         "updates_per_batch": 1,  # PPO mini-batches: optimizer steps per rollout batch (proximal = weights before)
         # evaluation (held-out greedy) and the SFT warm start
@@ -158,6 +161,9 @@ def _validate_rl(config: ml_collections.ConfigDict) -> None:
     for path in ("rl.prompts_per_step", "rl.group_size", "rl.max_new_tokens", "rl.seq_len", "rl.eval_examples",
                  "rl.updates_per_batch"):
         _positive(config, path)
+    if rl.curriculum and not 0 <= rl.curriculum_band_low < rl.curriculum_band_high <= 1:
+        raise ConfigError(f"rl.curriculum_band_low={rl.curriculum_band_low}, rl.curriculum_band_high="
+                          f"{rl.curriculum_band_high}: need 0 <= low < high <= 1.")
     if rl.max_staleness < 0:
         raise ConfigError(f"rl.max_staleness={rl.max_staleness}: must be >= 0 (0 = synchronous).")
     if rl.policy_loss == "gspo" and rl.aggregation != "seq_mean_token_mean":

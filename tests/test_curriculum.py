@@ -91,3 +91,19 @@ def test_state_round_trips_through_json_and_resumes_exactly():
 def test_bad_settings_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         Curriculum({"a": LEVELS, "b": LEVELS}, **kwargs)
+
+
+def test_arithmetic_levels_fix_operand_digits():
+    from rlvr.tasks.arithmetic import ArithmeticFamily
+
+    family = ArithmeticFamily("add", min_digits=1, max_digits=3, seed=0)
+    assert family.levels() == [1, 2, 3]
+    for level in family.levels():
+        for i in range(20):
+            task = family.task(i, level=level)
+            a, b = task.prompt[:-1].split("+")
+            assert len(a) == len(b) == level and task.level == level
+            assert int(task.answer) == int(a) + int(b)
+    assert family.task(5) == family.task(5)  # no level: the family's own digit range, unchanged
+    with pytest.raises(ValueError, match="levels"):
+        family.task(0, level=4)

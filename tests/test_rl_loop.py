@@ -231,7 +231,7 @@ def test_sync_kill_and_resume_is_bitwise_identical(sync_run, tmp_path, tmp_path_
 
     _assert_same_params(_params(workdir), _params(sync_run))
     want, got = _extra(sync_run, STEPS), _extra(workdir, STEPS)
-    assert got["producer"] == want["producer"] == {"cursor": STEPS * PROMPTS, "buffered": []}
+    assert got["producer"] == want["producer"] == {"cursor": STEPS * PROMPTS, "buffered": [], "curriculum": None}
     assert got["history"] == want["history"] and [h["step"] for h in got["history"]] == list(range(1, STEPS + 1))
     # metrics.jsonl is appended to: the resumed process wrote exactly the steps after the
     # checkpoint, each on the same tasks as the uninterrupted run (no batch repeated or skipped).
@@ -370,3 +370,24 @@ def test_other_algorithms_train(algorithm, sync_run, tmp_path):
     else:
         assert all("reward/kl_penalty" in r for r in rows)
         assert all(r["groups_generated"] >= PROMPTS for r in rows)
+
+
+def test_curriculum_drives_difficulty_and_resumes_exactly(sync_run, tmp_path):
+    """With rl.curriculum the producer draws each task's level (operand digits) from the curriculum,
+    feeds back its group's pass rate, and the curriculum state rides in the checkpoint: a run stopped
+    after step 2 and resumed to step 4 equals an uninterrupted 4-step run, bitwise."""
+    curriculum = {"rl.curriculum": True, "rl.max_digits": 3, "rl.curriculum_min_samples": 4,
+                  "checkpoint.every_steps": 2, "optimizer.schedule": "constant"}
+    whole = _run(tmp_path / "whole", sft_from=sync_run, **curriculum, **{"train.num_steps": 4})
+    part = tmp_path / "part"
+    _run(part, sft_from=sync_run, **curriculum, **{"train.num_steps": 2})
+    config = config_lib.load_config(SPEC, {**BASE, **curriculum, "train.num_steps": 4})
+    main.run(config, str(part))  # resumes from checkpoint 2 with the curriculum's saved state
+    rows = _metrics(whole)
+    assert all("difficulty_mean" in r for r in rows)
+    assert _columns(_metrics(part), COLUMNS + ("difficulty_mean",)) == _columns(rows, COLUMNS + ("difficulty_mean",))
+    _assert_same_params(_params(part), _params(whole))
+    state = _extra(whole, 4)["producer"]["curriculum"]
+    assert state["stats"], state  # levels were tracked
+    with open(os.path.join(whole, "summary.json")) as f:
+        assert json.load(f)["curriculum"]

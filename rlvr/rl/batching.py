@@ -32,6 +32,7 @@ class Sample:
     truncated: bool
     rewards: dict[str, float]  # "reward" plus components
     advantage: float = 0.0
+    level: int = 0  # the task's difficulty level (curriculum)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -60,8 +60,11 @@ class Producer:
     """Makes `ScoredBatch`es from a task family through a rollout backend (see module doc)."""
 
     def __init__(self, backend, family, tokenizer, rl, seed: int, cursor: int = 0,
-                 buffered: list[ScoredBatch] | None = None, ref_logprobs=None):
+                 buffered: list[ScoredBatch] | None = None, ref_logprobs=None, curriculum=None):
         self.backend, self.family, self.tokenizer, self.rl, self.seed = backend, family, tokenizer, rl, seed
+        # rlvr.tasks.curriculum.Curriculum: draws each task's difficulty level, learns from its group
+        self.curriculum = curriculum
+        self._completed_curriculum = curriculum.state() if curriculum is not None else None
         self.cursor = cursor  # next task index to draw (advanced while generating)
         self.ref_logprobs = ref_logprobs  # samples -> per-token ref log-probs (KL as reward penalty)
         self._cond = threading.Condition()
@@ -107,11 +110,15 @@ class Producer:
                 jnp.asarray(len(output)), self.rl.max_new_tokens, self.rl.overlong_buffer, self.rl.overlong_penalty))
             rewards["reward"] += rewards["overlong_penalty"]
         sample = Sample(group, task.index, list(completion.prompt_ids), output, list(completion.output_logprobs),
-                        list(completion.output_versions), truncated, rewards)
+                        list(completion.output_versions), truncated, rewards, level=task.level)
         return sample, failure
 
     def _generate_round(self, count: int, step: int):
-        tasks = self.family.tasks(self.cursor, count)
+        if self.curriculum is None:
+            tasks = self.family.tasks(self.cursor, count)
+        else:
+            levels = [level for _, level in self.curriculum.sample(count)]
+            tasks = [self.family.task(self.cursor + i, level=level) for i, level in enumerate(levels)]
         self.cursor += count
         completions = self.backend.generate(self._requests(tasks, step))
         t0 = time.perf_counter()
@@ -121,6 +128,9 @@ class Producer:
             scored = [self._score(task, c, g) for c in completions[g * k:(g + 1) * k]]
             groups.append([s for s, _ in scored])
             failures += [f for _, f in scored if f is not None]
+            if self.curriculum is not None:
+                self.curriculum.update(self.rl.task, task.level,
+                                       [s.rewards.get("correct", float(s.rewards["reward"] > 0)) for s, _ in scored])
         return groups, failures, time.perf_counter() - t0
 
     def make_batch(self, step: int) -> ScoredBatch:
@@ -156,6 +166,9 @@ class Producer:
         # generate_s: rollout wall time, scoring included; verify_s: the scoring (verifier) part of it
         stats = {"generate_s": gen_s, "verify_s": verify_s, "generation_rounds": float(rounds),
                  "groups_generated": float(generated), "groups_filtered": float(len(dropped))}
+        if self.curriculum is not None:
+            stats["difficulty_mean"] = float(np.mean([s.level for s in samples]))
+            stats["difficulty_current"] = float(self.curriculum.current[rl.task])
         return ScoredBatch(step, samples, self.cursor, stats, failures)
 
     def _kl_penalty(self, samples: list[Sample]) -> None:
@@ -189,7 +202,7 @@ class Producer:
                 batch = self.make_batch(step)
                 with self._cond:
                     self._queue.append(batch)
-                    self._completed_cursor = batch.cursor_end
+                    self._mark_completed(batch)
                     self._cond.notify_all()
                 step += 1
         except BaseException as e:  # surfaced to the trainer by next_batch()
@@ -210,7 +223,7 @@ class Producer:
                 batch = self._queue.popleft()
             else:
                 batch = self.make_batch(step)
-                self._completed_cursor = batch.cursor_end
+                self._mark_completed(batch)
             return batch
         with self._cond:
             while not self._queue and self._error is None:
@@ -222,10 +235,17 @@ class Producer:
             raise RuntimeError(f"producer made batch {batch.step} for train step {step}")
         return batch
 
+    def _mark_completed(self, batch: ScoredBatch) -> None:
+        self._completed_cursor = batch.cursor_end
+        if self.curriculum is not None:
+            self._completed_curriculum = self.curriculum.state()
+
     def state(self) -> dict[str, Any]:
-        """Checkpointable: the cursor after the last completed batch and the untrained batches."""
+        """Checkpointable: the cursor (and curriculum) after the last completed batch, and the
+        completed but untrained batches."""
         with self._cond:
-            return {"cursor": self._completed_cursor, "buffered": [b.to_json() for b in self._queue]}
+            return {"cursor": self._completed_cursor, "buffered": [b.to_json() for b in self._queue],
+                    "curriculum": self._completed_curriculum}
 
     def stop(self) -> None:
         with self._cond:

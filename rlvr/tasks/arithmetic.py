@@ -22,6 +22,7 @@ class Task:
     index: int  # position in its stream: the data cursor of a run
     prompt: str
     answer: str
+    level: int = 0  # difficulty level it was drawn at (operand digits for arithmetic; 0 = the family's range)
 
 
 class ArithmeticFamily:
@@ -36,19 +37,26 @@ class ArithmeticFamily:
         self.op, self.min_digits, self.max_digits, self.seed = op, min_digits, max_digits, seed
         self.format_weight = format_weight
 
-    def _operand(self, rng: np.random.Generator) -> int:
-        digits = int(rng.integers(self.min_digits, self.max_digits + 1))
+    def levels(self) -> list[int]:
+        """Difficulty levels for a curriculum: the operand digit counts."""
+        return list(range(self.min_digits, self.max_digits + 1))
+
+    def _operand(self, rng: np.random.Generator, level: int | None = None) -> int:
+        digits = int(rng.integers(self.min_digits, self.max_digits + 1)) if level is None else level
         if digits > 18:  # beyond int64: the same uniform draw, digit by digit
             return int("".join(str(d) for d in [rng.integers(1, 10), *rng.integers(0, 10, digits - 1)]))
         low = 0 if digits == 1 else 10 ** (digits - 1)
         return int(rng.integers(low, 10**digits))
 
-    def task(self, index: int, stream: int = 0) -> Task:
-        """Task `index` of `stream` (0 = training, 1 = held-out, 2 = demonstrations)."""
+    def task(self, index: int, stream: int = 0, level: int | None = None) -> Task:
+        """Task `index` of `stream` (0 = training, 1 = held-out, 2 = demonstrations); with `level`,
+        both operands have exactly that many digits (a curriculum's difficulty)."""
+        if level is not None and level not in self.levels():
+            raise ValueError(f"arithmetic level {level}: levels are {self.levels()} (rl.min_digits..rl.max_digits)")
         rng = np.random.default_rng([self.seed, stream, index])
-        a, b = self._operand(rng), self._operand(rng)
+        a, b = self._operand(rng, level), self._operand(rng, level)
         symbol, fn = OPS[self.op]
-        return Task(index, f"{a}{symbol}{b}=", str(fn(a, b)))
+        return Task(index, f"{a}{symbol}{b}=", str(fn(a, b)), level or 0)
 
     def tasks(self, start: int, count: int, stream: int = 0) -> list[Task]:
         return [self.task(i, stream) for i in range(start, start + count)]

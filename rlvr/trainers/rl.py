@@ -36,6 +36,7 @@ from rlvr.rl.objective import Objective, rl_loss, token_means
 from rlvr.rl.producer import Producer, ScoredBatch
 from rlvr.rollout.types import Request, SamplingParams
 from rlvr.tasks import build_family
+from rlvr.tasks.curriculum import Curriculum
 from rlvr.train import step as step_lib
 from rlvr.train.checkpoint import Checkpointer
 from rlvr.train.optimizer import build_optimizer, learning_rate_schedule
@@ -347,9 +348,15 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     producer_state = extra.get("producer", {"cursor": 0, "buffered": []})
     ref_fn = _ref_logprobs_fn(model.cfg, ref_params, rl, tokenizer.pad_id) if rl.kl_mode == "reward" and use_ref \
         else None
+    curriculum = None
+    if rl.curriculum:
+        curriculum = Curriculum({rl.task: family.levels()}, band=(rl.curriculum_band_low, rl.curriculum_band_high),
+                                min_samples=rl.curriculum_min_samples, seed=config.seed)
+        if producer_state.get("curriculum"):
+            curriculum.load_state(producer_state["curriculum"])
     producer = Producer(backend, family, tokenizer, rl, config.seed, cursor=producer_state["cursor"],
                         buffered=[ScoredBatch.from_json(b) for b in producer_state["buffered"]],
-                        ref_logprobs=ref_fn)
+                        ref_logprobs=ref_fn, curriculum=curriculum)
     # The reference runs inside the step for a KL loss term, or (rl.reference_model) to report the KL.
     frozen = {"ref": ref_params} if (use_ref and rl.kl_mode == "loss") or rl.reference_model else None
     update = PolicyUpdate(config, model, optimizer, shardings, frozen,
@@ -413,6 +420,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                "final_reward_mean_last10": float(np.mean([h["reward"] for h in last])) if last else None,
                "evals": evals, "wall_s": round(time.perf_counter() - wall_start, 1),
                "reference": reference_pointer}
+    if curriculum is not None:
+        summary["curriculum"] = curriculum.report()
     plot = write_plot(workdir, history, evals)
     if plot:
         summary["plot"] = plot
