@@ -81,7 +81,7 @@ class SGLangBackend:
         from rlvr.models import hf
 
         path = os.path.join(self.export_dir, f"weights_v{version}")
-        hf.export_hf_checkpoint(self.cfg, _copy(params), path, tokenizer_dir=self.tokenizer_dir)
+        hf.export_hf_checkpoint(self.cfg, _policy(params), path, tokenizer_dir=self.tokenizer_dir)
         self._run(self.client.update_weights_from_disk(path, version, pause_mode="in_place"))
         self._exports.append(path)
         while len(self._exports) > self.keep_exports:  # servers being revived re-sync from the latest
@@ -99,6 +99,11 @@ async def _make_client(cls, urls, options):
     return cls(urls, **options)  # created on the loop that will use it
 
 
+def _policy(params):
+    """The policy's params without a PPO value head (sampling does not use it)."""
+    return {k: v for k, v in params.items() if k != "value_proj"}
+
+
 def _copy(params):
-    """A copy of the policy's params (without a PPO value head, which sampling does not use)."""
-    return jax.tree.map(jnp.copy, {k: v for k, v in params.items() if k != "value_proj"})
+    """A copy of the policy's params: the train step donates (and so invalidates) its buffers."""
+    return jax.tree.map(jnp.copy, _policy(params))

@@ -52,6 +52,18 @@ class ScoredBatch:
                    values["stats"], values["failures"])
 
 
+def passed(rewards: dict[str, float]) -> float:
+    """1.0 when a completion solved its task: the verifier's "correct" component, else reward > 0."""
+    return float(rewards.get("correct", rewards["reward"] > 0))
+
+
+def completion_text(tokenizer, completion) -> tuple[str, bool]:
+    """(the completion's text without its end token, whether it was cut off rather than stopped)."""
+    output = completion.output_ids
+    ids = output[:-1] if output and output[-1] == tokenizer.eos_id else output
+    return tokenizer.decode(list(ids)), (completion.finish_reason or {}).get("type") != "stop"
+
+
 def sample_seed(seed: int, task_index: int, k: int) -> int:
     return int(np.random.SeedSequence([seed, task_index, k]).generate_state(1)[0] % 2**31)
 
@@ -91,26 +103,20 @@ class Producer:
         return out
 
     def _score(self, task, completion, group: int) -> tuple[Sample, dict[str, Any] | None]:
-        eos = self.tokenizer.eos_id
-        output = list(completion.output_ids)
         finish = completion.finish_reason or {}
-        truncated = finish.get("type") != "stop"
-        text_ids = output[:-1] if output and output[-1] == eos else output
+        text, truncated = completion_text(self.tokenizer, completion)
         failure = None
         try:
             if finish.get("type") == "abort":
                 raise RuntimeError(f"rollout aborted: {finish.get('message')}")
-            rewards = dict(self.family.score(task, self.tokenizer.decode(text_ids), truncated))
+            rewards = dict(self.family.score(task, text, truncated))
             rewards["verifier_error"] = 0.0
         except Exception as e:  # recorded (metrics + failures.jsonl), never silently dropped
             rewards = {"reward": 0.0, "verifier_error": 1.0}
             failure = {"task_index": task.index, "rid": completion.rid, "error": f"{type(e).__name__}: {e}"}
-        if self.rl.overlong_buffer:
-            rewards["overlong_penalty"] = float(overlong_penalty(
-                jnp.asarray(len(output)), self.rl.max_new_tokens, self.rl.overlong_buffer, self.rl.overlong_penalty))
-            rewards["reward"] += rewards["overlong_penalty"]
-        sample = Sample(group, task.index, list(completion.prompt_ids), output, list(completion.output_logprobs),
-                        list(completion.output_versions), truncated, rewards, level=task.level)
+        sample = Sample(group, task.index, list(completion.prompt_ids), list(completion.output_ids),
+                        list(completion.output_logprobs), list(completion.output_versions), truncated, rewards,
+                        level=task.level)
         return sample, failure
 
     def _generate_round(self, count: int, step: int):
@@ -123,14 +129,14 @@ class Producer:
         completions = self.backend.generate(self._requests(tasks, step))
         t0 = time.perf_counter()
         k = self.rl.group_size
-        groups, failures = [], []
-        for g, task in enumerate(tasks):
-            scored = [self._score(task, c, g) for c in completions[g * k:(g + 1) * k]]
-            groups.append([s for s, _ in scored])
-            failures += [f for _, f in scored if f is not None]
-            if self.curriculum is not None:
-                self.curriculum.update(self.rl.task, task.level,
-                                       [s.rewards.get("correct", float(s.rewards["reward"] > 0)) for s, _ in scored])
+        scored = [self._score(task, c, g) for g, task in enumerate(tasks) for c in completions[g * k:(g + 1) * k]]
+        failures = [f for _, f in scored if f is not None]
+        groups = [[s for s, _ in scored[g * k:(g + 1) * k]] for g in range(len(tasks))]
+        if self.rl.overlong_buffer:
+            self._overlong_penalty([s for s, _ in scored])
+        if self.curriculum is not None:
+            for task, group in zip(tasks, groups, strict=True):
+                self.curriculum.update(self.rl.task, task.level, [passed(s.rewards) for s in group])
         return groups, failures, time.perf_counter() - t0
 
     def make_batch(self, step: int) -> ScoredBatch:
@@ -147,8 +153,8 @@ class Producer:
             rounds += 1
             generated += len(groups)
             for group in groups:
-                flat = not rl.dynamic_sampling or len({s.rewards["reward"] for s in group}) > 1
-                (kept if flat else dropped).append(group)
+                keep = not rl.dynamic_sampling or len({s.rewards["reward"] for s in group}) > 1
+                (kept if keep else dropped).append(group)
             if rounds > rl.max_refill_rounds:
                 break
         kept = (kept + dropped)[: rl.prompts_per_step]  # still short: train on some flat groups
@@ -171,13 +177,25 @@ class Producer:
             stats["difficulty_current"] = float(self.curriculum.current[rl.task])
         return ScoredBatch(step, samples, self.cursor, stats, failures)
 
+    def _overlong_penalty(self, samples: list[Sample]) -> None:
+        """reward += DAPO's soft overlong penalty of each response length (one call per batch)."""
+        rl = self.rl
+        lengths = np.array([len(s.output_ids) for s in samples])
+        penalties = np.asarray(overlong_penalty(lengths, rl.max_new_tokens, rl.overlong_buffer, rl.overlong_penalty))
+        for s, p in zip(samples, penalties.tolist(), strict=True):
+            s.rewards["overlong_penalty"] = p
+            s.rewards["reward"] += p
+
     def _kl_penalty(self, samples: list[Sample]) -> None:
-        """reward -= kl_coef · Σ_t k(behaviour_t, ref_t): the KL to the reference as a reward penalty."""
+        """reward -= kl_coef · Σ_t k(behaviour_t, ref_t): the KL to the reference as a reward penalty
+        (one estimator call over all tokens of the batch, then per-sample sums)."""
         from rlvr.rl.policy_loss import KL_ESTIMATORS
 
-        ref = self.ref_logprobs(samples)
-        for s, r in zip(samples, ref, strict=True):
-            kl = float(jnp.sum(KL_ESTIMATORS[self.rl.kl_estimator](jnp.asarray(s.behaviour_logp), jnp.asarray(r))))
+        ref = np.concatenate(self.ref_logprobs(samples))
+        behaviour = np.concatenate([s.behaviour_logp for s in samples])
+        per_token = np.asarray(KL_ESTIMATORS[self.rl.kl_estimator](behaviour, ref))
+        starts = np.cumsum([0] + [len(s.behaviour_logp) for s in samples[:-1]])
+        for s, kl in zip(samples, np.add.reduceat(per_token, starts).tolist(), strict=True):
             s.rewards["kl_penalty"] = -self.rl.kl_coef * kl
             s.rewards["reward"] += s.rewards["kl_penalty"]
 

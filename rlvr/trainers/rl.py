@@ -33,7 +33,7 @@ from rlvr import api, observe
 from rlvr.rl import backends
 from rlvr.rl.batching import build_batch
 from rlvr.rl.objective import Objective, rl_loss, token_means
-from rlvr.rl.producer import Producer, ScoredBatch
+from rlvr.rl.producer import Producer, ScoredBatch, completion_text, passed
 from rlvr.rollout.types import Request, SamplingParams
 from rlvr.tasks import build_family
 from rlvr.tasks.curriculum import Curriculum
@@ -115,29 +115,28 @@ def build_objective(rl: ml_collections.ConfigDict) -> Objective:
 
 def evaluate(backend, family, tokenizer, rl: ml_collections.ConfigDict, tag: str) -> tuple[float, float]:
     """Greedy held-out (accuracy, value accuracy) on `rl.eval_examples` tasks: accuracy is the
-    mean "correct" (else reward); value accuracy the mean "value" (right answer in any format)."""
+    pass rate (`producer.passed`); value accuracy the mean "value" (right answer in any format)."""
     tasks = family.tasks(0, rl.eval_examples, stream=1)
     params = SamplingParams(max_new_tokens=rl.max_new_tokens, temperature=0.0)
     requests = [Request(f"eval-{tag}-{t.index}", tokenizer.encode(t.prompt), params) for t in tasks]
     scores, values = [], []
     for task, c in zip(tasks, backend.generate(requests), strict=True):
-        out = [t for t in c.output_ids if t != tokenizer.eos_id]
-        r = family.score(task, tokenizer.decode(out), c.finish_reason.get("type") != "stop")
-        scores.append(r.get("correct", r["reward"]))
+        r = family.score(task, *completion_text(tokenizer, c))
+        scores.append(passed(r))
         values.append(r.get("value", scores[-1]))
     return float(np.mean(scores)), float(np.mean(values))
 
 
 # --- metrics -------------------------------------------------------------------------------------
 
-def rollout_metrics(batch: ScoredBatch, version: int) -> dict[str, float]:
+def rollout_metrics(batch: ScoredBatch, version: int, group_size: int) -> dict[str, float]:
     """Reward (total and components), pass rates, lengths and staleness of one batch."""
     samples = batch.samples
     out: dict[str, float] = {}
     for key in samples[0].rewards:
         out[f"reward/{key}" if key != "reward" else "reward"] = float(np.mean([s.rewards[key] for s in samples]))
-    correct = np.array([s.rewards.get("correct", s.rewards["reward"] > 0) for s in samples], np.float32)
-    groups = correct.reshape(-1, len(samples) // (max(s.group for s in samples) + 1))
+    correct = np.array([passed(s.rewards) for s in samples], np.float32)
+    groups = correct.reshape(-1, group_size)
     out["pass_rate"] = float(correct.mean())
     out["pass_at_group"] = float(groups.max(axis=1).mean())
     out["response_length"] = float(np.mean([len(s.output_ids) for s in samples]))
@@ -381,7 +380,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             producer.set_version(step + 1)
             t3 = time.perf_counter()
 
-            record = {**rollout_metrics(batch, step), **token_means(metrics)}
+            record = {**rollout_metrics(batch, step, rl.group_size), **token_means(metrics)}
             record.update(wait_for_rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2, step_s=t3 - t0,
                           rows=float(arrays["tokens"].shape[0]))
             for failure in batch.failures:
