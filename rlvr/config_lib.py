@@ -92,6 +92,14 @@ def base_config() -> ml_collections.ConfigDict:
         "reference": "precompute",  # precompute (one pass before training) | online (frozen params)
     })
     c.rl = rl_config()
+    # job "eval" (rlvr.trainers.evaluate): the tasks of rl.task (and rl's generation settings),
+    # evaluated per family and level on the held-out stream with pass@k
+    c.eval = ml_collections.ConfigDict({
+        "levels": "all",  # all | default (each family's level drawn per task) | comma-separated ints
+        "examples_per_level": 32,
+        "samples": 8,  # per task; pass@k for k = 1, 2, 4, … <= samples (1 = greedy pass@1)
+        "temperature": 1.0,
+    })
     c.checkpoint = ml_collections.ConfigDict({
         "every_steps": 50,
         "keep": 3,
@@ -104,8 +112,15 @@ def base_config() -> ml_collections.ConfigDict:
 def rl_config() -> ml_collections.ConfigDict:
     """`rl.*`: the RL job (rlvr.trainers.rl). Each algorithm choice is one field."""
     return ml_collections.ConfigDict({
-        # task family and verifier (rlvr.tasks)
-        "task": "add", "min_digits": 1, "max_digits": 3, "format_weight": 0.0,
+        # task families and verifiers (rlvr.tasks): "add", "list_sort:2,string_reverse", "rg/*", ...;
+        # min/max_digits: the add/sub/mul families' operand digits
+        "task": "add", "min_digits": 1, "max_digits": 3,
+        # layered reward = terminal + format_weight·format + process_weight·process + safety_weight·safety
+        "format_weight": 0.0, "process_weight": 0.0, "safety_weight": 1.0,
+        # a trained reward model (job rm workdir) as an extra reward term: + weight · normalised score
+        "reward_model": "", "reward_model_weight": 1.0,
+        "verifier_workers": 8,  # threads scoring completions (verifiers that wait on sandboxes/processes)
+        "prompt_format": "raw",  # raw (task.prompt as text) | chat (task messages through the chat template)
         # rollout
         "prompts_per_step": 16, "group_size": 8, "max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0,
         "seq_len": 32,  # train rows: longest prompt + max_new_tokens must fit
@@ -134,10 +149,18 @@ def rl_config() -> ml_collections.ConfigDict:
         # difficulty curriculum (rlvr.tasks.curriculum): levels = operand digits rl.min_digits..rl.max_digits,
         # sampled near the level whose pass rate is inside [band_low, band_high]
         "curriculum": False, "curriculum_band_low": 0.2, "curriculum_band_high": 0.8, "curriculum_min_samples": 32,
+        "curriculum_floor": 0.02,  # no family below this share of draws
+        # task graph: a composite family is drawn only once its prerequisites (rlvr.tasks.graph) pass this rate
+        "prerequisite_threshold": 0.5,
+        # experience replay of rare successes (group pass rate <= replay_max_pass_rate) on hard tasks:
+        # replay_fraction of each round's prompts re-pose buffered tasks; a re-posed group that fails
+        # entirely gets the stored success back as one of its samples
+        "replay_capacity": 0, "replay_fraction": 0.125, "replay_max_pass_rate": 0.25, "replay_max_uses": 2,
         "pack": False,  # several rollouts per train row
         "updates_per_batch": 1,  # PPO mini-batches: optimizer steps per rollout batch (proximal = weights before)
         # evaluation (held-out greedy) and the SFT warm start
         "eval_examples": 128, "eval_every": 0,
+        "eval_samples": 1, "eval_temperature": 1.0,  # > 1: also pass@k (k = 1, 2, 4, … <= eval_samples) sampled
         "sft_steps": 0, "sft_demos": 256, "sft_batch_size": 16, "sft_learning_rate": 3e-3,
         "sft_off_format": 0.0,  # fraction of demonstrations written in a format the verifier rejects
     })
@@ -146,12 +169,21 @@ def rl_config() -> ml_collections.ConfigDict:
 def _validate_rl(config: ml_collections.ConfigDict) -> None:
     from rlvr.rl.advantages import ADVANTAGE_FNS
     from rlvr.rl.policy_loss import AGGREGATIONS, KL_ESTIMATORS
-    from rlvr.tasks import FAMILIES
+    from rlvr.tasks.mixture import expand
 
     rl = config.rl
-    _one_of(config, "rl.task", FAMILIES)
+    try:
+        expand(rl.task)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     _one_of(config, "rl.backend", ("embedded", "sglang"))
     _one_of(config, "rl.mode", ("sync", "async"))
+    _one_of(config, "rl.prompt_format", ("raw", "chat"))
+    _existing_path(config, "rl.reward_model", "reward-model workdir (a job 'rm' run)")
+    if rl.replay_capacity and not 0 < rl.replay_fraction < 1:
+        raise ConfigError(f"rl.replay_fraction={rl.replay_fraction}: must be in (0, 1) when replay is on.")
+    if rl.eval_samples < 1:
+        raise ConfigError(f"rl.eval_samples={rl.eval_samples}: must be >= 1.")
     _one_of(config, "rl.advantage", [*ADVANTAGE_FNS, "gae"])
     _one_of(config, "rl.policy_loss", ("ppo_clip", "gspo"))
     _one_of(config, "rl.aggregation", AGGREGATIONS)
@@ -197,6 +229,14 @@ def _get(c, path: str):
     for part in path.split("."):
         node = node[part]
     return node
+
+
+def _validate_eval(config: ml_collections.ConfigDict) -> None:
+    levels = config.eval.levels
+    if levels not in ("all", "default") and not all(x.strip().lstrip("-").isdigit() for x in levels.split(",")):
+        raise ConfigError(f"eval.levels={levels!r}: use 'all', 'default' or comma-separated level numbers.")
+    _positive(config, "eval.examples_per_level")
+    _positive(config, "eval.samples")
 
 
 def _one_of(c, path: str, choices) -> None:
@@ -261,8 +301,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
     _existing_path(config, "init.hf_checkpoint", "checkpoint directory")
     _existing_path(config, "tokenizer.path", "tokenizer directory")
     _existing_path(config, "init.workdir", "workdir")
-    if config.job == "rl":
+    if config.job in ("rl", "eval"):
         _validate_rl(config)
+    if config.job == "eval":
+        _validate_eval(config)
     if config.data.seq_len > config.model.max_position_embeddings:
         raise ConfigError(
             f"data.seq_len={config.data.seq_len} exceeds model.max_position_embeddings="

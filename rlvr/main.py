@@ -16,9 +16,10 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from rlvr import config_lib, observe
-from rlvr.trainers import preference, rl, sft
+from rlvr.trainers import evaluate, preference, rl, sft
 
-TRAINERS = {"sft": sft.train, "dpo": preference.train, "rm": preference.train, "rl": rl.train}
+TRAINERS = {"sft": sft.train, "dpo": preference.train, "rm": preference.train, "rl": rl.train,
+            "eval": evaluate.train}
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file[:arg].",
                                           lock_config=True)

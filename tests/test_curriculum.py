@@ -86,7 +86,7 @@ def test_state_round_trips_through_json_and_resumes_exactly():
     assert simulate(resumed, skill, 30, seed=8) == expected
 
 
-@pytest.mark.parametrize("kwargs, field", [({"band": (0.9, 0.1)}, "band"), ({"floor": 0.6}, "floor"),
+@pytest.mark.parametrize("kwargs, field", [({"band": (0.9, 0.1)}, "band"), ({"floor": 1.5}, "floor"),
                                            ({"mixture": {"nope": 1.0}}, "mixture")])
 def test_bad_settings_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -107,3 +107,27 @@ def test_arithmetic_levels_fix_operand_digits():
     assert family.task(5) == family.task(5)  # no level: the family's own digit range, unchanged
     with pytest.raises(ValueError, match="levels"):
         family.task(0, level=4)
+
+
+def test_composite_is_locked_until_its_prerequisites_are_mastered():
+    """Task graph gating: the composite is never drawn while its prerequisite's pass rate is
+    below the threshold, and is drawn (and stays available) once it clears it."""
+    curriculum = Curriculum({"atom": LEVELS, "composite": LEVELS}, prerequisites={"composite": ["atom"]},
+                            threshold=0.6, min_samples=8, seed=3)
+    drawn = {f for f, _ in curriculum.sample(200)}
+    assert drawn == {"atom"}
+    for _ in range(4):  # mastery 0.5 < 0.6: still locked
+        curriculum.update("atom", 0, [1, 0, 1, 0, 1, 0, 1, 0])
+    assert {f for f, _ in curriculum.sample(200)} == {"atom"}
+    for _ in range(20):
+        curriculum.update("atom", 0, [1] * 8)
+    assert curriculum.mastery("atom") >= 0.6
+    assert "composite" in {f for f, _ in curriculum.sample(200)}
+    saved = curriculum.state()
+    assert saved["unlocked"] == ["composite"]
+    assert any(r["family"] == "atom" and not r["locked"] for r in curriculum.report())
+
+
+def test_task_graph_rejects_cycles():
+    with pytest.raises(ValueError, match="cycle: a -> b -> a"):
+        Curriculum({"a": LEVELS, "b": LEVELS, "c": LEVELS}, prerequisites={"a": ["b"], "b": ["a"]})

@@ -62,6 +62,16 @@ def test_reward_model_ranks_heldout_pairs_and_scores_rl_rollouts(tmp_path):
     normalized = rm.normalized([p["prompt"] for p in pairs] * 2, [p["chosen"] for p in pairs] +
                                [p["rejected"] for p in pairs])
     assert abs(float(np.mean(normalized))) < 1e-4 and float(np.std(normalized, ddof=1)) == pytest.approx(1.0, rel=1e-3)
+    # the RLHF path: the trained RM as an RL reward term (rl.reward_model), normalised per round
+    rl_dir = tmp_path / "rl"
+    run(config_lib.load_config("configs/quickstart.py:smoke", {"rl.reward_model": str(tmp_path),
+                                                                "rl.reward_model_weight": 0.5,
+                                                                "train.num_steps": 2}), str(rl_dir))
+    with open(rl_dir / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f if '"reward"' in line]
+    assert len(rows) == 2
+    for row in rows:  # reward = exact-match terminal + 0.5 · normalised RM score (means are linear)
+        assert row["reward"] == pytest.approx(row["reward/correct"] + 0.5 * row["reward/reward_model"], abs=1e-6)
 
 
 def test_rl_quickstart_lifts_heldout_accuracy(tmp_path, repo_root, python):

@@ -584,8 +584,9 @@ def test_producer_records_failures_and_round_trips():
         assert [s.rewards["verifier_error"] for s in group] == [0.0, 1.0, 0.0, 1.0]
         assert [s.truncated for s in group] == [False, False, True, True]
         crash, abort = batch.failures[2 * g], batch.failures[2 * g + 1]
-        assert crash == {"task_index": g, "rid": f"s3-t{g}-k1", "error": "ValueError: bad verifier"}
-        assert abort == {"task_index": g, "rid": f"s3-t{g}-k3", "error": "RuntimeError: rollout aborted: engine died"}
+        assert crash == {"task_index": g, "family": "add", "rid": f"s3-t{g}-k1", "error": "ValueError: bad verifier"}
+        assert abort == {"task_index": g, "family": "add", "rid": f"s3-t{g}-k3",
+                         "error": "RuntimeError: rollout aborted: engine died"}
     close([s.advantage for s in batch.samples], np.asarray(adv_lib.grpo(jnp.asarray(_group_rewards(batch, K))))
           .reshape(-1))
     restored = ScoredBatch.from_json(json.loads(json.dumps(batch.to_json())))

@@ -33,6 +33,7 @@ class Sample:
     rewards: dict[str, float]  # "reward" plus components
     advantage: float = 0.0
     level: int = 0  # the task's difficulty level (curriculum)
+    family: str = ""  # the task's family (per-family metrics, curriculum feedback)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -12,14 +12,20 @@ Determinism: the prompts of a batch come from a cursor over the task stream, and
 sampling seed is a function of (seed, task index, sample index), so a batch does not depend on
 timing, only on the weights that generated it.
 
-Checkpointing: `state()` is the data cursor after the last COMPLETED batch and the completed but
-untrained batches themselves; a batch still generating is not included, so after a crash it is
-regenerated from the same cursor (lost in-flight work, never a duplicate).
+Tasks come from a `rlvr.tasks.TaskMixture` (one or many families). With a curriculum, each
+task's (family, level) is drawn by it and every group's pass results are fed back. With a replay
+buffer (`rlvr.rl.replay`), a fraction of each round re-poses hard tasks the policy rarely solved.
+
+Checkpointing: `state()` is the data cursor (and the curriculum and replay buffer) after the
+last COMPLETED batch and the completed but untrained batches themselves; a batch still
+generating is not included, so after a crash it is regenerated from the same cursor (lost
+in-flight work, never a duplicate).
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import threading
 import time
@@ -64,19 +70,45 @@ def completion_text(tokenizer, completion) -> tuple[str, bool]:
     return tokenizer.decode(list(ids)), (completion.finish_reason or {}).get("type") != "stop"
 
 
-def sample_seed(seed: int, task_index: int, k: int) -> int:
-    return int(np.random.SeedSequence([seed, task_index, k]).generate_state(1)[0] % 2**31)
+def sample_seed(seed: int, task_index: int, k: int, replay: int = 0) -> int:
+    entropy = [seed, task_index, k] + ([replay] if replay else [])
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0] % 2**31)
+
+
+def prompt_ids(tokenizer, task, prompt_format: str) -> list[int]:
+    """The task's prompt as ids: raw text, or its chat messages through the chat template."""
+    if prompt_format == "chat":
+        return tokenizer.apply_chat_template(task.chat(), add_generation_prompt=True)
+    return tokenizer.encode(task.prompt)
+
+
+def _moments_state(reward_model) -> dict[str, float] | None:
+    if reward_model is None:
+        return None
+    return {k: float(v) for k, v in reward_model.moments._asdict().items()}
+
+
+def load_moments(reward_model, state: dict[str, float] | None) -> None:
+    """Restores a reward model's running score moments from `Producer.state()`."""
+    if reward_model is not None and state:
+        reward_model.moments = type(reward_model.moments)(**{k: jnp.float32(v) for k, v in state.items()})
 
 
 class Producer:
     """Makes `ScoredBatch`es from a task family through a rollout backend (see module doc)."""
 
-    def __init__(self, backend, family, tokenizer, rl, seed: int, cursor: int = 0,
-                 buffered: list[ScoredBatch] | None = None, ref_logprobs=None, curriculum=None):
-        self.backend, self.family, self.tokenizer, self.rl, self.seed = backend, family, tokenizer, rl, seed
-        # rlvr.tasks.curriculum.Curriculum: draws each task's difficulty level, learns from its group
+    def __init__(self, backend, tasks, tokenizer, rl, seed: int, cursor: int = 0,
+                 buffered: list[ScoredBatch] | None = None, ref_logprobs=None, curriculum=None, replay=None,
+                 reward_model=None):
+        self.backend, self.tasks, self.tokenizer, self.rl, self.seed = backend, tasks, tokenizer, rl, seed
+        # rlvr.tasks.curriculum.Curriculum: draws each task's (family, level), learns from its group
         self.curriculum = curriculum
         self._completed_curriculum = curriculum.state() if curriculum is not None else None
+        self.replay = replay  # rlvr.rl.replay.ReplayBuffer or None
+        self._completed_replay = replay.state() if replay is not None else None
+        # rlvr.rewards.reward_model.RewardModel: a learned reward term (the RLHF path), normalised
+        self.reward_model = reward_model
+        self._completed_rm = _moments_state(reward_model)
         self.cursor = cursor  # next task index to draw (advanced while generating)
         self.ref_logprobs = ref_logprobs  # samples -> per-token ref log-probs (KL as reward penalty)
         self._cond = threading.Condition()
@@ -85,21 +117,26 @@ class Producer:
         if buffered:
             self.cursor = self._completed_cursor
         self._version = 0
+        # verifiers that wait on subprocesses (code in a sandbox, math in worker processes) run concurrently
+        self._verifier_pool = concurrent.futures.ThreadPoolExecutor(max(1, rl.verifier_workers),
+                                                                    thread_name_prefix="rlvr-verifier")
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._stop = False
 
     # --- one batch ------------------------------------------------------------------------
 
-    def _requests(self, tasks, step: int) -> list[Request]:
+    def _requests(self, tasks, replays: list[int], step: int) -> list[Request]:
+        """group_size requests per task; `replays[i]` > 0 marks a re-posed task (fresh seeds)."""
         rl = self.rl
         out = []
-        for task in tasks:
-            ids = self.tokenizer.encode(task.prompt)
+        for task, replay in zip(tasks, replays, strict=True):
+            ids = prompt_ids(self.tokenizer, task, rl.prompt_format)
+            suffix = f"-r{replay}" if replay else ""
             for k in range(rl.group_size):
                 params = SamplingParams(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, top_p=rl.top_p,
-                                        sampling_seed=sample_seed(self.seed, task.index, k))
-                out.append(Request(f"s{step}-t{task.index}-k{k}", ids, params))
+                                        sampling_seed=sample_seed(self.seed, task.index, k, replay))
+                out.append(Request(f"s{step}-t{task.index}-k{k}{suffix}", ids, params))
         return out
 
     def _score(self, task, completion, group: int) -> tuple[Sample, dict[str, Any] | None]:
@@ -109,34 +146,54 @@ class Producer:
         try:
             if finish.get("type") == "abort":
                 raise RuntimeError(f"rollout aborted: {finish.get('message')}")
-            rewards = dict(self.family.score(task, text, truncated))
+            rewards = dict(self.tasks.score(task, text, truncated))
             rewards["verifier_error"] = 0.0
         except Exception as e:  # recorded (metrics + failures.jsonl), never silently dropped
             rewards = {"reward": 0.0, "verifier_error": 1.0}
-            failure = {"task_index": task.index, "rid": completion.rid, "error": f"{type(e).__name__}: {e}"}
+            failure = {"task_index": task.index, "family": task.family, "rid": completion.rid,
+                       "error": f"{type(e).__name__}: {e}"}
         sample = Sample(group, task.index, list(completion.prompt_ids), list(completion.output_ids),
                         list(completion.output_logprobs), list(completion.output_versions), truncated, rewards,
-                        level=task.level)
+                        level=task.level, family=task.family)
         return sample, failure
 
-    def _generate_round(self, count: int, step: int):
+    def _draw_tasks(self, count: int) -> tuple[list, list]:
+        """(tasks, their replay entries or None): re-posed hard tasks first, then fresh ones from
+        the cursor (family and level from the curriculum when there is one)."""
+        replayed = []
+        if self.replay is not None and self.replay.entries:
+            replayed = self.replay.draw(min(count - 1, round(count * self.rl.replay_fraction)))
+        fresh = count - len(replayed)
         if self.curriculum is None:
-            tasks = self.family.tasks(self.cursor, count)
+            tasks = self.tasks.tasks(self.cursor, fresh)
         else:
-            levels = [level for _, level in self.curriculum.sample(count)]
-            tasks = [self.family.task(self.cursor + i, level=level) for i, level in enumerate(levels)]
-        self.cursor += count
-        completions = self.backend.generate(self._requests(tasks, step))
+            draws = self.curriculum.sample(fresh)
+            tasks = [self.tasks.task(self.cursor + i, family=f, level=lv) for i, (f, lv) in enumerate(draws)]
+        self.cursor += fresh
+        return [e.task for e in replayed] + tasks, replayed + [None] * fresh
+
+    def _generate_round(self, count: int, step: int):
+        tasks, entries = self._draw_tasks(count)
+        completions = self.backend.generate(self._requests(tasks, [e.uses if e else 0 for e in entries], step))
         t0 = time.perf_counter()
         k = self.rl.group_size
-        scored = [self._score(task, c, g) for g, task in enumerate(tasks) for c in completions[g * k:(g + 1) * k]]
+        jobs = [(task, c, g) for g, task in enumerate(tasks) for c in completions[g * k:(g + 1) * k]]
+        scored = list(self._verifier_pool.map(lambda job: self._score(*job), jobs))  # in order
         failures = [f for _, f in scored if f is not None]
         groups = [[s for s, _ in scored[g * k:(g + 1) * k]] for g in range(len(tasks))]
         if self.rl.overlong_buffer:
             self._overlong_penalty([s for s, _ in scored])
-        if self.curriculum is not None:
-            for task, group in zip(tasks, groups, strict=True):
-                self.curriculum.update(self.rl.task, task.level, [passed(s.rewards) for s in group])
+        if self.reward_model is not None:
+            self._reward_model_term(tasks, groups)
+        for g, (task, entry) in enumerate(zip(tasks, entries, strict=True)):
+            passes = [passed(s.rewards) for s in groups[g]]
+            if self.curriculum is not None and entry is None:
+                self.curriculum.update(task.family, task.level, passes)
+            if self.replay is not None:
+                if entry is None:
+                    self.replay.offer(task, groups[g], passes)
+                else:
+                    groups[g] = self.replay.inject(entry, groups[g], passes)
         return groups, failures, time.perf_counter() - t0
 
     def make_batch(self, step: int) -> ScoredBatch:
@@ -174,7 +231,10 @@ class Producer:
                  "groups_generated": float(generated), "groups_filtered": float(len(dropped))}
         if self.curriculum is not None:
             stats["difficulty_mean"] = float(np.mean([s.level for s in samples]))
-            stats["difficulty_current"] = float(self.curriculum.current[rl.task])
+            stats["difficulty_current"] = float(np.mean(list(self.curriculum.current.values())))
+            stats["families_available"] = float(len(self.curriculum.available()))
+        if self.replay is not None:
+            stats.update(self.replay.stats())
         return ScoredBatch(step, samples, self.cursor, stats, failures)
 
     def _overlong_penalty(self, samples: list[Sample]) -> None:
@@ -185,6 +245,18 @@ class Producer:
         for s, p in zip(samples, penalties.tolist(), strict=True):
             s.rewards["overlong_penalty"] = p
             s.rewards["reward"] += p
+
+    def _reward_model_term(self, tasks, groups: list[list[Sample]]) -> None:
+        """reward += reward_model_weight · the reward model's normalised score (one call per round)."""
+        samples = [s for group in groups for s in group]
+        prompts = [task.chat() if self.rl.prompt_format == "chat" else task.prompt
+                   for task, group in zip(tasks, groups, strict=True) for _ in group]
+        eos = self.tokenizer.eos_id
+        texts = [self.tokenizer.decode(s.output_ids[:-1] if s.output_ids[-1:] == [eos] else s.output_ids)
+                 for s in samples]
+        for s, score in zip(samples, self.reward_model.normalized(prompts, texts).tolist(), strict=True):
+            s.rewards["reward_model"] = score
+            s.rewards["reward"] += self.rl.reward_model_weight * score
 
     def _kl_penalty(self, samples: list[Sample]) -> None:
         """reward -= kl_coef · Σ_t k(behaviour_t, ref_t): the KL to the reference as a reward penalty
@@ -257,13 +329,17 @@ class Producer:
         self._completed_cursor = batch.cursor_end
         if self.curriculum is not None:
             self._completed_curriculum = self.curriculum.state()
+        if self.replay is not None:
+            self._completed_replay = self.replay.state()
+        self._completed_rm = _moments_state(self.reward_model)
 
     def state(self) -> dict[str, Any]:
-        """Checkpointable: the cursor (and curriculum) after the last completed batch, and the
-        completed but untrained batches."""
+        """Checkpointable: the cursor (curriculum, replay buffer) after the last completed batch,
+        and the completed but untrained batches."""
         with self._cond:
             return {"cursor": self._completed_cursor, "buffered": [b.to_json() for b in self._queue],
-                    "curriculum": self._completed_curriculum}
+                    "curriculum": self._completed_curriculum, "replay": self._completed_replay,
+                    "reward_model_moments": self._completed_rm}
 
     def stop(self) -> None:
         with self._cond:
@@ -271,3 +347,4 @@ class Producer:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=60)
+        self._verifier_pool.shutdown(wait=False, cancel_futures=True)

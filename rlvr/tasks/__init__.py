@@ -1,26 +1,19 @@
-"""Verifiable task families for RL: each yields prompts with a reference answer and scores
-completions with a deterministic verifier.
+"""Verifiable task families for RL and evaluation.
 
-A family is a class with `task(index) -> Task` (a pure function of `(seed, index)`, so the
-data position of a run is one integer) and `score(task, completion_text, truncated) ->
-dict[str, float]`, whose "reward" entry is what RL optimises; the other entries are reward
-components reported as metrics. `build_family(config.rl)` picks one by name.
+- `base`: the interface — `Family.sample(rng, level) -> Task`, `Family.score(task, text,
+  truncated) -> reward components`, layered `RewardWeights`.
+- `registry.FAMILIES`: the explicit table of families (procedural, dataset-backed,
+  reasoning-gym); `arithmetic`: the raw-format add/sub/mul families of the quickstart.
+- `mixture`: several families as one source (`rl.task = "a:2,b,rg/*"`).
+- `curriculum`: band-seeking difficulty, floored mixtures, prerequisite gating (task graph).
+- `verifiers`: exact/numeric/math/regex/JSON-schema/code/tool-state verifiers.
+- `audit`: `python -m rlvr.tasks.audit` probes every verifier with junk and reference answers.
 """
 
 from __future__ import annotations
 
-from rlvr.tasks.arithmetic import ArithmeticFamily, Task
+from rlvr.tasks.arithmetic import ArithmeticFamily
+from rlvr.tasks.base import Family, RewardWeights, Task
+from rlvr.tasks.mixture import TaskMixture, build_tasks
 
-FAMILIES = {"add": ArithmeticFamily, "sub": ArithmeticFamily, "mul": ArithmeticFamily}
-
-
-def build_family(rl_config, seed: int):
-    """The task family named by `rl.task` (see FAMILIES)."""
-    if rl_config.task not in FAMILIES:
-        raise ValueError(f"rl.task={rl_config.task!r}: unknown; choose one of {sorted(FAMILIES)}")
-    return FAMILIES[rl_config.task](op=rl_config.task, min_digits=rl_config.min_digits,
-                                    max_digits=rl_config.max_digits, seed=seed,
-                                    format_weight=rl_config.format_weight)
-
-
-__all__ = ["FAMILIES", "ArithmeticFamily", "Task", "build_family"]
+__all__ = ["ArithmeticFamily", "Family", "RewardWeights", "Task", "TaskMixture", "build_tasks"]

@@ -8,28 +8,29 @@ terminated) is reported separately and, with `format_weight > 0`, adds a small s
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import numpy as np
+
+from rlvr.tasks.base import Family, RewardWeights, Task
 
 OPS = {"add": ("+", lambda a, b: a + b), "sub": ("-", lambda a, b: a - b), "mul": ("*", lambda a, b: a * b)}
 _ANSWER = re.compile(r"-?\d+")
 
 
-@dataclasses.dataclass(frozen=True)
-class Task:
-    index: int  # position in its stream: the data cursor of a run
-    prompt: str
-    answer: str
-    level: int = 0  # difficulty level it was drawn at (operand digits for arithmetic; 0 = the family's range)
+class ArithmeticFamily(Family):
+    """`a <op> b` with operands of `min_digits`..`max_digits` digits (digit count uniform).
 
+    A raw-format family for completion-style models (no chat template, no answer tag): its
+    prompt is the bare expression, which is what the tiny byte-level quickstart model can learn."""
 
-class ArithmeticFamily:
-    """`a <op> b` with operands of `min_digits`..`max_digits` digits (digit count uniform)."""
+    domain = "arithmetic"
+    answer_format = "raw"
 
     def __init__(self, op: str = "add", min_digits: int = 1, max_digits: int = 3, seed: int = 0,
-                 format_weight: float = 0.0):
+                 format_weight: float = 0.0, weights: RewardWeights | None = None):
+        super().__init__(seed, weights)
+        self.name = op
         if op not in OPS:
             raise ValueError(f"rl.task={op!r}: arithmetic ops are {sorted(OPS)}")
         if not 1 <= min_digits <= max_digits:
@@ -50,16 +51,17 @@ class ArithmeticFamily:
 
     def task(self, index: int, stream: int = 0, level: int | None = None) -> Task:
         """Task `index` of `stream` (0 = training, 1 = held-out, 2 = demonstrations); with `level`,
-        both operands have exactly that many digits (a curriculum's difficulty)."""
+        both operands have exactly that many digits (a curriculum's difficulty); level None or 0:
+        each operand's digit count drawn from the range (such tasks record level 0)."""
+        level = level or None
         if level is not None and level not in self.levels():
             raise ValueError(f"arithmetic level {level}: levels are {self.levels()} (rl.min_digits..rl.max_digits)")
         rng = np.random.default_rng([self.seed, stream, index])
         a, b = self._operand(rng, level), self._operand(rng, level)
         symbol, fn = OPS[self.op]
-        return Task(index, f"{a}{symbol}{b}=", str(fn(a, b)), level or 0)
-
-    def tasks(self, start: int, count: int, stream: int = 0) -> list[Task]:
-        return [self.task(i, stream) for i in range(start, start + count)]
+        expression = f"{a}{symbol}{b}="
+        return Task(index, expression, str(fn(a, b)), level or 0, family=self.name, stream=stream,
+                    verifier={"kind": "exact", "answer": str(fn(a, b))})
 
     def score(self, task: Task, completion: str, truncated: bool) -> dict[str, float]:
         """{"reward", "correct", "format", "value"} for the completion text (end token removed).

@@ -29,13 +29,14 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from rlvr import api, observe
+from rlvr import api, evaluation, observe
 from rlvr.rl import backends
 from rlvr.rl.batching import build_batch
 from rlvr.rl.objective import Objective, rl_loss, token_means
-from rlvr.rl.producer import Producer, ScoredBatch, completion_text, passed
-from rlvr.rollout.types import Request, SamplingParams
-from rlvr.tasks import build_family
+from rlvr.rl.producer import Producer, ScoredBatch, load_moments, passed
+from rlvr.rl.replay import ReplayBuffer
+from rlvr.tasks import build_tasks
+from rlvr.tasks import graph as task_graph
 from rlvr.tasks.curriculum import Curriculum
 from rlvr.train import step as step_lib
 from rlvr.train.checkpoint import Checkpointer
@@ -43,7 +44,25 @@ from rlvr.train.optimizer import build_optimizer, learning_rate_schedule
 
 # --- the initial policy ------------------------------------------------------------------------
 
-def warm_start(config: ml_collections.ConfigDict, workdir: str, family) -> str:
+def demonstrations(tasks, count: int, seed: int, off_format_fraction: float, prompt_format: str):
+    """`count` SFT records from the demonstration stream (tasks without a reference are skipped)."""
+    off_format = np.random.default_rng([seed, 2]).random(count) < off_format_fraction
+    out, index = [], 0
+    while len(out) < count:
+        task = tasks.task(index, stream=2)
+        index += 1
+        if tasks.family_of(task).reference_completion(task) is None:
+            if index > 10 * count + 100:
+                raise ValueError("rl.sft_steps: the families of rl.task have no reference answers to demonstrate")
+            continue
+        demo = tasks.demonstration(task, bool(off_format[len(out)]))
+        if prompt_format == "chat":
+            demo = {"messages": [*task.chat(), {"role": "assistant", "content": demo["completion"]}]}
+        out.append(demo)
+    return out
+
+
+def warm_start(config: ml_collections.ConfigDict, workdir: str, tasks) -> str:
     """SFT on `rl.sft_demos` demonstrations into `workdir/sft` (resumable; skipped when done).
     Returns the SFT workdir."""
     from rlvr.trainers import sft
@@ -54,10 +73,9 @@ def warm_start(config: ml_collections.ConfigDict, workdir: str, family) -> str:
         return sft_dir
     os.makedirs(sft_dir, exist_ok=True)
     demos = os.path.join(sft_dir, "demos.jsonl")
-    off_format = np.random.default_rng([config.seed, 2]).random(rl.sft_demos) < rl.sft_off_format
     with open(demos, "w") as f:
-        for i in range(rl.sft_demos):
-            f.write(json.dumps(family.demonstration(family.task(i, stream=2), bool(off_format[i]))) + "\n")
+        for demo in demonstrations(tasks, rl.sft_demos, config.seed, rl.sft_off_format, rl.prompt_format):
+            f.write(json.dumps(demo) + "\n")
     c = ml_collections.ConfigDict(config.to_dict())
     c.job = "sft"
     c.data.source, c.data.path, c.data.eval_path = "jsonl", demos, ""
@@ -73,10 +91,10 @@ def warm_start(config: ml_collections.ConfigDict, workdir: str, family) -> str:
     return sft_dir
 
 
-def initial_model(config: ml_collections.ConfigDict, workdir: str, family) -> tuple[api.Model, str]:
+def initial_model(config: ml_collections.ConfigDict, workdir: str, tasks) -> tuple[api.Model, str]:
     """(the policy RL starts from, a pointer to it for the record and for resuming)."""
     if config.rl.sft_steps:
-        sft_dir = warm_start(config, workdir, family)
+        sft_dir = warm_start(config, workdir, tasks)
         return api.load_trained(sft_dir), f"rlvr-workdir:{sft_dir}"
     if config.init.workdir:
         return api.load_trained(config.init.workdir), f"rlvr-workdir:{config.init.workdir}"
@@ -113,18 +131,20 @@ def build_objective(rl: ml_collections.ConfigDict) -> Objective:
 
 # --- evaluation ----------------------------------------------------------------------------------
 
-def evaluate(backend, family, tokenizer, rl: ml_collections.ConfigDict, tag: str) -> tuple[float, float]:
-    """Greedy held-out (accuracy, value accuracy) on `rl.eval_examples` tasks: accuracy is the
-    pass rate (`producer.passed`); value accuracy the mean "value" (right answer in any format)."""
-    tasks = family.tasks(0, rl.eval_examples, stream=1)
-    params = SamplingParams(max_new_tokens=rl.max_new_tokens, temperature=0.0)
-    requests = [Request(f"eval-{tag}-{t.index}", tokenizer.encode(t.prompt), params) for t in tasks]
-    scores, values = [], []
-    for task, c in zip(tasks, backend.generate(requests), strict=True):
-        r = family.score(task, *completion_text(tokenizer, c))
-        scores.append(passed(r))
-        values.append(r.get("value", scores[-1]))
-    return float(np.mean(scores)), float(np.mean(values))
+def evaluate(backend, tasks, tokenizer, rl: ml_collections.ConfigDict, tag: str, seed: int = 0) -> dict[str, Any]:
+    """Held-out evaluation on `rl.eval_examples` tasks (stratified over families): pass@1 greedy,
+    or pass@k over `rl.eval_samples` samples; per family, level and domain (rlvr.evaluation)."""
+    return evaluation.evaluate_tasks(backend, tokenizer, tasks, tasks.held_out(rl.eval_examples),
+                                     max_new_tokens=rl.max_new_tokens, samples=rl.eval_samples,
+                                     temperature=rl.eval_temperature, prompt_format=rl.prompt_format,
+                                     seed=seed, tag=f"eval-{tag}")
+
+
+def _eval_point(step: int, result: dict[str, Any]) -> list:
+    """[step, pass@1, value (any-format accuracy; = pass@1 when the family has none), per domain]."""
+    overall = result["overall"]
+    return [step, overall["pass@1"], overall.get("value", overall["pass@1"]),
+            {d: agg["pass@1"] for d, agg in result["by_domain"].items()}]
 
 
 # --- metrics -------------------------------------------------------------------------------------
@@ -133,11 +153,14 @@ def rollout_metrics(batch: ScoredBatch, version: int, group_size: int) -> dict[s
     """Reward (total and components), pass rates, lengths and staleness of one batch."""
     samples = batch.samples
     out: dict[str, float] = {}
-    for key in samples[0].rewards:
-        out[f"reward/{key}" if key != "reward" else "reward"] = float(np.mean([s.rewards[key] for s in samples]))
+    for key in sorted({k for s in samples for k in s.rewards}):  # components present in each family's samples
+        out[f"reward/{key}" if key != "reward" else "reward"] = float(np.mean(
+            [s.rewards[key] for s in samples if key in s.rewards]))
     correct = np.array([passed(s.rewards) for s in samples], np.float32)
     groups = correct.reshape(-1, group_size)
     out["pass_rate"] = float(correct.mean())
+    for f in sorted({s.family for s in samples} - {""}):  # families present in this batch
+        out[f"pass_rate/{f}"] = float(np.mean([c for c, s in zip(correct, samples, strict=True) if s.family == f]))
     out["pass_at_group"] = float(groups.max(axis=1).mean())
     out["response_length"] = float(np.mean([len(s.output_ids) for s in samples]))
     out["truncated_fraction"] = float(np.mean([s.truncated for s in samples]))
@@ -150,8 +173,9 @@ def rollout_metrics(batch: ScoredBatch, version: int, group_size: int) -> dict[s
     return out
 
 
-def write_plot(workdir: str, history: list[dict[str, float]], evals: list[tuple[int, float, float]]) -> str | None:
-    """rl_curve.png: training reward per step and held-out accuracy at each evaluation."""
+def write_plot(workdir: str, history: list[dict[str, float]], evals: list[list]) -> str | None:
+    """rl_curve.png: training reward per step and held-out accuracy at each evaluation (and,
+    with several domains, a third panel: held-out pass rate per domain — capability balance)."""
     try:
         import matplotlib
 
@@ -159,13 +183,21 @@ def write_plot(workdir: str, history: list[dict[str, float]], evals: list[tuple[
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    domains = sorted({d for e in evals for d in e[3]}) if evals and len(evals[0]) > 3 else []
+    fig, axes = plt.subplots(1, 3 if len(domains) > 1 else 2, figsize=(15 if len(domains) > 1 else 10, 3.6))
+    left, right = axes[0], axes[1]
     left.plot([h["step"] for h in history], [h["reward"] for h in history], lw=1)
     left.set(xlabel="RL step", ylabel="mean training reward", title="reward")
     right.plot([e[0] for e in evals], [e[1] for e in evals], marker="o", label="exact (the reward)")
     right.plot([e[0] for e in evals], [e[2] for e in evals], marker=".", ls="--", label="value, any format")
     right.legend(loc="lower right")
     right.set(xlabel="RL step", ylabel="held-out greedy accuracy", title="held-out accuracy", ylim=(0, 1))
+    if len(domains) > 1:
+        for d in domains:
+            points = [(e[0], e[3][d]) for e in evals if d in e[3]]
+            axes[2].plot(*zip(*points, strict=True), marker=".", label=d)
+        axes[2].legend(loc="best", fontsize=6, ncol=2)
+        axes[2].set(xlabel="RL step", ylabel="held-out pass@1", title="per domain", ylim=(0, 1))
     fig.tight_layout()
     path = os.path.join(workdir, "rl_curve.png")
     fig.savefig(path, dpi=100)
@@ -314,8 +346,8 @@ class PolicyUpdate:
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     rl, wall_start = config.rl, time.perf_counter()
     tokenizer = api.build_tokenizer(config)
-    family = build_family(rl, config.seed)
-    model, reference_pointer = initial_model(config, workdir, family)
+    tasks = build_tasks(rl, config.seed)
+    model, reference_pointer = initial_model(config, workdir, tasks)
     if rl.advantage == "gae":
         model = with_value_head(model)
         _record_value_head(workdir)
@@ -339,9 +371,16 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     start = int(state["step"]) // updates
     backend = build_backend(config, model, state["params"], tokenizer, workdir, version=start)
     history: list[dict[str, float]] = extra.get("history", [])
-    evals: list[tuple[int, float, float]] = [tuple(e) for e in extra.get("evals", [])]
+    evals: list[list] = [list(e) for e in extra.get("evals", [])]  # [step, pass@1, value, {domain: pass@1}]
+    eval_details: list[dict[str, Any]] = extra.get("eval_details", [])
+
+    def run_eval(step: int, tag: str) -> None:
+        result = evaluate(backend, tasks, tokenizer, rl, tag, config.seed)
+        evals.append(_eval_point(step, result))
+        eval_details.append({"step": step, **result})
+
     if not evals:
-        evals.append((0, *evaluate(backend, family, tokenizer, rl, "before")))
+        run_eval(0, "before")
         print(f"held-out accuracy before RL: {evals[0][1]:.3f}")
 
     producer_state = extra.get("producer", {"cursor": 0, "buffered": []})
@@ -349,13 +388,27 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         else None
     curriculum = None
     if rl.curriculum:
-        curriculum = Curriculum({rl.task: family.levels()}, band=(rl.curriculum_band_low, rl.curriculum_band_high),
-                                min_samples=rl.curriculum_min_samples, seed=config.seed)
+        curriculum = Curriculum(tasks.levels(), mixture=tasks.weights,
+                                band=(rl.curriculum_band_low, rl.curriculum_band_high), floor=rl.curriculum_floor,
+                                min_samples=rl.curriculum_min_samples, seed=config.seed,
+                                prerequisites=task_graph.prerequisites(tasks.names),
+                                threshold=rl.prerequisite_threshold)
         if producer_state.get("curriculum"):
             curriculum.load_state(producer_state["curriculum"])
-    producer = Producer(backend, family, tokenizer, rl, config.seed, cursor=producer_state["cursor"],
+    replay = None
+    if rl.replay_capacity:
+        replay = ReplayBuffer(rl.replay_capacity, rl.replay_max_pass_rate, rl.replay_max_uses, config.seed)
+        if producer_state.get("replay"):
+            replay.load_state(producer_state["replay"])
+    reward_model = None
+    if rl.reward_model:
+        from rlvr.rewards.reward_model import RewardModel
+
+        reward_model = RewardModel.from_workdir(rl.reward_model)
+        load_moments(reward_model, producer_state.get("reward_model_moments"))
+    producer = Producer(backend, tasks, tokenizer, rl, config.seed, cursor=producer_state["cursor"],
                         buffered=[ScoredBatch.from_json(b) for b in producer_state["buffered"]],
-                        ref_logprobs=ref_fn, curriculum=curriculum)
+                        ref_logprobs=ref_fn, curriculum=curriculum, replay=replay, reward_model=reward_model)
     # The reference runs inside the step for a KL loss term, or (rl.reference_model) to report the KL.
     frozen = {"ref": ref_params} if (use_ref and rl.kl_mode == "loss") or rl.reference_model else None
     update = PolicyUpdate(config, model, optimizer, shardings, frozen,
@@ -388,8 +441,9 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             failures_log.flush()
             done = step + 1
             if rl.eval_every and done % rl.eval_every == 0 and done != num_steps:
-                evals.append((done, *evaluate(backend, family, tokenizer, rl, f"s{done}")))
+                run_eval(done, f"s{done}")
                 record["heldout_accuracy"] = evals[-1][1]
+                record.update({f"heldout/{d}": v for d, v in evals[-1][3].items()})
             history.append({"step": done, "reward": record["reward"]})
             writer.write(done, record)
             if done % config.train.log_every == 0 or done == num_steps or done == start + 1:
@@ -397,9 +451,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                                        "stale": record["staleness_max"]})
             if done % config.checkpoint.every_steps == 0 or done == num_steps:
                 if done == num_steps:
-                    evals.append((done, *evaluate(backend, family, tokenizer, rl, "after")))
+                    run_eval(done, "after")
                 checkpoints.save(done, state, {"producer": producer.state(), "reference": reference_pointer,
-                                               "history": history, "evals": evals}, force=True)
+                                               "history": history, "evals": evals, "eval_details": eval_details},
+                                 force=True)
         progress.close()
     finally:
         producer.stop()
@@ -417,8 +472,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                "improvement_points": round(100 * (after - before), 2),
                "heldout_value_accuracy_before": evals[0][2], "heldout_value_accuracy_after": evals[-1][2],
                "final_reward_mean_last10": float(np.mean([h["reward"] for h in last])) if last else None,
-               "evals": evals, "wall_s": round(time.perf_counter() - wall_start, 1),
-               "reference": reference_pointer}
+               "evals": [e[:3] for e in evals], "wall_s": round(time.perf_counter() - wall_start, 1),
+               "reference": reference_pointer, "families": len(tasks.names),
+               "balance": evaluation.balance_report([(e[0], e[3]) for e in evals]),
+               "eval_final": eval_details[-1]}
     if curriculum is not None:
         summary["curriculum"] = curriculum.report()
     plot = write_plot(workdir, history, evals)
@@ -428,5 +485,9 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         json.dump(summary, f, indent=2)
     print(f"held-out accuracy: before RL {before:.3f} -> after RL {after:.3f} "
           f"({summary['improvement_points']:+.1f} points)")
-    print("summary: " + json.dumps({k: v for k, v in summary.items() if k != "evals"}))
+    if len(tasks.names) > 1:
+        print(evaluation.table(eval_details[-1], "by_domain"))
+        if summary["balance"]["crowded_out"]:
+            print(f"capability balance: crowded out during training: {summary['balance']['crowded_out']}")
+    print("summary: " + json.dumps({k: v for k, v in summary.items() if k not in ("evals", "eval_final")}))
     return summary

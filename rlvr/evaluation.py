@@ -1,0 +1,126 @@
+"""Held-out evaluation per task family, difficulty level and domain, with pass@1 and pass@k.
+
+One function serves the RL loop's periodic evaluation and the standalone eval job
+(`job = "eval"`, e.g. `python -m rlvr.main --config=configs/eval_tasks.py --workdir=DIR`):
+`evaluate_tasks` generates `samples` completions per task (greedy when `samples == 1`), scores
+them with the tasks' verifiers and aggregates. pass@k uses the unbiased estimator of Chen et al.
+(2021): with n samples of which c pass, pass@k = 1 - C(n-c, k) / C(n, k), averaged over tasks.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from rlvr.rl.producer import completion_text, passed, prompt_ids, sample_seed
+from rlvr.rollout.types import Request, SamplingParams
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k for one task with `c` of `n` samples passing (k <= n)."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples per task, got {n}")
+    if n - c < k:
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def default_ks(samples: int) -> list[int]:
+    """1, 2, 4, … up to `samples` (and `samples` itself)."""
+    ks = [k for k in (2**i for i in range(16)) if k <= samples]
+    return ks + ([samples] if ks[-1] != samples else [])
+
+
+def _aggregate(rows: list[dict[str, Any]], ks: Sequence[int]) -> dict[str, float]:
+    out = {f"pass@{k}": float(np.mean([pass_at_k(r["n"], r["c"], k) for r in rows])) for k in ks}
+    out["tasks"] = float(len(rows))
+    out["reward"] = float(np.mean([r["reward"] for r in rows]))
+    if all("value" in r for r in rows):
+        out["value"] = float(np.mean([r["value"] for r in rows]))
+    return out
+
+
+def evaluate_tasks(backend, tokenizer, tasks, task_list: Sequence, *, max_new_tokens: int, samples: int = 1,
+                   temperature: float = 1.0, prompt_format: str = "raw", seed: int = 0,
+                   tag: str = "eval") -> dict[str, Any]:
+    """Generates and scores `samples` completions per task of `task_list` (greedy if 1).
+
+    `tasks` scores (a TaskMixture or a Family). Returns {"overall", "by_family", "by_level",
+    "by_domain"}, each with pass@k for k in `default_ks(samples)`, mean reward, task counts,
+    and "value" when the family reports it (arithmetic: right number, any format)."""
+    greedy = samples == 1
+    requests = []
+    for t in task_list:
+        ids = prompt_ids(tokenizer, t, prompt_format)
+        for k in range(samples):
+            params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
+                                    sampling_seed=None if greedy else sample_seed(seed, t.index, k, 1 + t.stream))
+            requests.append(Request(f"{tag}-{t.family}-{t.level}-{t.index}-k{k}", ids, params))
+    completions = backend.generate(requests)
+    rows = []
+    for i, t in enumerate(task_list):
+        scores = [tasks.score(t, *completion_text(tokenizer, c)) for c in completions[i * samples:(i + 1) * samples]]
+        row = {"family": t.family, "level": t.level, "n": samples, "c": int(sum(passed(s) for s in scores)),
+               "reward": float(np.mean([s["reward"] for s in scores]))}
+        if all("value" in s for s in scores):
+            row["value"] = float(np.mean([s["value"] for s in scores]))
+        rows.append(row)
+    return summarize(rows, default_ks(samples), _domains(tasks))
+
+
+def _domains(tasks) -> dict[str, str]:
+    return tasks.domains() if hasattr(tasks, "domains") else {tasks.name: tasks.domain or tasks.name}
+
+
+def summarize(rows: list[dict[str, Any]], ks: Sequence[int], domains: dict[str, str]) -> dict[str, Any]:
+    groups: dict[str, dict[Any, list]] = {"by_family": collections.defaultdict(list),
+                                          "by_level": collections.defaultdict(list),
+                                          "by_domain": collections.defaultdict(list)}
+    for r in rows:
+        groups["by_family"][r["family"]].append(r)
+        groups["by_level"][f"{r['family']}@{r['level']}"].append(r)
+        groups["by_domain"][domains.get(r["family"], r["family"])].append(r)
+    out: dict[str, Any] = {"overall": _aggregate(rows, ks), "ks": list(ks)}
+    for name, group in groups.items():
+        out[name] = {key: _aggregate(rs, ks) for key, rs in sorted(group.items())}
+    return out
+
+
+def table(result: dict[str, Any], by: str = "by_level") -> str:
+    """A markdown table of one breakdown (by_family, by_level or by_domain) plus the overall row."""
+    ks = result["ks"]
+    header = f"| {by[3:]} | tasks | " + " | ".join(f"pass@{k}" for k in ks) + " | reward |"
+    lines = [header, "|" + "---|" * (len(ks) + 3)]
+    for key, agg in [*result[by].items(), ("overall", result["overall"])]:
+        cells = " | ".join(f"{agg[f'pass@{k}']:.3f}" for k in ks)
+        lines.append(f"| {key} | {int(agg['tasks'])} | {cells} | {agg['reward']:.3f} |")
+    return "\n".join(lines)
+
+
+def balance_report(evals: Sequence[tuple[int, dict[str, float]]], drop: float = 0.1) -> dict[str, Any]:
+    """Capability balance over training: held-out pass@1 per domain at each evaluation, and the
+    domains that were crowded out (final pass rate `drop` or more below their best while some
+    other domain improved on its first evaluation)."""
+    domains = sorted({d for _, per in evals for d in per})
+    curves = {d: [[step, per[d]] for step, per in evals if d in per] for d in domains}
+    improved = {d for d, c in curves.items() if len(c) > 1 and c[-1][1] > c[0][1]}
+    crowded = [d for d, c in curves.items()
+               if len(c) > 1 and max(v for _, v in c) - c[-1][1] >= drop and improved - {d}]
+    return {"domains": curves, "crowded_out": crowded}
+
+
+def write(workdir: str, result: dict[str, Any], name: str = "eval") -> tuple[str, str]:
+    """`workdir/NAME.json` and `workdir/NAME.md` (tables by level, family and domain)."""
+    os.makedirs(workdir, exist_ok=True)
+    json_path, md_path = os.path.join(workdir, f"{name}.json"), os.path.join(workdir, f"{name}.md")
+    with open(json_path, "w") as f:
+        json.dump(result, f, indent=2)
+    with open(md_path, "w") as f:
+        for by in ("by_level", "by_family", "by_domain"):
+            f.write(f"## {by[3:]}\n\n{table(result, by)}\n\n")
+    return json_path, md_path

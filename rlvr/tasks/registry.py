@@ -1,0 +1,17 @@
+"""The explicit table of task families: name -> constructor `(seed=, weights=) -> Family`.
+
+Each family module exports its own `FAMILIES` table; this module merges them. No decorator
+registry: what exists is what these tables list.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from rlvr.tasks import datasets, procedural, reasoning_gym
+from rlvr.tasks.arithmetic import OPS, ArithmeticFamily
+
+# the quickstart's raw-format arithmetic (rl.min_digits/rl.max_digits apply when built by rl.task)
+ARITHMETIC = {op: functools.partial(ArithmeticFamily, op) for op in OPS}
+
+FAMILIES = {**ARITHMETIC, **procedural.FAMILIES, **datasets.FAMILIES, **reasoning_gym.FAMILIES}
