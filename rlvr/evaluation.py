@@ -47,16 +47,25 @@ def _aggregate(rows: list[dict[str, Any]], ks: Sequence[int]) -> dict[str, float
 
 def evaluate_tasks(backend, tokenizer, tasks, task_list: Sequence, *, max_new_tokens: int, samples: int = 1,
                    temperature: float = 1.0, prompt_format: str = "raw", seed: int = 0,
-                   tag: str = "eval") -> dict[str, Any]:
+                   tag: str = "eval", max_len: int | None = None) -> dict[str, Any]:
     """Generates and scores `samples` completions per task of `task_list` (greedy if 1).
 
     `tasks` scores (a TaskMixture or a Family). Returns {"overall", "by_family", "by_level",
     "by_domain"}, each with pass@k for k in `default_ks(samples)`, mean reward, task counts,
-    and "value" when the family reports it (arithmetic: right number, any format)."""
+    and "value" when the family reports it (arithmetic: right number, any format). Tasks whose
+    prompt + max_new_tokens exceeds `max_len` are left out and counted in "skipped_too_long"."""
     greedy = samples == 1
-    requests = []
+    requests, prompts, kept = [], [], []
     for t in task_list:
         ids = prompt_ids(tokenizer, t, prompt_format)
+        if max_len is None or len(ids) + max_new_tokens <= max_len:
+            prompts.append(ids)
+            kept.append(t)
+    skipped, task_list = len(task_list) - len(kept), kept
+    if not task_list:
+        raise ValueError(f"evaluation: all {skipped} prompts are longer than {max_len} - {max_new_tokens} tokens; "
+                         "raise rl.seq_len (and rl.engine.max_len)")
+    for t, ids in zip(task_list, prompts, strict=True):
         for k in range(samples):
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
                                     sampling_seed=None if greedy else sample_seed(seed, t.index, k, 1 + t.stream))
@@ -70,7 +79,9 @@ def evaluate_tasks(backend, tokenizer, tasks, task_list: Sequence, *, max_new_to
         if all("value" in s for s in scores):
             row["value"] = float(np.mean([s["value"] for s in scores]))
         rows.append(row)
-    return summarize(rows, default_ks(samples), _domains(tasks))
+    result = summarize(rows, default_ks(samples), _domains(tasks))
+    result["skipped_too_long"] = skipped
+    return result
 
 
 def _domains(tasks) -> dict[str, str]:

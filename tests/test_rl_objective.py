@@ -657,3 +657,16 @@ def test_gae_batch_matches_brute_force_and_value_loss(setup):
     expected = np.mean(np.concatenate([0.5 * (v - r) ** 2 for v, r in zip(olds, rets, strict=True)]))
     close((with_value - without) / aux["weight"], 0.5 * expected, tol=1e-4)
     assert expected > 0.01
+
+
+def test_producer_passes_over_prompts_too_long_for_seq_len():
+    """A prompt that leaves no room for max_new_tokens in seq_len is skipped (and counted), not
+    sent to the engine; the cursor still moves past it, so the stream stays deterministic."""
+    outcome = lambda task, k: (task.answer, "stop")
+    producer, backend, tokenizer, family = _producer(outcome, seq_len=11)  # max_new_tokens 6: prompts <= 5
+    batch = producer.make_batch(0)
+    drawn = family.tasks(0, batch.cursor_end)
+    fitting = [t.index for t in drawn if len(t.prompt) <= 5]
+    assert [s.task_index for s in batch.samples[::producer.rl.group_size]] == fitting[:4]
+    assert batch.stats["prompts_too_long"] == batch.cursor_end - len(fitting) > 0
+    assert all(len(r.input_ids) <= 5 for r in backend.requests)

@@ -250,3 +250,17 @@ def test_reward_model_moments_survive_a_checkpoint_round_trip():
     load_moments(fresh, saved)
     assert saved == {"count": 3.0, "mean": pytest.approx(7 / 3), "m2": pytest.approx(14 / 3)}
     assert all(float(a) == float(b) for a, b in zip(fresh.moments, rm.moments, strict=True))
+
+
+def test_evaluation_leaves_out_prompts_that_do_not_fit():
+    from rlvr.models.tokenizer import byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer()
+    mixture = _mixture({"add": 1.0})
+    task_list = [mixture.task(i, stream=1, level=lv, family="add") for lv in (1, 2) for i in range(4)]
+    result = evaluation.evaluate_tasks(ScriptedBackend(tokenizer, mixture), tokenizer, mixture, task_list,
+                                       max_new_tokens=8, samples=2, tag="t", max_len=8 + 4)  # "9+9=" fits only
+    assert result["skipped_too_long"] == 4 and set(result["by_level"]) == {"add@1"}
+    with pytest.raises(ValueError, match="raise rl.seq_len"):
+        evaluation.evaluate_tasks(ScriptedBackend(tokenizer, mixture), tokenizer, mixture, task_list,
+                                  max_new_tokens=8, samples=2, tag="t", max_len=8)

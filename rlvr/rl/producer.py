@@ -75,6 +75,11 @@ def sample_seed(seed: int, task_index: int, k: int, replay: int = 0) -> int:
     return int(np.random.SeedSequence(entropy).generate_state(1)[0] % 2**31)
 
 
+def fits(tokenizer, task, rl) -> bool:
+    """Whether the task's prompt plus rl.max_new_tokens fits a training row of rl.seq_len."""
+    return len(prompt_ids(tokenizer, task, rl.prompt_format)) + rl.max_new_tokens <= rl.seq_len
+
+
 def prompt_ids(tokenizer, task, prompt_format: str) -> list[int]:
     """The task's prompt as ids: raw text, or its chat messages through the chat template."""
     if prompt_format == "chat":
@@ -110,6 +115,7 @@ class Producer:
         self.reward_model = reward_model
         self._completed_rm = _moments_state(reward_model)
         self.cursor = cursor  # next task index to draw (advanced while generating)
+        self.prompts_too_long = 0  # tasks passed over: prompt + max_new_tokens > seq_len
         self.ref_logprobs = ref_logprobs  # samples -> per-token ref log-probs (KL as reward penalty)
         self._cond = threading.Condition()
         self._queue: collections.deque[ScoredBatch] = collections.deque(buffered or [])
@@ -164,13 +170,29 @@ class Producer:
         if self.replay is not None and self.replay.entries:
             replayed = self.replay.draw(min(count - 1, round(count * self.rl.replay_fraction)))
         fresh = count - len(replayed)
-        if self.curriculum is None:
-            tasks = self.tasks.tasks(self.cursor, fresh)
-        else:
-            draws = self.curriculum.sample(fresh)
-            tasks = [self.tasks.task(self.cursor + i, family=f, level=lv) for i, (f, lv) in enumerate(draws)]
-        self.cursor += fresh
-        return [e.task for e in replayed] + tasks, replayed + [None] * fresh
+        return [e.task for e in replayed] + self._fresh_tasks(fresh), replayed + [None] * fresh
+
+    def _fresh_tasks(self, count: int) -> list:
+        """`count` tasks from the cursor whose prompt leaves room for rl.max_new_tokens in
+        rl.seq_len; longer ones are passed over (counted in `prompts_too_long`)."""
+        out, drawn = [], 0
+        while len(out) < count:
+            need = count - len(out)
+            if self.curriculum is None:
+                tasks = self.tasks.tasks(self.cursor, need)
+            else:
+                draws = self.curriculum.sample(need)
+                tasks = [self.tasks.task(self.cursor + i, family=f, level=lv) for i, (f, lv) in enumerate(draws)]
+            self.cursor += need
+            drawn += need
+            fitting = [t for t in tasks if fits(self.tokenizer, t, self.rl)]
+            self.prompts_too_long += need - len(fitting)
+            out += fitting
+            if len(out) < count and drawn > 20 * count + 100:
+                raise ValueError(f"{drawn - len(out)} of {drawn} prompts of rl.task={self.rl.task!r} are too long for "
+                                 f"rl.seq_len={self.rl.seq_len} with rl.max_new_tokens={self.rl.max_new_tokens}: "
+                                 "raise rl.seq_len (and rl.engine.max_len)")
+        return out
 
     def _generate_round(self, count: int, step: int):
         tasks, entries = self._draw_tasks(count)
@@ -235,6 +257,8 @@ class Producer:
             stats["families_available"] = float(len(self.curriculum.available()))
         if self.replay is not None:
             stats.update(self.replay.stats())
+        if self.prompts_too_long:
+            stats["prompts_too_long"] = float(self.prompts_too_long)
         return ScoredBatch(step, samples, self.cursor, stats, failures)
 
     def _overlong_penalty(self, samples: list[Sample]) -> None:

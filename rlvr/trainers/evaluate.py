@@ -54,7 +54,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         result = evaluation.evaluate_tasks(backend, tokenizer, tasks, task_list,
                                            max_new_tokens=config.rl.max_new_tokens, samples=config.eval.samples,
                                            temperature=config.eval.temperature,
-                                           prompt_format=config.rl.prompt_format, seed=config.seed)
+                                           prompt_format=config.rl.prompt_format, seed=config.seed,
+                                           max_len=config.rl.seq_len)
     finally:
         backend.close()
     result["policy"] = source

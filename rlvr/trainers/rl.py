@@ -137,7 +137,7 @@ def evaluate(backend, tasks, tokenizer, rl: ml_collections.ConfigDict, tag: str,
     return evaluation.evaluate_tasks(backend, tokenizer, tasks, tasks.held_out(rl.eval_examples),
                                      max_new_tokens=rl.max_new_tokens, samples=rl.eval_samples,
                                      temperature=rl.eval_temperature, prompt_format=rl.prompt_format,
-                                     seed=seed, tag=f"eval-{tag}")
+                                     seed=seed, tag=f"eval-{tag}", max_len=rl.seq_len)
 
 
 def _eval_point(step: int, result: dict[str, Any]) -> list:
@@ -369,6 +369,13 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         state = step_lib.init_state(model.params, optimizer, shardings)
     model.params = None  # owned (and donated) by `state`
     start = int(state["step"]) // updates
+    producer_state = extra.get("producer", {"cursor": 0, "buffered": []})
+    reward_model = None
+    if rl.reward_model:
+        from rlvr.rewards.reward_model import RewardModel
+
+        reward_model = RewardModel.from_workdir(rl.reward_model)
+        load_moments(reward_model, producer_state.get("reward_model_moments"))
     backend = build_backend(config, model, state["params"], tokenizer, workdir, version=start)
     history: list[dict[str, float]] = extra.get("history", [])
     evals: list[list] = [list(e) for e in extra.get("evals", [])]  # [step, pass@1, value, {domain: pass@1}]
@@ -376,14 +383,12 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
     def run_eval(step: int, tag: str) -> None:
         result = evaluate(backend, tasks, tokenizer, rl, tag, config.seed)
+        if result["skipped_too_long"]:
+            print(f"evaluation {tag}: {result['skipped_too_long']} held-out prompts are longer than rl.seq_len "
+                  f"allows and were left out (their families are missing from the tables)")
         evals.append(_eval_point(step, result))
         eval_details.append({"step": step, **result})
 
-    if not evals:
-        run_eval(0, "before")
-        print(f"held-out accuracy before RL: {evals[0][1]:.3f}")
-
-    producer_state = extra.get("producer", {"cursor": 0, "buffered": []})
     ref_fn = _ref_logprobs_fn(model.cfg, ref_params, rl, tokenizer.pad_id) if rl.kl_mode == "reward" and use_ref \
         else None
     curriculum = None
@@ -400,12 +405,6 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         replay = ReplayBuffer(rl.replay_capacity, rl.replay_max_pass_rate, rl.replay_max_uses, config.seed)
         if producer_state.get("replay"):
             replay.load_state(producer_state["replay"])
-    reward_model = None
-    if rl.reward_model:
-        from rlvr.rewards.reward_model import RewardModel
-
-        reward_model = RewardModel.from_workdir(rl.reward_model)
-        load_moments(reward_model, producer_state.get("reward_model_moments"))
     producer = Producer(backend, tasks, tokenizer, rl, config.seed, cursor=producer_state["cursor"],
                         buffered=[ScoredBatch.from_json(b) for b in producer_state["buffered"]],
                         ref_logprobs=ref_fn, curriculum=curriculum, replay=replay, reward_model=reward_model)
@@ -418,9 +417,12 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     writer = observe.MetricsWriter(workdir, tensorboard=config.train.tensorboard)
     failures_log = open(os.path.join(workdir, "failures.jsonl"), "a")
     progress = observe.Progress(num_steps, start)
-    if rl.mode == "async":
-        producer.start(start, num_steps, version=start)
-    try:
+    try:  # from here on, any failure (evaluation included) closes the backend and producer
+        if not evals:
+            run_eval(0, "before")
+            print(f"held-out accuracy before RL: {evals[0][1]:.3f}")
+        if rl.mode == "async":
+            producer.start(start, num_steps, version=start)
         for step in range(start, num_steps):
             t0 = time.perf_counter()
             batch = producer.next_batch(step)
