@@ -1,6 +1,6 @@
 """Isolated code execution (installed as rlvr.sandbox): gVisor by default, with limits, traces and verdicts.
 
-    from rlvr.sandbox import CallTest, Limits, Pool, run, verify_program
+    from rlvr.sandbox import CallTest, Episode, Limits, Pool, run, verify_program
 
     result = run(python="print(6 * 7)", limits=Limits(wall_s=5))          # a fresh sandbox per call
     assert result.ok and result.stdout == b"42\\n"
@@ -10,13 +10,23 @@
         verdict = verify_program("def add(a, b): return a + b", [CallTest((2, 3), 5)], entry_point="add",
                                  pool=pool)                                # judged on the host
 
-Modules: api (run, the backends table), runsc (the gVisor OCI bundle, teardown), local (the weaker
-development backends), pool and zygote (the warm pool and the worker inside each sandbox), verdict
-(verdicts a program cannot forge), trace and replay (JSONL records; `python -m rlvr.sandbox.replay`).
+    with Episode(Limits(wall_s=5), template="repo/") as ep:                # several steps, one workspace
+        ep.write({"calc.py": "def add(a, b): return a - b"})
+        if not ep.run(["/usr/bin/python3", "-m", "unittest"]).ok:
+            ep.snapshot("scene.tar.gz")       # python -m rlvr.sandbox.replay --episode scene.tar.gz
+
+Modules: api (run, the backends table), workspace (private workspaces, templates over overlayfs), episode
+(multi-step sessions, snapshots and their replay), executor (the `Executor` protocol the RL side depends on:
+`Local`, `Pool`, and the JSON round trip a remote worker implements), runsc (the gVisor OCI bundle,
+teardown), local (the weaker development backends), pool and zygote (the warm pool and the worker inside
+each sandbox), verdict (verdicts a program cannot forge), trace and replay (JSONL records;
+`python -m rlvr.sandbox.replay`).
 Measured facts behind the design: ../shared/specs/sandbox-gvisor.md.
 """
 
 from .api import BACKENDS, PYTHON, run
+from .episode import Episode, replay_episode
+from .executor import Executor, JsonExecutor, Local
 from .pool import Pool
 from .types import (
     CPU,
@@ -33,6 +43,6 @@ from .types import (
 )
 from .verdict import CallTest, StdioTest, Verdict, verify_program
 
-__all__ = ["BACKENDS", "CPU", "DISK", "FILE_SIZE", "MEMORY", "OUTPUT", "PYTHON", "WALL_TIME", "CallTest", "Limits",
-           "Pool", "Result", "SandboxError", "SandboxUnavailable", "StdioTest", "Timings", "Verdict", "run",
-           "verify_program"]
+__all__ = ["BACKENDS", "CPU", "DISK", "FILE_SIZE", "MEMORY", "OUTPUT", "PYTHON", "WALL_TIME", "CallTest", "Episode",
+           "Executor", "JsonExecutor", "Limits", "Local", "Pool", "Result", "SandboxError", "SandboxUnavailable",
+           "StdioTest", "Timings", "Verdict", "replay_episode", "run", "verify_program"]

@@ -18,12 +18,12 @@ from collections.abc import Callable, Mapping, Sequence
 from . import local, runsc, trace
 from .capture import Captured
 from .types import CPU, DISK, FILE_SIZE, MEMORY, Limits, Result, Timings
-from .workspace import SANDBOX_UID, Workspace
+from .workspace import SANDBOX_UID, Template, Workspace, template_for
 
 PYTHON = "/usr/bin/python3"  # Debian's interpreter: the venv's lives outside /usr, invisible in the sandbox
 MAIN = "main.py"
 
-Executor = Callable[..., tuple[Captured, str]]  # (argv, ws, limits, stdin, env, ro_binds) -> (run, sandbox id)
+BackendFn = Callable[..., tuple[Captured, str]]  # (argv, ws, limits, stdin, env, ro_binds) -> (run, sandbox id)
 _slots = threading.BoundedSemaphore(int(os.environ.get("RLVR_SANDBOX_CONCURRENCY", 4 * (os.cpu_count() or 1))))
 _warned: set[str] = set()
 
@@ -45,7 +45,7 @@ def _run_process(argv: list[str], ws: Workspace, limits: Limits, stdin: bytes, e
     return local.execute_process(argv, ws, limits, stdin, env), "process"
 
 
-BACKENDS: dict[str, Executor] = {"runsc": _run_runsc, "bwrap": _run_bwrap, "process": _run_process}
+BACKENDS: dict[str, BackendFn] = {"runsc": _run_runsc, "bwrap": _run_bwrap, "process": _run_process}
 WEAK = {"bwrap": "bubblewrap shares the host kernel and has no cgroup limits",
         "process": "a plain subprocess can read host files, reach the network and signal host processes"}
 
@@ -64,22 +64,27 @@ def _owner(backend: str) -> int:
 def run(command: Sequence[str] | None = None, *, python: str | None = None,
         files: Mapping[str, bytes | str] | None = None, limits: Limits | None = None, backend: str = "runsc",
         stdin: bytes = b"", env: Mapping[str, str] | None = None, ro_binds: Mapping[str, str] | None = None,
-        trace_path: str | None | bool = None, tag: str | None = None) -> Result:
+        trace_path: str | None | bool = None, tag: str | None = None, template: str | Template | None = None) -> Result:
     """Run `command` (argv, cwd /workspace) or Python source `python` (as /workspace/main.py) in a fresh sandbox.
 
-    `files` (relative path -> content) are written into the private workspace first. `ro_binds` maps
-    sandbox paths to host directories bound read-only. A trace record is appended to `trace_path`
+    `template` (a host directory or a prepared `workspace.Template`): the workspace starts as its contents,
+    as an overlay whose writes are discarded after the call; the template itself never changes (see
+    workspace.py). `files` (relative path -> content) are then written into the private workspace. `ro_binds`
+    maps sandbox paths to host directories bound read-only. A trace record is appended to `trace_path`
     (default `trace.default_path()`; False: none). Raises SandboxUnavailable when the backend cannot run."""
     if backend not in BACKENDS:
         raise ValueError(f"sandbox backend {backend!r}: choose one of {sorted(BACKENDS)}")
     argv, inputs = build_command(command, python, files)
     limits = limits or Limits()
     _warn_weak(backend)
+    layer = template_for(template, _owner(backend)) if template is not None else None
     queued = time.perf_counter()
     with _slots:
-        result = _run_once(argv, inputs, limits, backend, stdin, env, ro_binds or {}, queued)
+        result = _run_once(argv, inputs, limits, backend, stdin, env, ro_binds or {}, queued, layer)
     if trace_path is not False:
         entry = trace.record(argv, inputs, stdin, limits, result, env, tag, ro_binds or {})
+        if layer is not None:
+            entry["template"] = {"source": layer.source, "digest": layer.digest}
         trace.append(trace_path or trace.default_path(), entry)
     return result
 
@@ -97,21 +102,33 @@ def build_command(command: Sequence[str] | None, python: str | None,
     return [PYTHON, "-I", "-B", MAIN], {**inputs, MAIN: python.encode()}
 
 
+def new_workspace(limits: Limits, backend: str, template: Template | None = None) -> Workspace:
+    """A fresh workspace for `backend` (owned by the uid its programs run as), optionally over a template."""
+    return Workspace(limits.workspace_bytes, limits.workspace_inodes, owner_uid=_owner(backend), template=template)
+
+
 def _run_once(argv: list[str], inputs: dict[str, bytes], limits: Limits, backend: str, stdin: bytes,
-              env: Mapping[str, str] | None, ro_binds: Mapping[str, str], queued: float) -> Result:
+              env: Mapping[str, str] | None, ro_binds: Mapping[str, str], queued: float,
+              template: Template | None = None) -> Result:
     start = time.perf_counter()
-    ws = Workspace(limits.workspace_bytes, limits.workspace_inodes, owner_uid=_owner(backend))
+    ws = new_workspace(limits, backend, template)
     try:
-        ws.write(inputs)
-        before = ws.digest()
-        launched = time.perf_counter()
-        got, sandbox_id = BACKENDS[backend](argv, ws, limits, stdin, env, ro_binds)
-        exit_code, sig = _status(got.returncode, backend)
-        timings = Timings(queue_s=start - queued, start_s=launched - start, run_s=got.run_s)
-        return Result(backend, exit_code, sig, got.stdout, got.stderr, got.stdout_truncated, got.stderr_truncated,
-                      _limit_hit(got, sig, ws), timings, before, ws.digest(), sandbox_id)
+        return run_in(ws, argv, inputs, limits, backend, stdin, env, ro_binds, queued, start)
     finally:
         ws.close()
+
+
+def run_in(ws: Workspace, argv: list[str], inputs: dict[str, bytes], limits: Limits, backend: str, stdin: bytes,
+           env: Mapping[str, str] | None, ro_binds: Mapping[str, str], queued: float, start: float) -> Result:
+    """One fresh sandbox over an existing workspace (an episode's step, or `run`'s single call)."""
+    ws.write(inputs)
+    before = ws.digest()
+    launched = time.perf_counter()
+    got, sandbox_id = BACKENDS[backend](argv, ws, limits, stdin, env, ro_binds)
+    exit_code, sig = _status(got.returncode, backend)
+    timings = Timings(queue_s=start - queued, start_s=launched - start, run_s=got.run_s)
+    return Result(backend, exit_code, sig, got.stdout, got.stderr, got.stdout_truncated, got.stderr_truncated,
+                  _limit_hit(got, sig, ws), timings, before, ws.digest(), sandbox_id)
 
 
 def _status(returncode: int, backend: str) -> tuple[int | None, int | None]:

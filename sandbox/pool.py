@@ -17,7 +17,9 @@ state across time (e.g. the page cache), and a task's fork inherits the worker's
 residue of earlier tasks' inputs (payload buffers are zeroed, parsed headers are not). Expected outputs of
 verdicts never enter a sandbox at all; use `api.run` when tasks must not learn anything of each other.
 
-The interface is `run(...) -> Result`, like `api.run`, so a remote worker can implement it too.
+A Pool is an `executor.Executor` (`run(...) -> Result`, `close()`), the interface a remote worker implements
+too (see executor.py). Templates (overlay workspaces) are `api.run`'s and `Episode`'s, not the pool's: its
+workspace is a tmpfs inside the sentry, where a template would be a full copy per task.
 """
 
 from __future__ import annotations

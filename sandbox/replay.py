@@ -1,5 +1,8 @@
 """Re-run a recorded sandbox call in a fresh sandbox and compare: `python -m rlvr.sandbox.replay TRACE --index N`.
 
+`python -m rlvr.sandbox.replay --episode SNAPSHOT` replays a whole episode snapshot instead (see episode.py):
+it prints the per-step report and exits 0 when every step was replayed exactly.
+
 Prints one JSON object (what matched, what differed) and exits 0 when the replay reproduced the recorded
 status, limit hit, outputs and workspace digest, 1 otherwise. Timings are reported, never compared.
 """
@@ -17,6 +20,7 @@ from typing import Any
 
 from . import api, trace
 from .types import Limits, Result
+from .workspace import tree_digest
 
 FRESH = {"runsc-pool": "runsc"}  # a pool task replays in a fresh sandbox of the same kind
 COMPARED = ("exit_code", "signal", "limit_hit", "stdout", "stderr", "digest_after")
@@ -26,6 +30,11 @@ def replay(entry: Mapping[str, Any], backend: str | None = None) -> Result:
     """Run a trace record's call again (same argv, files, stdin, env, limits, read-only binds)."""
     if entry["files"] is None:
         raise ValueError("this record's input files were too large to keep in the trace; it cannot be replayed")
+    template = entry.get("template")
+    if template is not None:  # a record names its template; replay only over the very same contents
+        if not os.path.isdir(template["source"]) or tree_digest(template["source"]) != template["digest"]:
+            raise ValueError(f"the record's template {template['source']} is gone or changed (digest "
+                             f"{template['digest'][:12]}); episodes keep theirs: see episode.py")
     with tempfile.TemporaryDirectory(prefix="rlvr-replay-") as tmp:
         binds = {}
         for i, (dest, files) in enumerate((entry.get("ro_binds") or {}).items()):
@@ -33,7 +42,8 @@ def replay(entry: Mapping[str, Any], backend: str | None = None) -> Result:
         return api.run(entry["argv"], files=trace.decode_files(entry["files"]), stdin=base64.b64decode(entry["stdin"]),
                        env=entry["env"], limits=Limits.from_json(entry["limits"]),
                        backend=backend or FRESH.get(entry["backend"], entry["backend"]),
-                       ro_binds=binds, tag=f"replay of {entry['sandbox_id']}")
+                       ro_binds=binds, tag=f"replay of {entry['sandbox_id']}",
+                       template=template["source"] if template else None)
 
 
 def _materialise(directory: str, files: Mapping[str, bytes]) -> str:
@@ -56,10 +66,19 @@ def compare(entry: Mapping[str, Any], result: Result) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("trace_file")
+    parser.add_argument("trace_file", nargs="?")
+    parser.add_argument("--episode", metavar="SNAPSHOT", help="replay a whole episode snapshot (episode.py)")
     parser.add_argument("--index", type=int, default=-1, help="record number (0-based; default: the last)")
     parser.add_argument("--backend", default=None, help="override the recorded backend")
     args = parser.parse_args(argv)
+    if args.episode:
+        from .episode import replay_episode  # episode imports this module
+
+        report = replay_episode(args.episode, args.backend)
+        print(json.dumps(report))
+        return 0 if report["replayed_exactly"] else 1
+    if not args.trace_file:
+        parser.error("give a trace file, or --episode SNAPSHOT")
     entry = trace.read(args.trace_file)[args.index]
     result = replay(entry, args.backend)
     diff = compare(entry, result)

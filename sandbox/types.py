@@ -5,6 +5,7 @@ Kept free of any backend so a trace record, a replay and a remote worker can all
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from typing import Any
 
@@ -94,3 +95,16 @@ class Result:
     def text(self, stream: str = "stdout") -> str:
         """A stream decoded as UTF-8 with replacement characters (never raises on garbage bytes)."""
         return getattr(self, stream).decode("utf-8", "replace")
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON types only (outputs as base64: they may hold any bytes); `from_json` inverts it exactly."""
+        data = dataclasses.asdict(self)
+        data["stdout"] = base64.b64encode(self.stdout).decode()
+        data["stderr"] = base64.b64encode(self.stderr).decode()
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Result:
+        fields = {**data, "stdout": base64.b64decode(data["stdout"]), "stderr": base64.b64decode(data["stderr"]),
+                  "timings": Timings(**data["timings"])}
+        return cls(**fields)

@@ -40,7 +40,7 @@ from .api import PYTHON, run
 from .types import Limits, Result
 
 if TYPE_CHECKING:
-    from .pool import Pool
+    from .executor import Executor
 
 SOLUTION = "solution.py"
 
@@ -140,9 +140,10 @@ class Verdict:
 
 def verify_program(program: str, tests: Sequence[CallTest] | Sequence[StdioTest], limits: Limits | None = None,
                    entry_point: str | None = None, backend: str = "runsc", float_tol: float = 1e-9,
-                   trace_path: str | None | bool = None, pool: Pool | None = None) -> Verdict:
-    """Run `program` against `tests` in one fresh sandbox (or one task of a warm `pool`) and judge its
-    outputs on the host (see the module doc)."""
+                   trace_path: str | None | bool = None, pool: Executor | None = None) -> Verdict:
+    """Run `program` against `tests` in one fresh sandbox (or one task of `pool`: a warm `Pool`, or any
+    `executor.Executor`, remote ones included) and judge its outputs on the host (see the module doc). The
+    expected values never travel to the executor: only the program, the test inputs and a nonce do."""
     kind = _kind(tests, entry_point)
     limits = limits or Limits()
     nonce = secrets.token_hex(16)
@@ -158,7 +159,7 @@ def verify_program(program: str, tests: Sequence[CallTest] | Sequence[StdioTest]
     return judge(result, nonce, tests, float_tol)
 
 
-def _on_pool(pool: Pool, program: str, kind: str, tests: Sequence[Any], entry_point: str | None, limits: Limits,
+def _on_pool(pool: Executor, program: str, kind: str, tests: Sequence[Any], entry_point: str | None, limits: Limits,
              nonce: str) -> Result:
     """The same driver as one pool task: it runs as the task's main program (a fork, no interpreter start)
     and the test inputs travel as a workspace file (inputs only: the expected values stay here)."""

@@ -120,7 +120,7 @@ def make_dirs(directory):
 
 
 def digest(top=WORKSPACE):
-    """The same tree digest as the host's workspace.tree_digest (path, type, mode, size, content)."""
+    """The same tree digest as the host's workspace.tree_digest (path, type, mode, size, content sha256)."""
     h = sha256()
     for dirpath, dirnames, filenames in os.walk(top):
         dirnames.sort()
@@ -132,12 +132,14 @@ def digest(top=WORKSPACE):
             if stat.S_ISLNK(st.st_mode):
                 h.update(os.readlink(full).encode(errors="replace"))
             elif stat.S_ISREG(st.st_mode):
+                content = sha256()
                 try:
                     with open(full, "rb") as f:
                         while chunk := f.read(1 << 20):
-                            h.update(chunk)
+                            content.update(chunk)
                 except OSError:
                     pass
+                h.update(content.digest())
     return h.hexdigest()
 
 

@@ -29,3 +29,32 @@ def python() -> str:
 
 def pytest_configure(config):
     assert jax.device_count() == 8, "tests expect 8 fake CPU devices (XLA_FLAGS set too late?)"
+
+
+def _sandbox_module(request) -> bool:
+    return request.module.__name__.rsplit(".", 1)[-1].startswith("test_sandbox")
+
+
+@pytest.fixture(autouse=True)
+def _sandbox_trace_in_tmp(request, tmp_path, monkeypatch):
+    """Sandbox modules: calls without an explicit trace path write to the default trace file; keep it
+    in the test's tmp dir."""
+    if _sandbox_module(request):
+        monkeypatch.setenv("RLVR_SANDBOX_TRACE", str(tmp_path / "default-trace.jsonl"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _sandbox_no_leftovers(request):
+    """Sandbox modules: afterwards every sandbox is deleted, and no cgroup directory or workspace mount
+    of this process is left."""
+    yield
+    if not _sandbox_module(request):
+        return
+    from rlvr.sandbox import runsc
+    from rlvr.sandbox.workspace import MOUNTED_HERE
+
+    runsc.REAPER.drain()
+    assert runsc.list_containers() == []
+    assert runsc.leftover_cgroups(f"rlvr-{os.getpid()}-") == []
+    mounted = {line.split()[1] for line in open("/proc/mounts").read().splitlines()}
+    assert not mounted & MOUNTED_HERE

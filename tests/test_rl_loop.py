@@ -231,7 +231,8 @@ def test_sync_kill_and_resume_is_bitwise_identical(sync_run, tmp_path, tmp_path_
 
     _assert_same_params(_params(workdir), _params(sync_run))
     want, got = _extra(sync_run, STEPS), _extra(workdir, STEPS)
-    assert got["producer"] == want["producer"] == {"cursor": STEPS * PROMPTS, "buffered": [], "curriculum": None}
+    assert got["producer"] == want["producer"] == {"cursor": STEPS * PROMPTS, "buffered": [], "curriculum": None,
+                                                   "replay": None, "reward_model_moments": None}
     assert got["history"] == want["history"] and [h["step"] for h in got["history"]] == list(range(1, STEPS + 1))
     # metrics.jsonl is appended to: the resumed process wrote exactly the steps after the
     # checkpoint, each on the same tasks as the uninterrupted run (no batch repeated or skipped).

@@ -2,7 +2,6 @@
 development backends. Needs runsc (installed by `make`); CI runs these, it does not skip them."""
 
 import json
-import os
 import subprocess
 import sys
 import warnings
@@ -14,21 +13,7 @@ from rlvr.sandbox.replay import compare, replay
 pytestmark = pytest.mark.sandbox
 
 
-@pytest.fixture(autouse=True)
-def _default_trace_in_tmp(tmp_path, monkeypatch):
-    """Calls without an explicit trace path write to the default trace file: keep it in the test's tmp dir."""
-    monkeypatch.setenv("RLVR_SANDBOX_TRACE", str(tmp_path / "default-trace.jsonl"))
-
 FAST = Limits(wall_s=3.0, cpu_s=3)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_leftovers():
-    """After the module: every sandbox deleted, no cgroup directory left, our runsc state empty."""
-    yield
-    runsc.REAPER.drain()
-    assert runsc.list_containers() == []
-    assert runsc.leftover_cgroups(f"rlvr-{os.getpid()}-") == []
 
 
 def test_hello_layout_and_identity(tmp_path):

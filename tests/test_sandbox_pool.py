@@ -12,11 +12,6 @@ from rlvr.sandbox.replay import compare, replay
 pytestmark = pytest.mark.sandbox
 
 
-@pytest.fixture(autouse=True)
-def _default_trace_in_tmp(tmp_path, monkeypatch):
-    """Calls without an explicit trace path write to the default trace file: keep it in the test's tmp dir."""
-    monkeypatch.setenv("RLVR_SANDBOX_TRACE", str(tmp_path / "default-trace.jsonl"))
-
 LIMITS = Limits(wall_s=3.0, cpu_s=2, memory_bytes=256 << 20, nproc=32, output_bytes=64 << 10,
                 workspace_bytes=8 << 20)
 

@@ -12,11 +12,6 @@ from rlvr.sandbox.verdict import judge, parse_results, same_value
 pytestmark = pytest.mark.sandbox
 
 
-@pytest.fixture(autouse=True)
-def _default_trace_in_tmp(tmp_path, monkeypatch):
-    """Calls without an explicit trace path write to the default trace file: keep it in the test's tmp dir."""
-    monkeypatch.setenv("RLVR_SANDBOX_TRACE", str(tmp_path / "default-trace.jsonl"))
-
 LIMITS = Limits(wall_s=5.0, cpu_s=5)
 ADD = [CallTest((2, 3), 5), CallTest((10, -4), 6), CallTest((0, 0), 0)]
 
