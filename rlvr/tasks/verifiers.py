@@ -20,6 +20,7 @@ verifier scores it 0 (the verdict is the program's fault, not the verifier's).
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import copy
 import dataclasses
@@ -212,7 +213,18 @@ def _get_pool() -> concurrent.futures.ProcessPoolExecutor:
                                    "module (multiprocessing forkserver): a script that verifies at import time "
                                    "needs an `if __name__ == '__main__':` guard") from e
             _POOL = pool
+            atexit.register(_shutdown_pool)
         return _POOL
+
+
+def _shutdown_pool() -> None:
+    """At exit, while the interpreter is still whole: stop the workers (otherwise the executor's
+    weakref callback runs during teardown and prints a spurious traceback)."""
+    global _POOL
+    with _POOL_LOCK:
+        pool, _POOL = _POOL, None
+    if pool is not None:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _discard_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
