@@ -183,7 +183,7 @@ def write_plot(workdir: str, history: list[dict[str, float]], evals: list[list])
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    domains = sorted({d for e in evals for d in e[3]}) if evals and len(evals[0]) > 3 else []
+    domains = sorted({d for e in evals for d in e[3]})
     fig, axes = plt.subplots(1, 3 if len(domains) > 1 else 2, figsize=(15 if len(domains) > 1 else 10, 3.6))
     left, right = axes[0], axes[1]
     left.plot([h["step"] for h in history], [h["reward"] for h in history], lw=1)
@@ -378,7 +378,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         load_moments(reward_model, producer_state.get("reward_model_moments"))
     backend = build_backend(config, model, state["params"], tokenizer, workdir, version=start)
     history: list[dict[str, float]] = extra.get("history", [])
-    evals: list[list] = [list(e) for e in extra.get("evals", [])]  # [step, pass@1, value, {domain: pass@1}]
+    # [step, pass@1, value, {domain: pass@1}] (checkpoints from before per-domain evaluation: no dict)
+    evals: list[list] = [[*e, {}][:4] for e in extra.get("evals", [])]
     eval_details: list[dict[str, Any]] = extra.get("eval_details", [])
 
     def run_eval(step: int, tag: str) -> None:
