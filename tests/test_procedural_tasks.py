@@ -26,7 +26,7 @@ TASKS_PER_LEVEL = 20
 def process_executor(monkeypatch):
     """Run candidate programs as plain processes here (fast); test_verifiers covers runsc."""
     monkeypatch.setenv("RLVR_CODE_EXECUTOR", "process")
-    warnings.filterwarnings("ignore", "code verifier: running candidate programs", RuntimeWarning)
+    warnings.filterwarnings("ignore", "sandbox backend .process. is for development only", RuntimeWarning)
 
 
 def cases():
