@@ -45,19 +45,13 @@ os.execvpe(spec["argv"][0], spec["argv"], spec["env"])
 """
 
 
-def _rlimits(limits: Limits) -> list[tuple[str, int, int]]:
-    return [("RLIMIT_AS", limits.memory_bytes, limits.memory_bytes), ("RLIMIT_CPU", limits.cpu_s, limits.cpu_s + 1),
-            ("RLIMIT_FSIZE", limits.file_bytes, limits.file_bytes), ("RLIMIT_NOFILE", limits.nofile, limits.nofile),
-            ("RLIMIT_NPROC", limits.nproc, limits.nproc), ("RLIMIT_CORE", 0, 0)]
-
-
 def owner_uid() -> int:
     """The host uid local runs use: LOCAL_UID as root, else the caller's own."""
     return LOCAL_UID if os.geteuid() == 0 else os.geteuid()
 
 
 def _launch(argv: Sequence[str], limits: Limits, env: Mapping[str, str]) -> list[str]:
-    spec = {"rlimits": _rlimits(limits), "argv": list(argv), "env": dict(env)}
+    spec = {"rlimits": limits.rlimits(), "argv": list(argv), "env": dict(env)}
     return [PYTHON, "-I", "-S", "-c", LAUNCHER, json.dumps(spec)]
 
 

@@ -165,12 +165,6 @@ class Worker:
         runsc.REAPER.submit(self.cid, None)
 
 
-def _rlimits(limits: Limits) -> list[list]:
-    return [["RLIMIT_AS", limits.memory_bytes, limits.memory_bytes], ["RLIMIT_NPROC", limits.nproc, limits.nproc],
-            ["RLIMIT_NOFILE", limits.nofile, limits.nofile], ["RLIMIT_FSIZE", limits.file_bytes, limits.file_bytes],
-            ["RLIMIT_CORE", 0, 0]]
-
-
 def _clamp(task: Limits, pool: Limits) -> Limits:
     """A task's limits, never above the pool sandbox's (the worker cannot raise its own hard rlimits)."""
     fields = ("memory_bytes", "nproc", "nofile", "file_bytes", "output_bytes")
@@ -264,7 +258,7 @@ class Pool:
         header = {"argv": argv, "python": is_python, "env": environment, "stdin_size": len(stdin),
                   "files": [[n, len(inputs[n])] for n in names],
                   "limits": {"wall_s": limits.wall_s, "output_bytes": limits.output_bytes,
-                             "rlimits": _rlimits(limits)}}
+                             "rlimits": [list(r) for r in limits.rlimits(cpu=False)]}}
         sent = time.perf_counter()
         try:
             reply, data = worker.task(header, b"".join(inputs[n] for n in names) + stdin, limits.wall_s,

@@ -92,15 +92,6 @@ def new_id(prefix: str = "rlvr") -> str:
     return f"{prefix}-{os.getpid()}-{next(_counter)}-{secrets.token_hex(3)}"
 
 
-def _rlimits(limits: Limits) -> list[dict[str, Any]]:
-    """OCI rlimits; integers only (a float makes `runsc run` fail with rc 128)."""
-    pairs = {"RLIMIT_NPROC": (limits.nproc, limits.nproc), "RLIMIT_NOFILE": (limits.nofile, limits.nofile),
-             "RLIMIT_AS": (limits.memory_bytes, limits.memory_bytes),
-             "RLIMIT_FSIZE": (limits.file_bytes, limits.file_bytes),
-             "RLIMIT_CPU": (limits.cpu_s, limits.cpu_s + 1), "RLIMIT_CORE": (0, 0)}
-    return [{"type": k, "soft": int(s), "hard": int(h)} for k, (s, h) in pairs.items()]
-
-
 def _mounts(workspace: str | None, limits: Limits, ro_binds: Mapping[str, str]) -> list[dict[str, Any]]:
     """OCI mounts; `workspace` None: /workspace is a size-capped tmpfs inside the sentry (the pool's)."""
     mounts = [
@@ -127,13 +118,14 @@ def oci_config(argv: Sequence[str], workspace: str | None, limits: Limits, env: 
     environment = {"PATH": PATH_ENV, "LANG": "C.UTF-8", "HOME": "/workspace", "PYTHONIOENCODING": "utf-8",
                    **(env or {})}
     memory = int(limits.memory_bytes + limits.sandbox_overhead_bytes)
+    rlimits = [{"type": name, "soft": soft, "hard": hard} for name, soft, hard in limits.rlimits()]
     return {
         "ociVersion": "1.0.2",
         "root": {"path": os.path.join(home(), "rootfs"), "readonly": True},
         "hostname": "sandbox",
         "process": {"user": {"uid": SANDBOX_UID, "gid": SANDBOX_UID}, "args": list(argv), "cwd": "/workspace",
                     "env": [f"{k}={v}" for k, v in environment.items()], "capabilities": caps,
-                    "noNewPrivileges": True, "rlimits": _rlimits(limits)},
+                    "noNewPrivileges": True, "rlimits": rlimits},
         "mounts": _mounts(workspace, limits, ro_binds or {}),
         "linux": {"namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
                   "resources": {"memory": {"limit": memory, "swap": memory},

@@ -51,6 +51,17 @@ class Limits:
     tmp_bytes: int = 64 * MiB
     start_grace_s: float = 2.0
 
+    def rlimits(self, cpu: bool = True) -> list[tuple[str, int, int]]:
+        """(resource name, soft, hard) for every rlimit a backend sets; integers only (a float in an
+        OCI spec makes `runsc run` fail). `cpu=False` leaves RLIMIT_CPU to the caller (the pool's
+        worker times each task itself)."""
+        out = [("RLIMIT_AS", self.memory_bytes, self.memory_bytes), ("RLIMIT_NPROC", self.nproc, self.nproc),
+               ("RLIMIT_NOFILE", self.nofile, self.nofile), ("RLIMIT_FSIZE", self.file_bytes, self.file_bytes),
+               ("RLIMIT_CORE", 0, 0)]
+        if cpu:
+            out.append(("RLIMIT_CPU", self.cpu_s, self.cpu_s + 1))
+        return [(name, int(soft), int(hard)) for name, soft, hard in out]
+
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

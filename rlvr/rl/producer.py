@@ -75,11 +75,6 @@ def sample_seed(seed: int, task_index: int, k: int, replay: int = 0) -> int:
     return int(np.random.SeedSequence(entropy).generate_state(1)[0] % 2**31)
 
 
-def fits(tokenizer, task, rl) -> bool:
-    """Whether the task's prompt plus rl.max_new_tokens fits a training row of rl.seq_len."""
-    return len(prompt_ids(tokenizer, task, rl.prompt_format)) + rl.max_new_tokens <= rl.seq_len
-
-
 def prompt_ids(tokenizer, task, prompt_format: str) -> list[int]:
     """The task's prompt as ids: raw text, or its chat messages through the chat template."""
     if prompt_format == "chat":
@@ -132,12 +127,12 @@ class Producer:
 
     # --- one batch ------------------------------------------------------------------------
 
-    def _requests(self, tasks, replays: list[int], step: int) -> list[Request]:
-        """group_size requests per task; `replays[i]` > 0 marks a re-posed task (fresh seeds)."""
+    def _requests(self, tasks, prompts: list[list[int]], replays: list[int], step: int) -> list[Request]:
+        """group_size requests per task (prompt ids given); `replays[i]` > 0 marks a re-posed task
+        (fresh seeds)."""
         rl = self.rl
         out = []
-        for task, replay in zip(tasks, replays, strict=True):
-            ids = prompt_ids(self.tokenizer, task, rl.prompt_format)
+        for task, ids, replay in zip(tasks, prompts, replays, strict=True):
             suffix = f"-r{replay}" if replay else ""
             for k in range(rl.group_size):
                 params = SamplingParams(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, top_p=rl.top_p,
@@ -163,19 +158,22 @@ class Producer:
                         level=task.level, family=task.family)
         return sample, failure
 
-    def _draw_tasks(self, count: int) -> tuple[list, list]:
-        """(tasks, their replay entries or None): re-posed hard tasks first, then fresh ones from
-        the cursor (family and level from the curriculum when there is one)."""
+    def _draw_tasks(self, count: int) -> tuple[list, list[list[int]], list]:
+        """(tasks, their prompt ids, their replay entries or None): re-posed hard tasks first, then
+        fresh ones from the cursor (family and level from the curriculum when there is one)."""
         replayed = []
         if self.replay is not None and self.replay.entries:
             replayed = self.replay.draw(min(count - 1, round(count * self.rl.replay_fraction)))
         fresh = count - len(replayed)
-        return [e.task for e in replayed] + self._fresh_tasks(fresh), replayed + [None] * fresh
+        tasks, prompts = self._fresh_tasks(fresh)
+        replay_prompts = [prompt_ids(self.tokenizer, e.task, self.rl.prompt_format) for e in replayed]
+        return [e.task for e in replayed] + tasks, replay_prompts + prompts, replayed + [None] * fresh
 
-    def _fresh_tasks(self, count: int) -> list:
-        """`count` tasks from the cursor whose prompt leaves room for rl.max_new_tokens in
-        rl.seq_len; longer ones are passed over (counted in `prompts_too_long`)."""
-        out, drawn = [], 0
+    def _fresh_tasks(self, count: int) -> tuple[list, list[list[int]]]:
+        """`count` tasks from the cursor (and their prompt ids) whose prompt leaves room for
+        rl.max_new_tokens in rl.seq_len; longer ones are passed over (counted in `prompts_too_long`)."""
+        rl = self.rl
+        out, prompts, drawn = [], [], 0
         while len(out) < count:
             need = count - len(out)
             if self.curriculum is None:
@@ -185,18 +183,23 @@ class Producer:
                 tasks = [self.tasks.task(self.cursor + i, family=f, level=lv) for i, (f, lv) in enumerate(draws)]
             self.cursor += need
             drawn += need
-            fitting = [t for t in tasks if fits(self.tokenizer, t, self.rl)]
-            self.prompts_too_long += need - len(fitting)
-            out += fitting
+            for task in tasks:
+                ids = prompt_ids(self.tokenizer, task, rl.prompt_format)
+                if len(ids) + rl.max_new_tokens <= rl.seq_len:
+                    out.append(task)
+                    prompts.append(ids)
+                else:
+                    self.prompts_too_long += 1
             if len(out) < count and drawn > 20 * count + 100:
-                raise ValueError(f"{drawn - len(out)} of {drawn} prompts of rl.task={self.rl.task!r} are too long for "
-                                 f"rl.seq_len={self.rl.seq_len} with rl.max_new_tokens={self.rl.max_new_tokens}: "
+                raise ValueError(f"{drawn - len(out)} of {drawn} prompts of rl.task={rl.task!r} are too long for "
+                                 f"rl.seq_len={rl.seq_len} with rl.max_new_tokens={rl.max_new_tokens}: "
                                  "raise rl.seq_len (and rl.engine.max_len)")
-        return out
+        return out, prompts
 
     def _generate_round(self, count: int, step: int):
-        tasks, entries = self._draw_tasks(count)
-        completions = self.backend.generate(self._requests(tasks, [e.uses if e else 0 for e in entries], step))
+        tasks, prompts, entries = self._draw_tasks(count)
+        completions = self.backend.generate(self._requests(tasks, prompts, [e.uses if e else 0 for e in entries],
+                                                           step))
         t0 = time.perf_counter()
         k = self.rl.group_size
         jobs = [(task, c, g) for g, task in enumerate(tasks) for c in completions[g * k:(g + 1) * k]]

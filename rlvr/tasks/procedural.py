@@ -593,14 +593,10 @@ def code_calls(problem: dict) -> list[list]:
     return json.loads(json.dumps([[list(args), function(*args)] for args in problem["cases"]]))
 
 
-def code_tests(problem: dict) -> str:
-    """HumanEval-style tests: `check(candidate)` with the reference's outputs (compared as JSON text, so
-    an object that claims equality with everything does not pass)."""
-    namespace: dict[str, Any] = {}
-    exec(problem["code"], namespace)  # our own reference implementation
-    function = namespace[problem["name"]]
-    lines = [f"    _same(candidate(*{list(args)!r}), {function(*args)!r})"
-             for args in problem["cases"]]
+def code_tests(calls: list[list]) -> str:
+    """The same calls as HumanEval-style tests: `check(candidate)` (compared as JSON text, so an object
+    that claims equality with everything does not pass), for runs that cannot judge on the host."""
+    lines = [f"    _same(candidate(*{args!r}), {expected!r})" for args, expected in calls]
     return CHECK_HELPER + "\n\ndef check(candidate):\n" + "\n".join(lines) + "\n"
 
 
@@ -624,7 +620,8 @@ class CodeFunction(Family):
         signature = f"{problem['name']}({', '.join(problem['args'])})"
         question = (f"Write a Python function `{signature}` that {problem['spec']}.\n\nPut the complete program "
                     "in a ```python code block inside the answer tags.")
-        verifier = {"kind": "code", "tests": code_tests(problem), "calls": code_calls(problem),
+        calls = code_calls(problem)
+        verifier = {"kind": "code", "tests": code_tests(calls), "calls": calls,
                     "entry_point": problem["name"], "timeout_s": 10}
         return _task(question, problem["code"], verifier, problem=problem["name"])
 

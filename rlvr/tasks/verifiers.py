@@ -352,7 +352,7 @@ class ExecResult:
 MEMORY_BYTES = 1 << 30  # address-space limit of a candidate program
 FILE_BYTES = 16 << 20  # largest file it may write
 NPROC = 64  # processes of the user (a fork bomb stops here; not enforced for root)
-OUTPUT_BYTES = 64 << 10  # stdout/stderr kept (the tail)
+OUTPUT_BYTES = 64 << 10  # stdout/stderr kept; more output stops the program
 
 # The fallback (tests not judged on the host) runs `python -I -c LAUNCHER main.py` in the sandbox: the
 # launcher reads the program, deletes the file (so it cannot simply read the sentinel from its own source)
