@@ -53,7 +53,7 @@ def _loss_fn(config, cfg):
     from rlvr.trainers import preference, sft
 
     if config.job == "sft":
-        return functools.partial(sft.sft_loss, cfg)
+        return sft.configured_loss(config, cfg)
     if config.job == "rm":
         return functools.partial(preference.reward_model_loss, cfg)
     return functools.partial(preference.preference_loss, cfg, config.preference)
@@ -66,7 +66,7 @@ def model_config_of(config):
         from rlvr.models import hf
 
         with open(os.path.join(config.init.hf_checkpoint, "config.json")) as f:
-            return hf.config_from_hf(json.load(f))
+            return hf.config_from_hf(json.load(f), attention=config.model.attention)
     return ModelConfig.from_mapping(config.model)
 
 

@@ -50,7 +50,8 @@ def build_model(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> 
     if config.init.hf_checkpoint:
         from rlvr.models import hf
 
-        cfg, params = hf.load_hf_checkpoint(config.init.hf_checkpoint, mesh=mesh)
+        cfg, params = hf.load_hf_checkpoint(config.init.hf_checkpoint, mesh=mesh,
+                                           overrides={"attention": config.model.attention})
         return Model(cfg, params, mesh)
     cfg = ModelConfig.from_mapping(config.model)
     params = params_lib.init_params(cfg, jax.random.key(config.seed), mesh)

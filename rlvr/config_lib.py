@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import ml_collections
 
-from rlvr.models.config import PRESETS, ModelConfig
+from rlvr.models.config import PRESETS, ModelConfig, validate_attention_mesh
 
 
 class ConfigError(ValueError):
@@ -82,6 +82,9 @@ def base_config() -> ml_collections.ConfigDict:
         "micro_batches": 1,  # gradient accumulation: the batch is split into this many parts
         "eval_examples": 32,
         "tensorboard": True,
+        # > 0: the SFT/RL losses compute token log-probs in chunks of this many positions (forward and
+        # backward) instead of materialising [batch, seq_len, vocab] logits; 0 = full logits
+        "logprob_chunk_size": 0,
     })
     c.preference = ml_collections.ConfigDict({
         "loss": "dpo",  # dpo | cdpo | ipo | simpo | orpo (jobs 'dpo'); 'rm' jobs use bradley_terry
@@ -121,6 +124,15 @@ def rl_config() -> ml_collections.ConfigDict:
         "reward_model": "", "reward_model_weight": 1.0,
         "verifier_workers": 8,  # threads scoring completions (verifiers that wait on sandboxes/processes)
         "prompt_format": "raw",  # raw (task.prompt as text) | chat (task messages through the chat template)
+        # multi-turn tasks (rlvr.envs: tools, code repair): episodes run concurrently on episode_workers
+        # threads; max_new_tokens is then per model turn and seq_len bounds the whole episode;
+        # max_turns caps the environment's own turn limit (0 = the environment's)
+        "max_turns": 0, "episode_workers": 64,
+        "env": ml_collections.ConfigDict({"sandbox_workers": 4}),  # options of rlvr.envs.make_env
+        # a black-box agent program ("module:factory" -> agent(base_url, task) -> answer) that plays every
+        # task through the embedded engine's OpenAI endpoint; its calls are recorded as token trajectories
+        "agent": "", "agent_timeout_s": 600.0,
+        "agent_options": ml_collections.ConfigDict(),  # keyword arguments of the agent factory
         # rollout
         "prompts_per_step": 16, "group_size": 8, "max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0,
         "seq_len": 32,  # train rows: longest prompt + max_new_tokens must fit
@@ -163,6 +175,7 @@ def rl_config() -> ml_collections.ConfigDict:
         "eval_samples": 1, "eval_temperature": 1.0,  # > 1: also pass@k (k = 1, 2, 4, … <= eval_samples) sampled
         "sft_steps": 0, "sft_demos": 256, "sft_batch_size": 16, "sft_learning_rate": 3e-3,
         "sft_off_format": 0.0,  # fraction of demonstrations written in a format the verifier rejects
+        "sft_seq_len": 0,  # warm-start rows (demonstrations packed); 0 = 4 × rl.seq_len
     })
 
 
@@ -190,8 +203,13 @@ def _validate_rl(config: ml_collections.ConfigDict) -> None:
     _one_of(config, "rl.kl_estimator", KL_ESTIMATORS)
     _one_of(config, "rl.kl_mode", ("loss", "reward"))
     _one_of(config, "rl.tis_level", ("token", "sequence"))
+    if rl.agent and rl.backend != "embedded":
+        raise ConfigError(f"rl.agent={rl.agent!r} needs rl.backend='embedded' (the agent's calls are recorded by "
+                          "the in-process engine's OpenAI endpoint)")
+    if rl.max_turns < 0:
+        raise ConfigError(f"rl.max_turns={rl.max_turns}: must be >= 0 (0 = the environment's own limit).")
     for path in ("rl.prompts_per_step", "rl.group_size", "rl.max_new_tokens", "rl.seq_len", "rl.eval_examples",
-                 "rl.updates_per_batch"):
+                 "rl.updates_per_batch", "rl.episode_workers"):
         _positive(config, path)
     if rl.curriculum and not 0 <= rl.curriculum_band_low < rl.curriculum_band_high <= 1:
         raise ConfigError(f"rl.curriculum_band_low={rl.curriculum_band_low}, rl.curriculum_band_high="
@@ -266,6 +284,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
         raise ConfigError(str(e)) from None
     try:
         mesh = sharding.mesh_shape_from_config(dict(config.mesh), num_devices)
+        validate_attention_mesh(ModelConfig.from_mapping(config.model), mesh)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     for path in ("data.batch_size", "data.seq_len", "train.num_steps", "train.log_every",
@@ -277,6 +296,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
     _one_of(config, "optimizer.name", ("adamw", "adafactor", "sgd"))
     _one_of(config, "data.source", ("arithmetic", "jsonl", "tfds"))
     _positive(config, "train.micro_batches")
+    if config.train.logprob_chunk_size < 0:
+        raise ConfigError(f"train.logprob_chunk_size={config.train.logprob_chunk_size}: must be >= 0 "
+                          "(0 = full logits).")
     if config.data.batch_size % config.train.micro_batches:
         raise ConfigError(f"data.batch_size={config.data.batch_size} must be a multiple of "
                           f"train.micro_batches={config.train.micro_batches}.")

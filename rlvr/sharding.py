@@ -162,6 +162,12 @@ def activation_sharding(mesh: Mesh | None, rules: Rules = LOGICAL_AXIS_RULES) ->
         _ACTIVE.value = previous
 
 
+def active_mesh() -> Mesh | None:
+    """The mesh of the enclosing `activation_sharding` context (at trace time), else None."""
+    active = getattr(_ACTIVE, "value", None)
+    return None if active is None else active[0]
+
+
 def constrain(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
     """`with_sharding_constraint` by logical names; a no-op outside `activation_sharding`."""
     active = getattr(_ACTIVE, "value", None)

@@ -10,6 +10,14 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 ROPE_SCALING_TYPES = ("none", "linear", "llama3")
 REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
 DTYPES = ("float32", "bfloat16", "float16")
+# Attention of the training (no-cache) path; decoding with a KV cache always uses the dense path.
+#   xla      dense [T, T] mask, plain XLA (the reference behaviour)
+#   flash    the flash kernel (rlvr.kernels.flash_attention) from segment ids and positions
+#   ring     context parallelism over mesh.sequence: key/value blocks rotate around the devices
+#   ulysses  context parallelism over mesh.sequence: all-to-all to a head split (heads divide)
+# ring/ulysses run inside the train step's mesh; called without a mesh `sequence` axis > 1
+# (evaluation, log-prob passes) they use the flash path and log it once.
+ATTENTION = ("xla", "flash", "ring", "ulysses")
 
 
 # Named architectures for configs: `config_lib.model_config_dict(preset="tiny", ...)`.
@@ -112,5 +120,27 @@ def validate_model_config(cfg: ModelConfig) -> None:
            f"{cfg.remat_policy!r} is not one of {REMAT_POLICIES}.")
     _check(1 <= cfg.scan_unroll <= cfg.num_layers, "scan_unroll",
            f"must be between 1 and num_layers={cfg.num_layers}, got {cfg.scan_unroll}.")
-    _check(cfg.attention in ("xla",), "attention",
-           f"{cfg.attention!r} is not available; the implemented attention is 'xla'.")
+    _check(cfg.attention in ATTENTION, "attention",
+           f"{cfg.attention!r} is not one of {ATTENTION}; use 'ring' or 'ulysses' (with mesh.sequence > 1) for "
+           "context parallelism, 'flash' for the flash kernel, 'xla' for dense attention.")
+
+
+def validate_attention_mesh(cfg: ModelConfig, mesh: Mapping[str, int]) -> None:
+    """Raises ValueError naming `model.attention` / `mesh.sequence` when the attention cannot be
+    context-parallel on a mesh of these axis sizes."""
+    n = int(mesh.get("sequence", 1))
+    if cfg.attention in ("ring", "ulysses") and n == 1:
+        raise ValueError(f"model.attention={cfg.attention!r} shards attention over mesh.sequence, which is 1: set "
+                         "mesh.sequence > 1 (devices per sequence) or use model.attention='flash'.")
+    if cfg.attention != "ulysses":
+        return
+    from rlvr.kernels.context_parallel.ulysses import kv_head_repeats
+
+    tensor = int(mesh.get("tensor", 1))
+    split = tensor if cfg.num_heads % tensor == 0 and cfg.num_kv_heads % tensor == 0 else 1
+    try:
+        kv_head_repeats(cfg.num_heads // split, cfg.num_kv_heads // split, n)
+    except ValueError as e:
+        raise ValueError(f"model.attention='ulysses' with mesh.sequence={n} (heads per mesh.tensor shard: "
+                         f"{cfg.num_heads // split}): {e} Set model.attention='ring', or a mesh.sequence that divides "
+                         "the heads per tensor shard.") from None

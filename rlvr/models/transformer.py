@@ -12,16 +12,22 @@ position makes ragged prompts, chunked prefill and one-token decode steps the sa
 path; tokens with segment id 0 (padding) are never written. A contiguous per-row cache
 (`init_cache`) is the special case of one page per row; the rollout engine shares prompt
 pages between the samples of a group.
+
+Without a cache (training, scoring), `cfg.attention` picks the attention: "xla" (a dense mask),
+"flash" (the flash kernel from segment ids and positions), or context parallelism over the
+mesh's `sequence` axis, "ring" or "ulysses" (`rlvr.kernels.context_parallel`). With a cache
+(decoding) it is always the dense path.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rlvr.models.config import ModelConfig
 from rlvr.sharding import constrain
@@ -171,6 +177,56 @@ def _single_query_attention(q, k, v, mask) -> jax.Array:
     return out.reshape(b, 1, h, d)
 
 
+class SegmentInfo(NamedTuple):
+    """The mask of the training path for `attention != "xla"`: stated by positions and segment
+    ids [B, T] (same semantics as `attention_mask`) instead of a dense [B, 1, 1, T, T] mask."""
+
+    positions: jax.Array
+    segment_ids: jax.Array
+
+
+def _context_mesh(cfg: ModelConfig, warn: bool = True):
+    """The mesh ring/Ulysses attention shards over, or None (then they use the flash path)."""
+    from rlvr.kernels.context_parallel import layout, reference
+
+    mesh = layout.sequence_mesh()
+    if mesh is None and warn:
+        reference.log_once(f"model.attention={cfg.attention!r} without a mesh 'sequence' axis > 1 (a call "
+                             "outside the sharded train step, or mesh.sequence=1): attention runs unsharded on "
+                             "the flash path.")
+    return mesh
+
+
+def segment_attention(cfg: ModelConfig, q, k, v, info: SegmentInfo, warn: bool = True) -> jax.Array:
+    """Attention of the training path from segment ids and positions (`cfg.attention` chooses):
+    ring/Ulysses over the mesh's `sequence` axis, or the flash kernel on the local sequence.
+    For ring attention the caller (`Transformer`) has laid the sequence out zig-zag."""
+    from rlvr.kernels import context_parallel as cp
+
+    ids = (info.segment_ids, info.segment_ids, info.positions, info.positions)
+    kwargs = dict(causal=True, sliding_window=cfg.sliding_window)
+    if cfg.attention in ("ring", "ulysses"):
+        mesh = _context_mesh(cfg, warn)
+        if mesh is not None and cfg.attention == "ring":
+            return cp.ring_attention(q, k, v, *ids, **kwargs, mesh=mesh, layout_of_inputs="zigzag")
+        if mesh is not None:
+            return cp.ulysses_attention(q, k, v, *ids, **kwargs, mesh=mesh)
+    return cp.local_attention(q, k, v, *ids, **kwargs, return_lse=False)
+
+
+def _zigzag_order(cfg: ModelConfig, length: int) -> np.ndarray | None:
+    """Ring attention under a sequence mesh: the (padded) zig-zag order of the sequence, else None."""
+    if cfg.attention != "ring":
+        return None
+    from rlvr.kernels.context_parallel import layout
+
+    mesh = layout.sequence_mesh()
+    if mesh is None:
+        return None
+    n = mesh.shape["sequence"]
+    return layout.zigzag_order(layout.padded_length(length, 2 * n), n)
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
 
@@ -209,7 +265,10 @@ class Attention(nn.Module):
             k = pool["k"].reshape(-1, kvh, d)[offset + read_idx].at[rows, columns].set(new_kv[0], mode="drop")
             v = pool["v"].reshape(-1, kvh, d)[offset + read_idx].at[rows, columns].set(new_kv[1], mode="drop")
             k, v = k.astype(q.dtype), v.astype(q.dtype)
-        out = dot_product_attention(q, k, v, mask)
+        if isinstance(mask, SegmentInfo):
+            out = segment_attention(cfg, q, k, v, mask, warn=not self.is_initializing())
+        else:
+            out = dot_product_attention(q, k, v, mask)
         out = Linear((h, d), (e,), ("heads", "head_dim"), ("embed",), cfg.o_bias, name="o_proj", **dense)(out)
         return out, new_kv
 
@@ -282,6 +341,8 @@ class Transformer(nn.Module):
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         if segment_ids is None:
             segment_ids = jnp.ones_like(tokens)
+        if cache is None and cfg.attention != "xla":
+            return self._segment_hidden_states(tokens, positions, segment_ids), None
         x = jnp.take(self.embed_tokens, tokens, axis=0).astype(cfg.dtype)
         x = constrain(x, ("batch", "length", "embed"))
         cos, sin = rope_tables(cfg, positions)
@@ -297,6 +358,27 @@ class Transformer(nn.Module):
             updated = {name: _scatter_pages(pool[name], kv_index[0], new)
                        for name, new in (("k", new_k), ("v", new_v))}
         return self.norm(x), {**updated, "page_table": cache["page_table"]}
+
+    def _segment_hidden_states(self, tokens, positions, segment_ids):
+        """The training path for attention "flash", "ring" and "ulysses": masks from segment ids
+        and positions. Ring attention wants the zig-zag layout (causal load balance); everything
+        but attention is per token, so the inputs are permuted into it (padded with segment id 0
+        to a multiple of 2·mesh.sequence) once here and the hidden states permuted back at the end,
+        instead of once per layer."""
+        cfg = self.cfg
+        length = tokens.shape[1]
+        order = _zigzag_order(cfg, length)
+        if order is not None:
+            pad = ((0, 0), (0, len(order) - length))
+            tokens, positions, segment_ids = (jnp.take(jnp.pad(a, pad), order, axis=1)
+                                              for a in (tokens, positions, segment_ids))
+        x = jnp.take(self.embed_tokens, tokens, axis=0).astype(cfg.dtype)
+        x = constrain(x, ("batch", "length", "embed"))
+        cos, sin = rope_tables(cfg, positions)
+        x, _ = self._run_layers(x, cos, sin, SegmentInfo(positions, segment_ids), None, None)
+        if order is not None:
+            x = constrain(jnp.take(x, np.argsort(order), axis=1)[:, :length], ("batch", "length", "embed"))
+        return self.norm(x)
 
     def _run_layers(self, x, cos, sin, mask, kv_index, pool):
         if self.cfg.scan_layers:

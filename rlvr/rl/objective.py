@@ -16,7 +16,9 @@ updates), multiplied by truncated importance weights π_proximal/π_behaviour wh
 (which corrects stale samples from async rollouts and sampler/trainer numerics), plus a KL
 penalty to the frozen reference policy, an entropy bonus, and for PPO with GAE the clipped value
 loss of the value head (which shares the policy's backbone). Metric sums are over tokens;
-`aux["tokens"]` lets the trainer turn them into token means.
+`aux["tokens"]` lets the trainer turn them into token means. With `logprob_chunk_size` > 0 the
+log-probs, entropies (and values) come from `rlvr.losses.model_token_logprobs`, which never
+materialises the [B, T, V] logits (same values up to float rounding).
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ class Objective:
     num_seqs: int = 1  # sequences per batch (static size for segment sums)
     value_coef: float = 0.0  # > 0: PPO's clipped value loss on the value head (batch has returns, old_values)
     value_clip: float | None = 0.2
+    # > 0 (`train.logprob_chunk_size`): log-probs and entropies in chunks of this many positions
+    # (rlvr.kernels.chunked_logprob), never the [B, T, V] logits; 0 = from the full logits
+    logprob_chunk_size: int = 0
 
 
 def _per_sequence_sum(x: jax.Array, seq_index: jax.Array, num_seqs: int) -> jax.Array:
@@ -70,11 +75,17 @@ def rl_loss(cfg, obj: Objective, params, batch: dict[str, jax.Array], rng, froze
     {"ref": reference params}."""
     del rng
     tokens = batch["tokens"]
-    if obj.value_coef:
-        logits, values, _ = forward_with_values(cfg, params, tokens, batch["positions"], batch["segment_ids"])
+    logits = entropy = None
+    if obj.logprob_chunk_size:
+        logp, entropy, values = losses.model_token_logprobs(
+            cfg, params, tokens, batch["positions"], batch["segment_ids"], chunk_size=obj.logprob_chunk_size,
+            entropy=True, values=bool(obj.value_coef))
     else:
-        logits, _ = forward(cfg, params, tokens, batch["positions"], batch["segment_ids"])
-    logp = losses.next_token_logprobs(logits, tokens)
+        if obj.value_coef:
+            logits, values, _ = forward_with_values(cfg, params, tokens, batch["positions"], batch["segment_ids"])
+        else:
+            logits, _ = forward(cfg, params, tokens, batch["positions"], batch["segment_ids"])
+        logp = losses.next_token_logprobs(logits, tokens)
     mask = losses.target_mask(batch["loss_mask"], batch["segment_ids"]).astype(jnp.float32)
     shift = lambda name: batch[name][:, 1:]
     advantages, behaviour, seq_index = shift("advantages"), shift("behaviour_logp"), shift("seq_index")
@@ -92,8 +103,13 @@ def rl_loss(cfg, obj: Objective, params, batch: dict[str, jax.Array], rng, froze
         loss = loss * weights
         metrics["tis_capped_fraction"] = capped
     if frozen is not None:
-        ref_logits, _ = forward(cfg, frozen["ref"], tokens, batch["positions"], batch["segment_ids"])
-        ref_logp = jax.lax.stop_gradient(losses.next_token_logprobs(ref_logits, tokens))
+        if obj.logprob_chunk_size:
+            ref_logp, _, _ = losses.model_token_logprobs(cfg, frozen["ref"], tokens, batch["positions"],
+                                                         batch["segment_ids"], chunk_size=obj.logprob_chunk_size)
+        else:
+            ref_logits, _ = forward(cfg, frozen["ref"], tokens, batch["positions"], batch["segment_ids"])
+            ref_logp = losses.next_token_logprobs(ref_logits, tokens)
+        ref_logp = jax.lax.stop_gradient(ref_logp)
         kl = pl.KL_ESTIMATORS[obj.kl_estimator](logp, ref_logp)
         metrics["kl"] = kl
         if obj.kl_coef:
@@ -103,8 +119,9 @@ def rl_loss(cfg, obj: Objective, params, batch: dict[str, jax.Array], rng, froze
                                                  obj.value_clip)
         loss = loss + obj.value_coef * v_loss
         metrics.update(value_loss=jax.lax.stop_gradient(v_loss), value_clip_fraction=v_clipped)
-    log_probs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-    entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+    if logits is not None:
+        log_probs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+        entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
     metrics["entropy"] = jax.lax.stop_gradient(entropy)
     if obj.entropy_coef:
         loss = loss - obj.entropy_coef * entropy

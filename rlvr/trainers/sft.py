@@ -27,13 +27,23 @@ from rlvr.models.transformer import forward
 from rlvr.trainers.loop import train_loop
 
 
-def sft_loss(cfg, params, batch, rng, frozen):
-    """Sum of target-token NLL; weight = number of target tokens."""
+def sft_loss(cfg, params, batch, rng, frozen, *, logprob_chunk_size: int = 0):
+    """Sum of target-token NLL; weight = number of target tokens. `logprob_chunk_size` > 0
+    (`train.logprob_chunk_size`): log-probs in chunks of that many positions, never the full logits."""
     del rng, frozen
-    logits, _ = forward(cfg, params, batch["tokens"], batch["positions"], batch["segment_ids"])
-    logp = losses.next_token_logprobs(logits, batch["tokens"])
+    if logprob_chunk_size:
+        logp, _, _ = losses.model_token_logprobs(cfg, params, batch["tokens"], batch["positions"],
+                                                 batch["segment_ids"], chunk_size=logprob_chunk_size)
+    else:
+        logits, _ = forward(cfg, params, batch["tokens"], batch["positions"], batch["segment_ids"])
+        logp = losses.next_token_logprobs(logits, batch["tokens"])
     mask = losses.target_mask(batch["loss_mask"], batch["segment_ids"])
     return -jnp.sum(logp * mask), {"weight": mask.sum(), "target_tokens": mask.sum()}
+
+
+def configured_loss(config: ml_collections.ConfigDict, cfg):
+    """`sft_loss` for this model with the config's loss options (`train.logprob_chunk_size`)."""
+    return functools.partial(sft_loss, cfg, logprob_chunk_size=config.train.get("logprob_chunk_size", 0))
 
 
 def build_data(config: ml_collections.ConfigDict, tokenizer, split: str | None = None):
@@ -63,7 +73,7 @@ def evaluate_loss(config: ml_collections.ConfigDict, model: api.Model, tokenizer
     records = load_records(d, "eval" if d.source == "jsonl" else d.eval_split)
     examples = [encode_record(tokenizer, records[i]) for i in range(min(len(records), config.train.eval_examples))]
     stream = TokenStream(examples, lambda x: x, d.batch_size, d.seq_len, tokenizer.pad_id, 0, d.pack, shuffle=False)
-    loss_fn = jax.jit(functools.partial(sft_loss, model.cfg))
+    loss_fn = jax.jit(configured_loss(config, model.cfg))
     total, weight = 0.0, 0.0
     while stream.cursor < len(examples):
         loss_sum, aux = loss_fn(model.params, next(stream), None, None)
@@ -77,7 +87,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     api.check_vocab(model.cfg, tokenizer)
     data = build_data(config, tokenizer)
     tokens_per_batch = config.data.batch_size * config.data.seq_len
-    result = train_loop(config, workdir, model, functools.partial(sft_loss, model.cfg), data, tokens_per_batch)
+    result = train_loop(config, workdir, model, configured_loss(config, model.cfg), data, tokens_per_batch)
     final = api.Model(model.cfg, result.state["params"], model.mesh)
     summary: dict[str, Any] = {"job": "sft", "final_step": config.train.num_steps,
                                "final_loss": result.last_metrics.get("loss"),

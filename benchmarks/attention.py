@@ -1,0 +1,157 @@
+"""Attention implementations side by side: correctness against the float32 reference and speed, in
+one JSON line.
+
+    .venv/bin/python benchmarks/attention.py [--shapes 1x512x8x2x64,2x256x4x4x64] [--dtype float32]
+        [--no-causal] [--sliding-window 0] [--repeats 5] [--implementations xla_dense,xla_blockwise,pallas]
+
+A shape is BxTxHxKVHxD (self-attention, S = T). Per shape and implementation: max abs error of the
+output and of dq, dk, dv (loss = sum(out * w), w fixed random) against
+`rlvr.kernels.flash_attention.reference_attention` (float32, HIGHEST precision), and the median
+time of the jitted forward and forward+backward with the achieved TFLOP/s. FLOPs count only
+visible (query, key) pairs: forward 4*D per pair and head, forward+backward 3.5x that (the
+FlashAttention-2 convention: 2 matmuls forward, 5 backward).
+
+On CPU the Pallas kernels run in interpret mode: checked for correctness, never timed. On GPU/TPU
+the "pallas_speedup" entries are xla_dense time / pallas time. To add a row (ring or Ulysses
+attention, say), add an `Impl` to `IMPLEMENTATIONS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import statistics
+import sys
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import emit, time_calls  # noqa: E402
+from rlvr.kernels.flash_attention import flash_attention, reference_attention, reference_mask  # noqa: E402
+from rlvr.kernels.flash_attention.api import current_platform  # noqa: E402
+
+from rlvr.models.transformer import dot_product_attention  # noqa: E402
+
+
+def _dense(q, k, v, mask_kwargs):
+    """The model's plain-XLA attention (materialises the [T, S] logits), in the input dtype."""
+    b, t, s = q.shape[0], q.shape[1], k.shape[1]
+    ones_q, ones_k = jnp.ones((b, t), jnp.int32), jnp.ones((b, s), jnp.int32)
+    pos_q, pos_k = jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.broadcast_to(jnp.arange(s), (b, s))
+    mask = reference_mask(ones_q, ones_k, pos_q, pos_k, **mask_kwargs)[:, None, None]
+    return dot_product_attention(q, k, v, mask)
+
+
+def _flash(q, k, v, mask_kwargs, implementation):
+    return flash_attention(q, k, v, implementation=implementation, **mask_kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+    fn: Callable  # (q, k, v, mask_kwargs) -> out [B, T, H, D]
+    timed_on: tuple[str, ...]  # platforms on which its speed means something
+    why_untimed: str = ""
+
+
+IMPLEMENTATIONS = {
+    "xla_dense": Impl(_dense, ("cpu", "gpu", "tpu")),
+    "xla_blockwise": Impl(functools.partial(_flash, implementation="xla"), ("cpu", "gpu", "tpu")),
+    "pallas": Impl(functools.partial(_flash, implementation="pallas"), ("gpu", "tpu"),
+                   "interpret mode on CPU: correctness only"),
+}
+
+
+def _parse_shape(text: str) -> tuple[int, ...]:
+    dims = tuple(int(x) for x in text.lower().split("x"))
+    if len(dims) != 5:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: want BxTxHxKVHxD, e.g. 1x512x8x2x64")
+    return dims
+
+
+def _inputs(shape, dtype):
+    b, t, h, kvh, d = shape
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (b, t, h, d), dtype)
+    k, v = (jax.random.normal(key, (b, t, kvh, d), dtype) for key in keys[1:3])
+    return (q, k, v), jax.random.normal(keys[3], (b, t, h, d), jnp.float32)
+
+
+def _fwd_and_grad(fn, weights):
+    fwd = jax.jit(fn)
+    loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * weights)
+    return fwd, jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def _max_err(actual, expected) -> float:
+    return float(f"{float(jnp.max(jnp.abs(actual.astype(jnp.float32) - expected.astype(jnp.float32)))):.3g}")
+
+
+def _median_s(fn, args, repeats: int) -> float:
+    _, times = time_calls(lambda: jax.block_until_ready(fn(*args)), repeats)
+    return statistics.median(times)
+
+
+def bench_shape(shape, dtype, mask_kwargs, names, repeats: int, platform: str) -> dict:
+    (q, k, v), weights = _inputs(shape, dtype)
+    b, t, h, _, d = shape
+    ones, pos = jnp.ones((b, t), jnp.int32), jnp.broadcast_to(jnp.arange(t), (b, t))
+    pairs = int(jnp.sum(reference_mask(ones, ones, pos, pos, **mask_kwargs)))  # over the batch, per head
+    fwd_flops = 4 * d * h * pairs
+    ref = lambda q, k, v: reference_attention(q, k, v, **mask_kwargs)[0]
+    ref32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    ref_fwd, ref_grad = _fwd_and_grad(ref, weights)
+    ref_out, (_, ref_grads) = ref_fwd(*ref32), ref_grad(*ref32)
+    rows = {}
+    for name in names:
+        impl = IMPLEMENTATIONS[name]
+        fwd, grad = _fwd_and_grad(lambda q, k, v, fn=impl.fn: fn(q, k, v, mask_kwargs), weights)
+        out, (_, grads) = fwd(q, k, v), grad(q, k, v)
+        row = {"max_abs_err": {"out": _max_err(out, ref_out),
+                               **{n: _max_err(g, r)
+                                  for n, g, r in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True)}}}
+        if platform in impl.timed_on:
+            fwd_s, both_s = _median_s(fwd, (q, k, v), repeats), _median_s(grad, (q, k, v), repeats)
+            row.update(fwd_s=round(fwd_s, 5), fwd_bwd_s=round(both_s, 5),
+                       fwd_tflops=round(fwd_flops / fwd_s / 1e12, 4),
+                       fwd_bwd_tflops=round(3.5 * fwd_flops / both_s / 1e12, 4))
+        else:
+            row["timed"] = impl.why_untimed
+        rows[name] = row
+    result = {"shape": "x".join(map(str, shape)), "visible_pairs_per_head": pairs,
+              "fwd_gflop": round(fwd_flops / 1e9, 3), "rows": rows}
+    if "fwd_s" in rows.get("pallas", {}) and "fwd_s" in rows.get("xla_dense", {}):
+        result["pallas_speedup_vs_xla_dense"] = {
+            key: round(rows["xla_dense"][key] / rows["pallas"][key], 3) for key in ("fwd_s", "fwd_bwd_s")}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="1x512x8x2x64,2x256x4x4x64",
+                        type=lambda s: [_parse_shape(x) for x in s.split(",")])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--no-causal", dest="causal", action="store_false")
+    parser.add_argument("--sliding-window", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--implementations", default=",".join(IMPLEMENTATIONS),
+                        type=lambda s: [x for x in s.split(",") if x])
+    args = parser.parse_args()
+    unknown = set(args.implementations) - set(IMPLEMENTATIONS)
+    if unknown:
+        parser.error(f"unknown implementations {sorted(unknown)}; known: {list(IMPLEMENTATIONS)}")
+    platform = current_platform()
+    mask_kwargs = {"causal": args.causal, "sliding_window": args.sliding_window}
+    shapes = [bench_shape(shape, jnp.dtype(args.dtype), mask_kwargs, args.implementations, args.repeats, platform)
+              for shape in args.shapes]
+    emit({"benchmark": "attention", "devices": str(jax.devices()[0]), "platform": platform, "dtype": args.dtype,
+          "causal": args.causal, "sliding_window": args.sliding_window, "repeats": args.repeats,
+          "error_reference": "reference_attention, float32, HIGHEST precision", "shapes": shapes,
+          "note": ("pallas runs in interpret mode on CPU: correctness only, no speed figure" if platform == "cpu"
+                   else "pallas_speedup = xla_dense time / pallas time")})
+
+
+if __name__ == "__main__":
+    main()

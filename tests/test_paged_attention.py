@@ -1,0 +1,186 @@
+"""Paged decode attention (rlvr.kernels.paged_attention): the Pallas kernel (interpret mode on CPU)
+and the XLA implementation against a dense numpy reference built by gathering each row's pages,
+over drawn page sizes, lengths, GQA groups, query counts and sliding windows; against the model's
+own decode attention on its paged cache; implementation choice and shape errors."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rlvr.kernels.paged_attention import paged_attention
+
+from rlvr.models import transformer
+
+
+def dense_reference(q, k_pool, v_pool, table, lengths, window=0, softcap=0.0):
+    """numpy: gather row b's pages into dense [S, KVH, D] keys/values; query i of row b is at
+    position lengths[b] - Q + i and sees keys at positions <= its own (inside the window)."""
+    b, nq, h, d = q.shape
+    kvh = k_pool.shape[2]
+    out = np.zeros((b, nq, h, d), np.float64)
+    for row in range(b):
+        keys = k_pool[table[row]].reshape(-1, kvh, d).astype(np.float64)
+        values = v_pool[table[row]].reshape(-1, kvh, d).astype(np.float64)
+        kv_pos = np.arange(keys.shape[0])
+        for i in range(nq):
+            t = lengths[row] - nq + i
+            seen = (kv_pos <= t) & (kv_pos < lengths[row])
+            if window:
+                seen &= t - kv_pos < window
+            if not seen.any():
+                continue
+            for head in range(h):
+                kv = head // (h // kvh)
+                s = keys[seen, kv] @ q[row, i, head].astype(np.float64) / np.sqrt(d)
+                if softcap:
+                    s = softcap * np.tanh(s / softcap)
+                p = np.exp(s - s.max())
+                out[row, i, head] = (p / p.sum()) @ values[seen, kv]
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("window", "softcap", "layered"))
+def _both(q, k, v, table, lengths, layer, *, window, softcap, layered):
+    kw = dict(layer=layer if layered else None, sliding_window=window, softcap=softcap)
+    return (paged_attention(q, k, v, table, lengths, implementation="pallas", interpret=True, **kw),
+            paged_attention(q, k, v, table, lengths, implementation="xla", **kw))
+
+
+@settings(max_examples=24, deadline=None, derandomize=True)
+@given(data=st.data(), page_size=st.sampled_from([1, 2, 4, 8]), kv_heads=st.sampled_from([1, 2]),
+       group=st.sampled_from([1, 2, 3]), head_dim=st.sampled_from([4, 8]), batch=st.integers(1, 3),
+       pages_per_row=st.integers(1, 4), queries=st.sampled_from([1, 1, 2, 3]), layered=st.booleans(),
+       softcap=st.sampled_from([0.0, 0.0, 5.0]), seed=st.integers(0, 2**16))
+def test_matches_dense_reference(data, page_size, kv_heads, group, head_dim, batch, pages_per_row, queries, layered,
+                                 softcap, seed):
+    rng = np.random.default_rng(seed)
+    capacity = page_size * pages_per_row
+    lengths = np.array(data.draw(st.lists(st.integers(0, capacity), min_size=batch, max_size=batch)), np.int32)
+    window = data.draw(st.sampled_from([0, 1, max(capacity // 2, 1), capacity + 3]))
+    num_pages = batch * pages_per_row + 2
+    # Rows share pages (a shared prompt prefix); unused table entries point at page 0, whose
+    # contents (large, never to be read) would show up in any output that attended to them.
+    table = rng.integers(1, num_pages, (batch, pages_per_row)).astype(np.int32)
+    for row in range(batch):
+        table[row, -(-int(lengths[row]) // page_size):] = 0
+    layers = 3 if layered else 1
+    shape = (layers, num_pages, page_size, kv_heads, head_dim)
+    k, v = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+    k[:, 0], v[:, 0] = 1e4, 1e4
+    layer = int(rng.integers(0, layers))
+    q = rng.standard_normal((batch, queries, kv_heads * group, head_dim)).astype(np.float32)
+    pool_k, pool_v = (k, v) if layered else (k[0], v[0])
+    got_pallas, got_xla = _both(q, pool_k, pool_v, table, lengths, np.int32(layer), window=window, softcap=softcap,
+                                layered=layered)
+    want = dense_reference(q, k[layer], v[layer], table, lengths, window, softcap)
+    np.testing.assert_allclose(np.asarray(got_pallas), want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(got_xla), want, rtol=2e-5, atol=2e-5)
+
+
+def test_single_query_bfloat16_traced_layer():
+    """q [B, H, D] in bfloat16, the layer index traced (as in a scan over layers)."""
+    rng = np.random.default_rng(1)
+    k = rng.standard_normal((2, 9, 4, 2, 16)).astype(np.float32)
+    v = rng.standard_normal((2, 9, 4, 2, 16)).astype(np.float32)
+    table = np.array([[3, 1, 0], [5, 6, 7]], np.int32)
+    lengths = np.array([6, 12], np.int32)
+    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+
+    @jax.jit
+    def run(q, k, v):
+        def layer_out(_, layer):
+            return None, [paged_attention(q, k, v, table, lengths, layer=layer, implementation=impl, interpret=True)
+                          for impl in ("pallas", "xla")]
+        return jax.lax.scan(layer_out, None, jnp.arange(2))[1]
+
+    outs = run(jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16))
+    for impl_out in outs:
+        assert impl_out.dtype == jnp.bfloat16 and impl_out.shape == (2, 2, 4, 16)
+        for layer in range(2):
+            want = dense_reference(q[:, None], k[layer], v[layer], table, lengths)[:, 0]
+            np.testing.assert_allclose(np.asarray(impl_out[layer], np.float32), want, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_matches_the_models_decode_attention(window):
+    """One decode step of `rlvr.models.transformer` on its paged cache: `paged_indices` + the dense
+    gather + `dot_product_attention` equal the kernel given the same pool, with the page table and
+    lengths recovered from `paged_indices`' outputs as the proposed `Attention.__call__` wiring
+    does (row 3 is an idle row: the model attends over nothing meaningful there, the kernel gives 0)."""
+    rng = np.random.default_rng(2)
+    layers, num_pages, page_size, kvh, d, h, b = 2, 10, 4, 2, 8, 4, 4
+    pool = {n: jnp.asarray(rng.standard_normal((layers, num_pages, page_size, kvh, d)), jnp.float32)
+            for n in ("k", "v")}
+    table = jnp.asarray([[1, 2, 3], [4, 5, 0], [6, 7, 8], [0, 0, 0]], jnp.int32)
+    positions = jnp.asarray([[9], [4], [11], [0]], jnp.int32)  # the decoded token's position (already written)
+    segments = jnp.asarray([[1], [1], [1], [0]], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((b, 1, h, d)), jnp.float32)
+    mask, (_, read_idx, columns) = transformer.paged_indices({**pool, "page_table": table}, positions, segments,
+                                                             window)
+    layer = 1
+    offset = layer * num_pages * page_size
+    k = pool["k"].reshape(-1, kvh, d)[offset + read_idx]
+    v = pool["v"].reshape(-1, kvh, d)[offset + read_idx]
+    want = transformer.dot_product_attention(q, k, v, mask)
+    # the wiring: table and lengths from kv_index = (write_idx, read_idx, columns)
+    row_table = read_idx[:, ::page_size] // page_size
+    lengths = jnp.where(columns[:, 0] < read_idx.shape[1], columns[:, 0] + 1, 0)
+    np.testing.assert_array_equal(row_table, table)
+    np.testing.assert_array_equal(lengths, [10, 5, 12, 0])
+    for impl in ("pallas", "xla"):
+        got = paged_attention(q, pool["k"], pool["v"], row_table, lengths, layer=layer, sliding_window=window,
+                              implementation=impl, interpret=True)
+        np.testing.assert_allclose(np.asarray(got[:3]), np.asarray(want[:3]), rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(got[3]), 0.0)
+
+
+def test_implementation_choice(caplog):
+    rng = np.random.default_rng(3)
+    k = jnp.asarray(rng.standard_normal((4, 2, 1, 8)), jnp.float32)
+    q, table, lengths = jnp.ones((1, 2, 8)), jnp.asarray([[1, 2]], jnp.int32), jnp.asarray([3], jnp.int32)
+    with pytest.raises(ValueError, match="implementation='cuda'"):
+        paged_attention(q, k, k, table, lengths, implementation="cuda")
+    if jax.default_backend() != "tpu":
+        with pytest.raises(RuntimeError, match="implementation='pallas' was requested but cannot run"):
+            paged_attention(q, k, k, table, lengths, implementation="pallas")
+        from rlvr.kernels.paged_attention import api
+
+        api._logged.clear()
+        with caplog.at_level(logging.INFO, logger="rlvr.kernels.paged_attention.api"):
+            auto = paged_attention(q, k, k, table, lengths)
+        assert "using the XLA implementation" in caplog.text
+        np.testing.assert_allclose(auto, paged_attention(q, k, k, table, lengths, implementation="xla"))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(q=jnp.ones((2, 3, 8))), "multiple of the pool's 2 kv heads"),
+    (dict(q=jnp.ones((2, 4, 6))), "head_dim of q"),
+    (dict(q=jnp.ones((2, 4))), "q must be"),
+    (dict(v=jnp.ones((5, 4, 2, 4, 8))), "same shape"),
+    (dict(k=jnp.ones((3, 5, 4, 2, 8)), v=jnp.ones((3, 5, 4, 2, 8))), "pass layer="),
+    (dict(layer=0), "single layer's pool"),
+    (dict(table=jnp.ones((3, 2), jnp.int32)), "page_table must be"),
+    (dict(table=jnp.ones((2, 2), jnp.float32)), "integer page ids"),
+    (dict(lengths=jnp.ones((2, 1), jnp.int32)), "lengths must be"),
+    (dict(window=-1), "sliding_window"),
+])
+def test_shape_errors(change, message):
+    args = dict(q=jnp.ones((2, 4, 8)), k=jnp.ones((5, 4, 2, 8)), v=jnp.ones((5, 4, 2, 8)),
+                table=jnp.ones((2, 2), jnp.int32), lengths=jnp.ones((2,), jnp.int32), layer=None, window=0)
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        paged_attention(args["q"], args["k"], args["v"], args["table"], args["lengths"], layer=args["layer"],
+                        sliding_window=args["window"], implementation="xla")
+
+
+def test_layer_out_of_range():
+    k = jnp.ones((2, 5, 4, 2, 8))
+    with pytest.raises(ValueError, match="layer=2 is out of range"):
+        paged_attention(jnp.ones((2, 4, 8)), k, k, jnp.ones((2, 2), jnp.int32), jnp.ones((2,), jnp.int32), layer=2)
