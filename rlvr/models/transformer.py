@@ -227,6 +227,18 @@ def _zigzag_order(cfg: ModelConfig, length: int) -> np.ndarray | None:
     return layout.zigzag_order(layout.padded_length(length, 2 * n), n)
 
 
+def _paged_decode(cfg: ModelConfig, q, pool, read_idx, columns, layer_id) -> jax.Array:
+    """Decode attention read straight from the page pool (rlvr.kernels.paged_attention): the
+    rows' page tables and lengths come from the engine's gather indices; no [B, S] k/v copy."""
+    from rlvr.kernels.paged_attention import paged_attention
+
+    page_size = pool["k"].shape[2]
+    table = read_idx[:, ::page_size] // page_size
+    lengths = jnp.where(columns[:, 0] < read_idx.shape[1], columns[:, 0] + 1, 0)
+    return paged_attention(q, pool["k"], pool["v"], table, lengths, layer=layer_id,
+                           sliding_window=cfg.sliding_window).astype(q.dtype)
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
 
@@ -248,9 +260,13 @@ class Attention(nn.Module):
         if pool is not None and not cfg.scan_layers:
             # Unscanned (decoding): write this layer's new k/v into the pool in place, then
             # read the row's pages from the updated pool; no copy of the pool is needed.
-            write_idx, read_idx, _ = kv_index
+            write_idx, read_idx, columns = kv_index
             new_kv = {name: _scatter_layer(pool[name], layer_id, write_idx, val)
                       for name, val in (("k", k), ("v", v))}
+            if cfg.attention != "xla" and x.shape[1] == 1:  # one new token per row: paged decode kernel
+                out = _paged_decode(cfg, q, new_kv, read_idx, columns, layer_id)
+                return Linear((h, d), (e,), ("heads", "head_dim"), ("embed",), cfg.o_bias, name="o_proj",
+                              **dense)(out), new_kv
             offset = layer_id * (pool["k"].shape[1] * pool["k"].shape[2])
             k = new_kv["k"].reshape(-1, kvh, d)[offset + read_idx].astype(q.dtype)
             v = new_kv["v"].reshape(-1, kvh, d)[offset + read_idx].astype(q.dtype)
