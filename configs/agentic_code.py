@@ -56,7 +56,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     if "humaneval" in variants:
         c.rl.task = "code_repair_humaneval"
     if "smoke" in variants:
-        c.rl.prompts_per_step, c.rl.group_size, c.rl.eval_examples = 2, 2, 2
+        c.rl.prompts_per_step, c.rl.group_size, c.rl.eval_examples = 2, 4, 2  # 8 rows: 8 fake devices
         c.rl.max_new_tokens, c.rl.max_turns = 32, 3
         c.train.num_steps, c.checkpoint.every_steps = 2, 2
     return c
