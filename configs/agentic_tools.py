@@ -15,8 +15,11 @@ then rewards solved episodes, so the tool-use rate and the success rate rise tog
 episode's trace goes to `episodes.jsonl`; `summary.json` has held-out success (pass@1, greedy
 episodes) and tool use before and after RL.
 
-Expected (measured on a 2-core CPU, see benchmarks/agentic_learning.py over seeds): held-out
-success rises by at least 20 points and the tool-use rate by at least 20 points.
+Expected (benchmarks/agentic_learning.py over seeds, 2-core CPU, ~15 minutes a seed): the sampled
+episodes' tool-use rate rises by at least 30 points and their success by at least 15 (first 3 RL
+steps vs last 10), held-out greedy success by at least 5 points. (Greedy decoding already calls the
+tool after the warm start; a 2-layer byte model copies the expression and result imperfectly, so
+success stays well below tool use.)
 Variants: `:smoke` (a few steps, for tests).
 """
 
@@ -41,7 +44,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.optimizer.learning_rate = 1e-3
     c.optimizer.warmup_steps = 5
     c.optimizer.schedule = "constant"
-    c.train.num_steps = 30
+    c.train.num_steps = 60
     c.train.log_every = 5
     c.checkpoint.every_steps = 20
     variants = set(filter(None, arg.split(",")))

@@ -291,7 +291,7 @@ class Producer:
         single = [g for g, task in enumerate(tasks) if not self._episodic(task)]
         completions = self.backend.generate(self._requests([tasks[g] for g in single], [prompts[g] for g in single],
                                                            [replays[g] for g in single], step)) if single else []
-        episode_groups = [g for g in range(len(tasks)) if g not in set(single)]
+        episode_groups = sorted(set(range(len(tasks))) - set(single))
         by_group = self._episode_samples(tasks, episode_groups, replays, step) if episode_groups else {}
         t0 = time.perf_counter()
         k = self.rl.group_size
