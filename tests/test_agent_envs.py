@@ -372,4 +372,4 @@ def test_parse_tool_calls_keeps_the_models_argument_text():
 
 def test_calculator():
     assert calculate("6*7") == "42" and calculate("(1+2)/4") == "0.75" and calculate("2**10") == "1024"
-    assert calculate("__import__('os')").startswith("error") and calculate("9**999").startswith("error")
+    assert calculate("__import__('os')").startswith("error") and calculate("9**9999").startswith("error")

@@ -16,7 +16,8 @@ from rlvr.data.packing import Example
 from rlvr.models.tokenizer import Tokenizer
 
 
-def _render(tokenizer: Tokenizer, messages, tools, add_generation_prompt: bool) -> str:
+def render_text(tokenizer: Tokenizer, messages, tools, add_generation_prompt: bool) -> str:
+    """The conversation as the chat template renders it (text, not ids)."""
     return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                          tokenize=False)
 
@@ -24,13 +25,13 @@ def _render(tokenizer: Tokenizer, messages, tools, add_generation_prompt: bool) 
 def assistant_spans(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]],
                     tools: Sequence[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the [start, end) character spans of assistant turns."""
-    full = _render(tokenizer, messages, tools, False)
+    full = render_text(tokenizer, messages, tools, False)
     spans = []
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], tools, True) if i else ""
-        upto = _render(tokenizer, messages[: i + 1], tools, False)
+        before = render_text(tokenizer, messages[:i], tools, True) if i else ""
+        upto = render_text(tokenizer, messages[: i + 1], tools, False)
         if not (upto.startswith(before) and full.startswith(upto)):
             raise ValueError(
                 f"chat template is not prefix-stable at message {i}: rendering a longer "
@@ -57,7 +58,7 @@ def render_prompt(tokenizer: Tokenizer, prompt: str | Sequence[Mapping[str, Any]
     """A prompt as ids: chat messages get the template's generation prompt; text is as is."""
     if isinstance(prompt, str):
         return tokenizer.encode(prompt)
-    return tokenizer.encode(_render(tokenizer, prompt, None, True))
+    return tokenizer.encode(render_text(tokenizer, prompt, None, True))
 
 
 def render_completion(tokenizer: Tokenizer, completion: str | Mapping[str, Any]) -> list[int]:

@@ -43,11 +43,8 @@ calculator tool executed locally.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import json
-import math
-import operator
 import threading
 import time
 import traceback
@@ -252,37 +249,14 @@ def _last_messages(records: Sequence[Mapping[str, Any]]) -> list[Any] | None:
 
 # --- an example agent: ReAct over the chat API, with a local calculator --------------------
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
-_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
-
-
 def calculate(expression: str) -> str:
-    """A safe arithmetic evaluator (numbers, + - * / // % **, parentheses); errors become text."""
-
-    def ev(node: ast.AST) -> float | int:
-        if isinstance(node, ast.Expression):
-            return ev(node.body)
-        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return node.value
-        if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-            left, right = ev(node.left), ev(node.right)
-            if isinstance(node.op, ast.Pow) and (abs(right) > 64 or abs(left) > 1e6):
-                raise ValueError("exponent too large")
-            return _BINARY[type(node.op)](left, right)
-        if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-            return _UNARY[type(node.op)](ev(node.operand))
-        raise ValueError(f"unsupported expression element {type(node).__name__}")
+    """The example agent's calculator (rlvr.envs.calculator); errors become text for the model."""
+    from rlvr.envs.calculator import CalcError, evaluate, format_number
 
     try:
-        if len(expression) > 200:
-            raise ValueError("expression too long")
-        value = ev(ast.parse(expression.strip(), mode="eval"))
-        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-            value = int(value)
-        return str(value)
-    except Exception as e:
-        return f"error: {type(e).__name__}: {e}"
+        return format_number(evaluate(expression))
+    except CalcError as e:
+        return f"error: {e}"
 
 
 def _calculator_tool() -> dict[str, Any]:

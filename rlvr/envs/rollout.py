@@ -24,6 +24,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from rlvr.data.chat import render_text
 from rlvr.envs.base import Environment, Trajectory
 from rlvr.rollout.types import Request, SamplingParams
 
@@ -50,14 +51,9 @@ class EpisodeJob:
     rid: str
 
 
-def _render(tokenizer, messages, tools, add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(list(messages), tools=tools, add_generation_prompt=add_generation_prompt,
-                                         tokenize=False)
-
-
 def prompt_ids(tokenizer, messages: Sequence[Mapping[str, Any]], tools=None) -> list[int]:
     """The episode's opening messages with the template's generation prompt, as ids."""
-    return tokenizer.encode(_render(tokenizer, messages, tools, True))
+    return tokenizer.encode(render_text(tokenizer, messages, tools, True))
 
 
 def _end_text(tokenizer) -> str:
@@ -75,8 +71,8 @@ def _observation_text(tokenizer, observation_json: str, tools_json: str) -> str:
     observation, tools = json.loads(observation_json), json.loads(tools_json)
     end = _end_text(tokenizer)
     base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
-    before = _render(tokenizer, base, tools, False)
-    after = _render(tokenizer, base + observation, tools, True)
+    before = render_text(tokenizer, base, tools, False)
+    after = render_text(tokenizer, base + observation, tools, True)
     cut = before.rfind(end)
     if cut < 0 or not after.startswith(before[:cut + len(end)]):
         raise ValueError("the chat template is not prefix-stable after an assistant turn (or does not end the "
