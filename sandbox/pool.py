@@ -12,6 +12,14 @@ Between tasks the worker wipes /workspace and /tmp and kills every process the t
 *retired* (killed and deleted in the background, a fresh one started in its place) whenever anything
 looks suspicious: a limit was hit, a process outlived its task, the protocol broke, the sandbox died.
 
+A sandbox that dies under a task for no reason of the task's own (no limit explains it: killed from
+outside, crashed; or found dead when taken from the idle queue) is retired like any other, and the task is
+RE-RUN on another warm sandbox, at most `lost_retries` times; tasks are stateless, so the re-run is the same
+task and only its result is returned (the trace records the lost sandboxes). Past that, `run` raises
+`WorkerLost` (a `SandboxError`: the machinery failed, not the program) rather than returning a Result
+that would be judged as the program's failure. A task that hit a limit is never re-run: its Result says
+which limit. `lost` and `reruns` count these events; `busy()` names the sandboxes running a task.
+
 Not protected (compared with a fresh sandbox per call, `api.run`): tasks in one sandbox share its kernel
 state across time (e.g. the page cache), and a task's fork inherits the worker's memory, which may hold
 residue of earlier tasks' inputs (payload buffers are zeroed, parsed headers are not). Expected outputs of
@@ -174,15 +182,22 @@ def _clamp(task: Limits, pool: Limits) -> Limits:
 class Pool:
     """`size` warm gVisor sandboxes; `run(...)` like `api.run`, one task per sandbox at a time, thread-safe."""
 
-    def __init__(self, size: int, limits: Limits | None = None, trace_path: str | None | bool = None):
+    def __init__(self, size: int, limits: Limits | None = None, trace_path: str | None | bool = None,
+                 lost_retries: int = 2):
+        if lost_retries < 0:
+            raise ValueError(f"lost_retries must be >= 0 (re-runs of a task whose sandbox died), got {lost_retries}")
         runsc.probe()
         self.limits = limits or Limits()
         self.trace_path = trace_path
+        self.lost_retries = lost_retries
         self._idle: queue.Queue[Worker] = queue.Queue()
         self._closed = False
         self._live: set[Worker] = set()
+        self._busy: set[Worker] = set()
         self._lock = threading.Lock()
         self.retired = 0
+        self.lost = 0  # task attempts whose sandbox died under them (no limit hit)
+        self.reruns = 0  # of which re-run on another sandbox
         self.start_error: Exception | None = None
         self._threads: list[threading.Thread] = []
         _open_pools.add(self)
@@ -224,33 +239,76 @@ class Pool:
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
 
+    def idle(self) -> int:
+        """How many sandboxes are warm and free now (replacements still starting are not)."""
+        return self._idle.qsize()
+
+    def busy(self) -> list[str]:
+        """Container ids of the sandboxes running a task now (monitoring; tests kill one)."""
+        with self._lock:
+            return sorted(w.cid for w in self._busy)
+
     def run(self, command: Sequence[str] | None = None, *, python: str | None = None,
             files: Mapping[str, bytes | str] | None = None, stdin: bytes = b"", env: Mapping[str, str] | None = None,
             limits: Limits | None = None, tag: str | None = None, timeout_s: float = 60.0) -> Result:
-        """Run one task in a warm sandbox (see `api.run`); waits up to `timeout_s` for a free one."""
+        """Run one task in a warm sandbox (see `api.run`); waits up to `timeout_s` for a free one. A task
+        whose sandbox died under it is re-run elsewhere (see the module doc); `WorkerLost` past
+        `lost_retries` re-runs."""
         if self._closed:
             raise SandboxError("the pool is closed")
         if len(stdin) > STDIN_MAX:
             raise ValueError(f"pool tasks take at most {STDIN_MAX} bytes of stdin (one pipe buffer); pass a file")
         argv, inputs = api.build_command(command, python, files)
         task_limits = _clamp(limits or self.limits, self.limits)
-        queued = time.perf_counter()
-        try:
-            worker = self._idle.get(timeout=timeout_s)
-        except queue.Empty:
-            raise SandboxError(f"no pool sandbox became free within {timeout_s} s") from None
-        result = self._on(worker, argv, python is not None, inputs, stdin, env, task_limits,
-                          time.perf_counter() - queued)
+        lost: list[str] = []
+        while True:
+            queued = time.perf_counter()
+            worker = self._take(timeout_s)
+            try:
+                result, died = self._on(worker, argv, python is not None, inputs, stdin, env, task_limits,
+                                        time.perf_counter() - queued)
+            finally:
+                with self._lock:
+                    self._busy.discard(worker)
+            if not died:
+                break
+            lost.append(worker.cid)
+            with self._lock:
+                self.lost += 1
+                if len(lost) > self.lost_retries:
+                    break
+                self.reruns += 1
         if self.trace_path is not False:
             entry = trace.record(argv, inputs, stdin, task_limits, result, env, tag, {})
+            if lost:
+                entry["lost_sandboxes"] = lost
             trace.append(self.trace_path or trace.default_path(), entry)
+        if died:
+            raise WorkerLost(f"the pool sandbox died under the task {len(lost)} time(s) (no limit hit; sandboxes "
+                             f"{', '.join(lost)}): {result.text('stderr')}")
         return result
 
+    def _take(self, timeout_s: float) -> Worker:
+        """An idle live worker, marked busy (one found dead while idle is retired and replaced)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._closed:
+                raise SandboxError("the pool is closed")
+            try:
+                worker = self._idle.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise SandboxError(f"no pool sandbox became free within {timeout_s} s") from None
+            if worker.proc.poll() is None:
+                with self._lock:
+                    self._busy.add(worker)
+                return worker
+            self._retire(worker)
+
     def _on(self, worker: Worker, argv: list[str], is_python: bool, inputs: dict[str, bytes], stdin: bytes,
-            env: Mapping[str, str] | None, limits: Limits, queue_s: float) -> Result:
-        """One task on one worker; the worker goes back to the idle queue, or is retired when suspicious.
-        Timings: queue (waiting for a free sandbox), start (host-side framing), run (the round trip: reset,
-        fork, the task, the reply)."""
+            env: Mapping[str, str] | None, limits: Limits, queue_s: float) -> tuple[Result, bool]:
+        """One task on one worker: (its Result, whether the sandbox died under it with no limit to blame).
+        The worker goes back to the idle queue, or is retired when suspicious. Timings: queue (waiting for
+        a free sandbox), start (host-side framing), run (the round trip: reset, fork, the task, the reply)."""
         dequeued = time.perf_counter()
         names = sorted(inputs)
         environment = {"PATH": runsc.PATH_ENV, "LANG": "C.UTF-8", "HOME": "/workspace",
@@ -266,7 +324,8 @@ class Pool:
         except WorkerLost as e:
             self._retire(worker)
             return Result("runsc-pool", None, 9, b"", str(e).encode(), limit_hit=e.limit,
-                          timings=Timings(queue_s, 0.0, time.perf_counter() - sent), sandbox_id=worker.cid)
+                          timings=Timings(queue_s, 0.0, time.perf_counter() - sent), sandbox_id=worker.cid), \
+                e.limit is None
         if reply["limit_hit"] or reply["leftover"]:
             self._retire(worker)
         else:
@@ -277,7 +336,7 @@ class Pool:
                       reply["limit_hit"] == "output" and len(err) >= limits.output_bytes,
                       reply["limit_hit"] or _evidence(err),
                       Timings(queue_s, sent - dequeued, time.perf_counter() - sent),
-                      reply["digest_before"], reply["digest_after"], worker.cid)
+                      reply["digest_before"], reply["digest_after"], worker.cid), False
 
     def close(self) -> None:
         """Kill every sandbox; their deletion is queued on the reaper (`runsc.REAPER.drain()` waits)."""

@@ -57,6 +57,15 @@ def close_shared_pools() -> None:
 atexit.register(close_shared_pools)
 
 
+def pool_counters() -> dict[str, float]:
+    """Fault counters summed over the shared pools (cumulative): sandboxes retired (limits hit),
+    task attempts lost to a dead sandbox, and re-runs of those on another sandbox."""
+    with _pools_lock:
+        pools = list(_pools.values())
+    return {f"sandbox/{name}": float(sum(getattr(p, name, 0) for p in pools))
+            for name in ("retired", "lost", "reruns")} if pools else {}
+
+
 def record(result: Any, what: str, limit_chars: int = 2000) -> dict[str, Any]:
     """A trace entry for one sandbox run: what ran, status, limit hit, capped outputs, digests, timings."""
     return {"what": what, "backend": result.backend, "exit_code": result.exit_code, "signal": result.signal,

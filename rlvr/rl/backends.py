@@ -1,11 +1,14 @@
 """Rollout backends for the RL trainer: the embedded JAX engine, or SGLang servers over HTTP.
 
-Both have the same three calls, each safe to call from any thread, so the trainer can push new
+Both have the same calls, each safe to call from any thread, so the trainer can push new
 weights while a producer thread is generating (partial rollouts):
 
   generate(requests) -> completions     blocking, results in request order
+  submit(requests) -> futures           non-blocking (the scheduler, rlvr.rl.scheduler)
+  abort(rids)                           the futures of running requests resolve with finish_reason abort
   update_weights(params, version)       in-flight sequences continue on the new weights
   close()
+  capacity                              sequences the backend runs at once (0 = unknown / unbounded)
 
 `EmbeddedBackend` runs `rlvr.rollout.engine.Engine` behind an `EngineDriver` thread; weights
 move in memory. `SGLangBackend` talks to `rlvr.rollout.server` or real SGLang servers through
@@ -17,6 +20,7 @@ NCCL.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import os
 import shutil
@@ -40,8 +44,23 @@ class EmbeddedBackend:
         self.engine.weight_version = version
         self.driver = EngineDriver(self.engine)
 
+    @property
+    def capacity(self) -> int:
+        return int(self.engine.max_slots)
+
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
         return self.driver.generate(list(requests))
+
+    def submit(self, requests: Sequence[Request]) -> list[concurrent.futures.Future]:
+        return self.driver.submit_many(list(requests))
+
+    def abort(self, rids: Sequence[str]) -> None:
+        for rid in rids:
+            self.driver.abort(rid)
+
+    def health(self) -> dict[str, float]:
+        """Rollout-side fault metrics for the run's log."""
+        return {"rollout/servers_healthy": float(self.driver.alive)}
 
     def update_weights(self, params, version: int) -> None:
         # A copy: the train step donates (and so invalidates) the state's buffers.
@@ -74,8 +93,27 @@ class SGLangBackend:
     def _run(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    capacity = 0  # the servers' own schedulers bound it; set rl.schedule.capacity to bound it here
+
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
         return self._run(self.client.generate(list(requests)))
+
+    def submit(self, requests: Sequence[Request]) -> list[concurrent.futures.Future]:
+        async def one(request: Request) -> Completion:
+            return (await self.client.generate([request]))[0]
+        return [asyncio.run_coroutine_threadsafe(one(r), self.loop) for r in requests]
+
+    def abort(self, rids: Sequence[str]) -> None:
+        """Best effort: /abort_request to every healthy server (the request then answers with
+        finish_reason abort; a retry already re-sent elsewhere runs on)."""
+        for rid in rids:
+            self._run(self.client._broadcast("/abort_request", {"rid": rid}), timeout=30)
+
+    def health(self) -> dict[str, float]:
+        """Servers healthy, and requests retried / failed over to another server (cumulative)."""
+        report = self.client.report()
+        return {"rollout/servers_healthy": float(sum(s["healthy"] for s in report["servers"].values())),
+                "rollout/retries": float(report["retries"]), "rollout/failovers": float(report["failovers"])}
 
     def update_weights(self, params, version: int) -> None:
         from rlvr.models import hf

@@ -68,9 +68,12 @@ def _bucket_rows(needed: int, multiple: int, limit: int) -> int:
 
 
 def build_batch(samples: list[Sample], seq_len: int, pad_id: int, aggregation: str = "token_mean",
-                norm_len: int = 1, pack: bool = False, row_multiple: int = 1) -> dict[str, np.ndarray]:
-    """The train batch for `samples` (see the module docstring). Raises ValueError when a
-    sample does not fit `seq_len` (rl.seq_len must cover prompt + max_new_tokens)."""
+                norm_len: int = 1, pack: bool = False, row_multiple: int = 1,
+                min_rows: int = 0) -> dict[str, np.ndarray]:
+    """The train batch for `samples` (see the module docstring). Unpacked batches have at least
+    `min_rows` rows (empty rows weigh nothing), so a batch the scheduler made smaller keeps the
+    compiled shape. Raises ValueError when a sample does not fit `seq_len` (rl.seq_len must
+    cover prompt + max_new_tokens)."""
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"rl.aggregation={aggregation!r}: choose one of {AGGREGATIONS}")
     rows: list[list[int]] = []  # sample indices per row
@@ -86,7 +89,7 @@ def build_batch(samples: list[Sample], seq_len: int, pad_id: int, aggregation: s
         else:
             rows.append([i])
             used.append(length)
-    num_rows = _bucket_rows(len(rows), row_multiple, len(samples)) if pack else len(rows)
+    num_rows = _bucket_rows(len(rows), row_multiple, len(samples)) if pack else max(len(rows), min_rows)
     if num_rows % row_multiple:
         raise ValueError(f"{num_rows} sequences per step is not a multiple of {row_multiple} (data shards × "
                          "micro-batches); change rl.prompts_per_step × rl.group_size or train.micro_batches")

@@ -41,7 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlvr.envs import rollout as episodes_lib
+from rlvr.launch.ray_workers import make_verifier_workers
 from rlvr.rl import advantages as adv_lib
+from rlvr.rl import scheduler as scheduler_lib
 from rlvr.rl.batching import Sample
 from rlvr.rl.filters import overlong_penalty
 from rlvr.rollout.types import Request, SamplingParams
@@ -103,6 +105,19 @@ def _filled_versions(versions: list[int]) -> list[int]:
     return out
 
 
+def group_advantages(groups: list[list[Sample]], advantage: str) -> np.ndarray:
+    """Every sample's advantage, group by group (groups cut by the scheduler are smaller); zeros
+    for "gae" (per token, from the value head, set by the trainer before the update)."""
+    sizes = {len(g) for g in groups}
+    rewards = [np.array([s.rewards["reward"] for s in g], np.float32) for g in groups]
+    if advantage == "gae":
+        return np.zeros(sum(len(r) for r in rewards), np.float32)
+    fn = adv_lib.ADVANTAGE_FNS[advantage]
+    if len(sizes) == 1:  # one call for the whole batch
+        return np.asarray(fn(jnp.asarray(np.stack(rewards)))).reshape(-1)
+    return np.concatenate([np.asarray(fn(jnp.asarray(r[None]))).reshape(-1) for r in rewards])
+
+
 def _moments_state(reward_model) -> dict[str, float] | None:
     if reward_model is None:
         return None
@@ -145,11 +160,26 @@ class Producer:
         self._episode_stats: dict[str, float] = collections.defaultdict(float)
         self._log_lock = threading.Lock()
         # verifiers that wait on subprocesses (code in a sandbox, math in worker processes) run concurrently
-        self._verifier_pool = concurrent.futures.ThreadPoolExecutor(max(1, rl.verifier_workers),
+        # (in this process, or on Ray actors: rl.verifier_backend)
+        self.verifiers = make_verifier_workers(rl.verifier_backend, max(1, rl.verifier_workers), rl, seed,
+                                               rl.verifier_address, tasks=tasks)
+        self._verifier_pool = concurrent.futures.ThreadPoolExecutor(self.verifiers.concurrency,
                                                                     thread_name_prefix="rlvr-verifier")
+        # rollout groups and their scoring, by priority, with preemption and degradation (rl.schedule)
+        self.policy = scheduler_lib.SchedulePolicy.from_config(rl.schedule)
+        self.scheduler = scheduler_lib.Scheduler(self.policy, backend, self._verifier_pool, self.verifiers.concurrency)
+        self._domains = tasks.domains() if hasattr(tasks, "domains") else {}
+        unknown = set(self.policy.priorities) - set(self._domains) - set(self._domains.values())
+        if self._domains and unknown:
+            raise ValueError(f"rl.schedule.priorities names {sorted(unknown)}, which are neither families nor domains "
+                             f"of rl.task; families: {sorted(self._domains)}, domains: "
+                             f"{sorted(set(self._domains.values()))}")
+        self._skip_families: set[str] = set()  # skipped by degradation for the rest of the batch
+        self._episode_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlvr-episodes")
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._stop = False
+        self._draining = False
 
     # --- one batch ------------------------------------------------------------------------
 
@@ -177,7 +207,7 @@ class Producer:
         try:
             if finish.get("type") == "abort":
                 raise RuntimeError(f"rollout aborted: {finish.get('message')}")
-            rewards = dict(self.tasks.score(task, text, truncated))
+            rewards = dict(self.verifiers.score(task, text, truncated))
             rewards["verifier_error"] = 0.0
         except Exception as e:  # recorded (metrics + failures.jsonl), never silently dropped
             rewards = {"reward": 0.0, "verifier_error": 1.0}
@@ -215,6 +245,8 @@ class Producer:
             self.cursor += need
             drawn += need
             for task in tasks:
+                if task.family in self._skip_families:  # degraded: this domain is skipped for this batch
+                    continue
                 if self._episodic(task):  # its prompt is the environment's (or agent's); bounded per episode
                     out.append(task)
                     prompts.append([])
@@ -250,7 +282,9 @@ class Producer:
             with concurrent.futures.ThreadPoolExecutor(rl.episode_workers, thread_name_prefix="rlvr-agent") as pool:
                 trajectories = list(pool.map(lambda job: self.agent.episode(job.task, rl.seq_len, job.rid), jobs))
         else:
-            trajectories = episodes_lib.run_episodes(self.backend, self.tokenizer, jobs, settings, make_env,
+            turns = scheduler_lib.TurnBackend(self.scheduler, {job.rid: (self.priority(job.task), job.task.family)
+                                                               for job in jobs})
+            trajectories = episodes_lib.run_episodes(turns, self.tokenizer, jobs, settings, make_env,
                                                      workers=rl.episode_workers)
         self._record_episodes(step, jobs, trajectories, time.perf_counter() - t0)
         out = {}
@@ -285,36 +319,57 @@ class Producer:
                 f.write(json.dumps({"step": step, "task": job.task.to_json(), "rewards": t.rewards,
                                     "truncated": t.truncated, "turns": t.turns, "trace": t.trace}) + "\n")
 
+    def priority(self, task) -> float:
+        """The task's scheduling priority (rl.schedule.priorities by family, then domain)."""
+        return self.policy.priority(task.family, self._domains.get(task.family, ""))
+
+    def _scheduled_groups(self, tasks, prompts, replays, single: list[int], step: int) -> dict[int, list]:
+        """Generates and scores the single-turn groups through the scheduler; returns {group:
+        [(sample, failure)]} for the groups it did not skip (cut groups have fewer samples)."""
+        k = self.rl.group_size
+        requests = self._requests([tasks[g] for g in single], [prompts[g] for g in single],
+                                  [replays[g] for g in single], step)
+        jobs = [scheduler_lib.GroupJob(g, tasks[g].family, self.priority(tasks[g]), requests[n * k:(n + 1) * k],
+                                       score=lambda c, g=g: self._score(tasks[g], c, g))
+                for n, g in enumerate(single)]
+        done = self.scheduler.run(jobs)
+        out = {}
+        for g, job in done.items():
+            if job.skipped:
+                self._skip_families.add(job.family)
+            else:
+                out[g] = [r for r in job.results if r is not None]
+        return out
+
     def _generate_round(self, count: int, step: int):
         tasks, prompts, entries = self._draw_tasks(count)
         replays = [e.uses if e else 0 for e in entries]
         single = [g for g, task in enumerate(tasks) if not self._episodic(task)]
-        completions = self.backend.generate(self._requests([tasks[g] for g in single], [prompts[g] for g in single],
-                                                           [replays[g] for g in single], step)) if single else []
-        episode_groups = sorted(set(range(len(tasks))) - set(single))
-        by_group = self._episode_samples(tasks, episode_groups, replays, step) if episode_groups else {}
-        t0 = time.perf_counter()
-        k = self.rl.group_size
-        jobs = [(tasks[g], c, g) for n, g in enumerate(single) for c in completions[n * k:(n + 1) * k]]
-        scored = list(self._verifier_pool.map(lambda job: self._score(*job), jobs))  # in order
-        for n, g in enumerate(single):
-            by_group[g] = scored[n * k:(n + 1) * k]
-        failures = [f for g in range(len(tasks)) for _, f in by_group[g] if f is not None]
-        groups = [[s for s, _ in by_group[g]] for g in range(len(tasks))]
+        episode_groups = sorted(set(range(len(tasks))) - set(single), key=lambda g: (-self.priority(tasks[g]), g))
+        episodes = None
+        if episode_groups:  # their turns and the single-turn groups share the scheduler concurrently
+            episodes = self._episode_pool.submit(self._episode_samples, tasks, episode_groups, replays, step)
+        by_group = self._scheduled_groups(tasks, prompts, replays, single, step) if single else {}
+        if episodes is not None:
+            by_group.update(episodes.result())
+        kept = sorted(by_group)
+        failures = [f for g in kept for _, f in by_group[g] if f is not None]
+        groups = [[s for s, _ in by_group[g]] for g in kept]
         if self.rl.overlong_buffer:
-            self._overlong_penalty([s for s, _ in scored])
+            self._overlong_penalty([s for g in kept if g in single for s, _ in by_group[g]])
         if self.reward_model is not None:
-            self._reward_model_term(tasks, groups)
-        for g, (task, entry) in enumerate(zip(tasks, entries, strict=True)):
-            passes = [passed(s.rewards) for s in groups[g]]
+            self._reward_model_term([tasks[g] for g in kept], groups)
+        for n, g in enumerate(kept):
+            task, entry = tasks[g], entries[g]
+            passes = [passed(s.rewards) for s in groups[n]]
             if self.curriculum is not None and entry is None:
                 self.curriculum.update(task.family, task.level, passes)
             if self.replay is not None:
                 if entry is None:
-                    self.replay.offer(task, groups[g], passes)
+                    self.replay.offer(task, groups[n], passes)
                 else:
-                    groups[g] = self.replay.inject(entry, groups[g], passes)
-        return groups, failures, time.perf_counter() - t0
+                    groups[n] = self.replay.inject(entry, groups[n], passes)
+        return groups, failures
 
     def make_batch(self, step: int) -> ScoredBatch:
         """Generates and scores `prompts_per_step` groups (refilling zero-variance groups when
@@ -322,11 +377,12 @@ class Producer:
         rl = self.rl
         t0 = time.perf_counter()
         self._episode_stats.clear()
-        kept, dropped, failures, rounds, generated, verify_s = [], [], [], 0, 0, 0.0
+        self._skip_families.clear()
+        self.scheduler.begin_batch()
+        kept, dropped, failures, rounds, generated = [], [], [], 0, 0
         while len(kept) < rl.prompts_per_step:
             need = rl.prompts_per_step - len(kept)
-            groups, round_failures, round_verify_s = self._generate_round(need, step)
-            verify_s += round_verify_s
+            groups, round_failures = self._generate_round(need, step)
             failures += round_failures
             rounds += 1
             generated += len(groups)
@@ -340,16 +396,14 @@ class Producer:
         gen_s = time.perf_counter() - t0
         if self.ref_logprobs is not None and rl.kl_mode == "reward" and rl.kl_coef:
             self._kl_penalty(samples)
-        rewards = np.array([s.rewards["reward"] for s in samples], np.float32).reshape(len(kept), rl.group_size)
-        if rl.advantage == "gae":  # per token, from the value head: set by the trainer before the update
-            advantages = np.zeros(rewards.size, np.float32)
-        else:
-            advantages = np.asarray(adv_lib.ADVANTAGE_FNS[rl.advantage](jnp.asarray(rewards))).reshape(-1)
-        for s, a in zip(samples, advantages, strict=True):
+        for s, a in zip(samples, group_advantages(kept, rl.advantage), strict=True):
             s.advantage = float(a)
-        # generate_s: rollout wall time, scoring included; verify_s: the scoring (verifier) part of it
-        stats = {"generate_s": gen_s, "verify_s": verify_s, "generation_rounds": float(rounds),
+        # generate_s: rollout wall time, scoring included; verify_s: the scoring not overlapped with generation
+        stats = {"generate_s": gen_s, "generation_rounds": float(rounds),
                  "groups_generated": float(generated), "groups_filtered": float(len(dropped))}
+        stats.update(self.scheduler.end_batch())
+        if rl.verifier_backend != "local":  # cumulative: actors alive, restarted, jobs re-sent or lost
+            stats.update({f"verifier/{k}": float(v) for k, v in self.verifiers.stats().items()})
         if self.curriculum is not None:
             stats["difficulty_mean"] = float(np.mean([s.level for s in samples]))
             stats["difficulty_current"] = float(np.mean(list(self.curriculum.current.values())))
@@ -422,9 +476,9 @@ class Producer:
         try:
             while step < end_step:
                 with self._cond:
-                    while not self._stop and self._version < step - k:
+                    while not (self._stop or self._draining) and self._version < step - k:
                         self._cond.wait()
-                    if self._stop:
+                    if self._stop or self._draining:
                         return
                 batch = self.make_batch(step)
                 with self._cond:
@@ -436,6 +490,17 @@ class Producer:
             with self._cond:
                 self._error = e
                 self._cond.notify_all()
+
+    def drain(self, timeout: float) -> bool:
+        """Preemption: start no new batch and wait up to `timeout` s for the one being generated
+        (async), so `state()` includes it. Returns whether nothing was left in flight."""
+        with self._cond:
+            self._draining = True
+            self._cond.notify_all()
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def set_version(self, version: int) -> None:
         """The trainer's policy version (= optimizer steps taken); unblocks the producer."""
@@ -484,4 +549,7 @@ class Producer:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=60)
+        self.scheduler.close()
+        self._episode_pool.shutdown(wait=False, cancel_futures=True)
         self._verifier_pool.shutdown(wait=False, cancel_futures=True)
+        self.verifiers.close()

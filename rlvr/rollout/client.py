@@ -18,6 +18,8 @@ attempt is aborted best-effort), while the returned `Completion` keeps the origi
 request yields exactly one Completion: a trajectory is never lost silently and never returned
 twice. Unhealthy servers are re-probed with `GET /health` every `recheck_interval` seconds and,
 if weights were updated meanwhile, re-synced from the last checkpoint before taking traffic.
+`report()` gives each server's health and the fault counters (failed attempts, servers marked down,
+retries, failovers), so a run can log what the servers' failures cost.
 
 Using it with real SGLang (CUDA machines)::
 
@@ -72,6 +74,8 @@ class _Server:
     retry_at: float = 0.0
     probing: bool = False
     weight_version: int | None = None
+    failed: int = 0  # attempts that failed on this server
+    marked_down: int = 0  # times it was marked unhealthy
 
 
 def _version(value: Any) -> int:
@@ -106,6 +110,8 @@ class SGLangClient:
         self._clients: dict[str, httpx.AsyncClient] = {}
         self._client_loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
+        self.retries = 0  # attempts after a request's first
+        self.failovers = 0  # of which sent straight on to another server because the first died
 
     # --- plumbing -------------------------------------------------------------------------
 
@@ -152,6 +158,13 @@ class SGLangClient:
     def healthy_urls(self) -> list[str]:
         return [s.url for s in self._servers if s.healthy]
 
+    def report(self) -> dict[str, Any]:
+        """{"servers": {url: {healthy, inflight, assigned, failed_attempts, marked_down}}, "retries",
+        "failovers"}: the client's view of its servers (no request is sent)."""
+        servers = {s.url: {"healthy": s.healthy, "inflight": s.inflight, "assigned": s.assigned,
+                           "failed_attempts": s.failed, "marked_down": s.marked_down} for s in self._servers}
+        return {"servers": servers, "retries": self.retries, "failovers": self.failovers}
+
     def _delay(self, attempt: int) -> float:
         base = min(self.max_backoff, self.backoff * 2 ** (attempt - 1))
         return base * (0.5 + random.random() / 2)
@@ -161,6 +174,7 @@ class SGLangClient:
     def _mark_down(self, server: _Server, error: BaseException) -> None:
         if server.healthy:
             logger.warning("SGLang server %s marked unhealthy: %s", server.url, error)
+            server.marked_down += 1
         server.healthy = False
         server.retry_at = time.monotonic() + self.recheck_interval
 
@@ -307,10 +321,15 @@ class SGLangClient:
                 return result
             logger.info("request %s failed on %s (%s: %s); retrying", request.rid, server.url,
                         type(result).__name__, result)
+            server.failed += 1
             avoid.add(server.url)
             failover = isinstance(result, httpx.TransportError) and not server.healthy
-            if attempt < self.max_retries and not (failover and any(s.healthy for s in self._servers)):
-                await asyncio.sleep(self._delay(attempt + 1))
+            if attempt < self.max_retries:
+                self.retries += 1
+                if failover and any(s.healthy for s in self._servers):
+                    self.failovers += 1
+                else:
+                    await asyncio.sleep(self._delay(attempt + 1))
         raise SGLangError(f"request {request.rid} failed after {self.max_retries + 1} attempts: {result}") from result
 
     async def _abort_quietly(self, server: _Server, rid: str) -> None:

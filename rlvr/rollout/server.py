@@ -21,7 +21,9 @@ docstring); weight versions are integers; `/health` is a cheap liveness check an
 `top_logprobs_num`, penalties and constrained decoding are refused with 400. A client that
 disconnects has its requests aborted.
 
-Run one from a Hugging Face directory with `python -m rlvr.rollout.server --hf_dir=DIR --port=30000`.
+Run one from a Hugging Face directory with `python -m rlvr.rollout.server --hf_dir=DIR --port=30000`
+(`--port=0`: any free port, logged as "serving DIR on URL"; `--request_log=FILE`: every finished request's
+record appended to FILE as one JSON line, e.g. to audit which rids a server answered).
 """
 
 from __future__ import annotations
@@ -328,6 +330,17 @@ def serve(driver: EngineDriver, host: str = "127.0.0.1", port: int = 0, recorder
     return server, thread
 
 
+def jsonl_recorder(path: str) -> Recorder:
+    """A recorder appending each record to `path` as one JSON line, with one `write` on an O_APPEND file:
+    concurrent handler threads never interleave lines, and a process killed mid-way leaves every line it
+    finished (the last one may be cut short)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def record(entry: dict[str, Any]) -> None:
+        os.write(fd, (json.dumps(entry) + "\n").encode())
+    return record
+
+
 def build_engine(hf_dir: str, options: dict[str, Any]) -> Any:
     """Engine(cfg, params, tokenizer) from a Hugging Face checkpoint directory."""
     from rlvr.models.hf import load_hf_checkpoint
@@ -349,6 +362,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--served_model_name", default=None)
     parser.add_argument("--engine_option", action="append", default=[], metavar="KEY=JSON",
                         help="extra Engine(...) keyword, e.g. --engine_option max_running=64")
+    parser.add_argument("--request_log", default=None, metavar="FILE",
+                        help="append every finished request's record (rid, ids, logprobs, ...) to FILE as JSON lines")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = {}
@@ -359,7 +374,8 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError:
             options[key] = value
     driver = EngineDriver(build_engine(args.hf_dir, options))
-    server, thread = serve(driver, args.host, args.port, served_model_name=args.served_model_name)
+    recorder = jsonl_recorder(args.request_log) if args.request_log else None
+    server, thread = serve(driver, args.host, args.port, recorder=recorder, served_model_name=args.served_model_name)
     logger.info("serving %s on %s", args.hf_dir, server.url)
     try:
         thread.join()

@@ -35,6 +35,13 @@ class Checkpointer:
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave(extra))
         return self._manager.save(step, args=args, force=force)
 
+    def save_now(self, step: int, state: Any, extra: dict[str, Any]) -> None:
+        """Saves `step` unless it is already saved, and waits until it is on disk (preemption)."""
+        self.wait()
+        if self.latest_step() != step:
+            self.save(step, state, extra, force=True)
+        self.wait()
+
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 

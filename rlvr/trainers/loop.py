@@ -20,6 +20,7 @@ from rlvr.train import flops
 from rlvr.train import step as step_lib
 from rlvr.train.checkpoint import Checkpointer
 from rlvr.train.optimizer import build_optimizer, learning_rate_schedule
+from rlvr.train.preemption import Preempted, PreemptionGuard
 
 
 @dataclasses.dataclass
@@ -60,25 +61,33 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str, model: Model, lo
     progress = observe.Progress(num_steps, start)
     metrics: dict[str, Any] = {}
     window_start, window_steps = time.perf_counter(), 0
-    for step in range(start, num_steps):
-        batch = jax.device_put(next(data), batch_sh)
-        state, metrics = train_step(state, batch, rng, frozen)
-        done, window_steps = step + 1, window_steps + 1
-        if step == start:  # one host sync, to separate compile time from step time
-            jax.block_until_ready(metrics)
-            writer.write(done, {"compile_and_first_step_s": time.perf_counter() - window_start})
-            window_start, window_steps = time.perf_counter(), 0
-        if window_steps and (done % config.train.log_every == 0 or done == num_steps):
-            metrics = jax.device_get(metrics)
-            step_time = (time.perf_counter() - window_start) / window_steps
-            metrics.update(step_time_s=step_time, tokens_per_s=tokens_per_batch / step_time,
-                           model_flops_per_s=step_flops / step_time, mfu=step_flops / step_time / peak)
-            writer.write(done, metrics)
-            progress.update(done, {"loss": metrics["loss"]})
-            window_start, window_steps = time.perf_counter(), 0
-        if done % config.checkpoint.every_steps == 0 or done == num_steps:
-            checkpoints.save(done, state, {"data": data.get_state()}, force=True)
+    preempted_at = None
+    with PreemptionGuard() as guard:
+        for step in range(start, num_steps):
+            batch = jax.device_put(next(data), batch_sh)
+            state, metrics = train_step(state, batch, rng, frozen)
+            done, window_steps = step + 1, window_steps + 1
+            if step == start:  # one host sync, to separate compile time from step time
+                jax.block_until_ready(metrics)
+                writer.write(done, {"compile_and_first_step_s": time.perf_counter() - window_start})
+                window_start, window_steps = time.perf_counter(), 0
+            if window_steps and (done % config.train.log_every == 0 or done == num_steps):
+                metrics = jax.device_get(metrics)
+                step_time = (time.perf_counter() - window_start) / window_steps
+                metrics.update(step_time_s=step_time, tokens_per_s=tokens_per_batch / step_time,
+                               model_flops_per_s=step_flops / step_time, mfu=step_flops / step_time / peak)
+                writer.write(done, metrics)
+                progress.update(done, {"loss": metrics["loss"]})
+                window_start, window_steps = time.perf_counter(), 0
+            if done % config.checkpoint.every_steps == 0 or done == num_steps:
+                checkpoints.save(done, state, {"data": data.get_state()}, force=True)
+            if guard.requested and done < num_steps:
+                checkpoints.save_now(done, state, {"data": data.get_state()})
+                preempted_at = done
+                break
     progress.close()
     checkpoints.close()
     writer.close()
+    if preempted_at is not None:
+        raise Preempted(preempted_at, checkpoints.directory)
     return LoopResult(state, {k: float(v) for k, v in jax.device_get(metrics).items()}, resumed_from)

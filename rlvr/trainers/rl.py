@@ -32,6 +32,7 @@ import ml_collections
 import numpy as np
 
 from rlvr import api, evaluation, observe
+from rlvr.envs.sandboxes import pool_counters
 from rlvr.rl import backends
 from rlvr.rl.batching import build_batch
 from rlvr.rl.objective import Objective, rl_loss, token_means
@@ -43,6 +44,7 @@ from rlvr.tasks.curriculum import Curriculum
 from rlvr.train import step as step_lib
 from rlvr.train.checkpoint import Checkpointer
 from rlvr.train.optimizer import build_optimizer, learning_rate_schedule
+from rlvr.train.preemption import Preempted, PreemptionGuard
 
 # --- the initial policy ------------------------------------------------------------------------
 
@@ -177,7 +179,7 @@ def _eval_point(step: int, result: dict[str, Any]) -> list:
 
 # --- metrics -------------------------------------------------------------------------------------
 
-def rollout_metrics(batch: ScoredBatch, version: int, group_size: int) -> dict[str, float]:
+def rollout_metrics(batch: ScoredBatch, version: int) -> dict[str, float]:
     """Reward (total and components), pass rates, lengths and staleness of one batch."""
     samples = batch.samples
     out: dict[str, float] = {}
@@ -185,11 +187,14 @@ def rollout_metrics(batch: ScoredBatch, version: int, group_size: int) -> dict[s
         out[f"reward/{key}" if key != "reward" else "reward"] = float(np.mean(
             [s.rewards[key] for s in samples if key in s.rewards]))
     correct = np.array([passed(s.rewards) for s in samples], np.float32)
-    groups = correct.reshape(-1, group_size)
+    by_group: dict[int, list[float]] = {}
+    for c, s in zip(correct, samples, strict=True):  # groups cut by the scheduler are smaller
+        by_group.setdefault(s.group, []).append(c)
     out["pass_rate"] = float(correct.mean())
     for f in sorted({s.family for s in samples} - {""}):  # families present in this batch
         out[f"pass_rate/{f}"] = float(np.mean([c for c, s in zip(correct, samples, strict=True) if s.family == f]))
-    out["pass_at_group"] = float(groups.max(axis=1).mean())
+    out["pass_at_group"] = float(np.mean([max(g) for g in by_group.values()]))
+    out["samples"] = float(len(samples))
     out["response_length"] = float(np.mean([len(s.output_ids) for s in samples]))
     out["truncated_fraction"] = float(np.mean([s.truncated for s in samples]))
     oldest = [min(s.versions) if s.versions else version for s in samples]
@@ -456,6 +461,12 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     writer = observe.MetricsWriter(workdir, tensorboard=config.train.tensorboard)
     failures_log = open(os.path.join(workdir, "failures.jsonl"), "a")
     progress = observe.Progress(num_steps, start)
+
+    def extra_state() -> dict[str, Any]:
+        return {"producer": producer.state(), "reference": reference_pointer, "history": history, "evals": evals,
+                "eval_details": eval_details}
+
+    guard, preempted_at = PreemptionGuard().__enter__(), None
     try:  # from here on, any failure (evaluation included) closes the backend and producer
         if not evals:
             run_eval(0, "before")
@@ -467,16 +478,19 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             batch = producer.next_batch(step)
             t1 = time.perf_counter()
             arrays = build_batch(batch.samples, rl.seq_len, tokenizer.pad_id, rl.aggregation, rl.max_new_tokens,
-                                 rl.pack, row_multiple)
+                                 rl.pack, row_multiple, min_rows=rl.prompts_per_step * rl.group_size)
             state, metrics = update(state, arrays, batch.samples, step)
             t2 = time.perf_counter()
             backend.update_weights(state["params"], step + 1)
             producer.set_version(step + 1)
             t3 = time.perf_counter()
 
-            record = {**rollout_metrics(batch, step, rl.group_size), **token_means(metrics)}
+            record = {**rollout_metrics(batch, step), **token_means(metrics)}
             record.update(wait_for_rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2, step_s=t3 - t0,
                           rows=float(arrays["tokens"].shape[0]))
+            record["util/trainer"] = (t3 - t1) / max(t3 - t0, 1e-9)  # busy share: not waiting for rollouts
+            record.update(backend.health())  # dead servers and rerouted requests
+            record.update(pool_counters())  # dead sandboxes and re-run tasks
             for failure in batch.failures:
                 failures_log.write(json.dumps({"step": step, **failure}) + "\n")
             failures_log.flush()
@@ -493,11 +507,16 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             if done % config.checkpoint.every_steps == 0 or done == num_steps:
                 if done == num_steps:
                     run_eval(done, "after")
-                checkpoints.save(done, state, {"producer": producer.state(), "reference": reference_pointer,
-                                               "history": history, "evals": evals, "eval_details": eval_details},
-                                 force=True)
+                checkpoints.save(done, state, extra_state(), force=True)
+            if guard.requested and done < num_steps:
+                # async: let the batch being generated finish (bounded), so it is saved, not regenerated
+                producer.drain(config.checkpoint.preemption_grace_s)
+                checkpoints.save_now(done, state, extra_state())
+                preempted_at = done
+                break
         progress.close()
     finally:
+        guard.__exit__()
         producer.stop()
         checkpoints.close()
         writer.close()
@@ -505,6 +524,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         if agent is not None:
             agent.close()
         backend.close()
+    if preempted_at is not None:
+        raise Preempted(preempted_at, checkpoints.directory)
     if evals[-1][0] != num_steps:  # resumed after the final step was already saved
         raise RuntimeError("final evaluation missing from the last checkpoint")
     before, after = evals[0][1], evals[-1][1]
