@@ -10,6 +10,11 @@ policy. The run prints held-out greedy accuracy before and after RL and writes s
 and rl_curve.png to the workdir.
 
 Variants: `:async` (one-step off-policy with partial rollouts), `:smoke` (a few steps, for tests).
+
+Sweep (`get_sweep`): rl.mode sync/async x seed, 4 jobs, 2 at a time, then their results table:
+
+    python -m rlvr.launch configs/quickstart.py --sweep --parallel=2 --exp=quickstart_modes
+    python -m rlvr.launch results quickstart_modes --metric=heldout_accuracy_after,reward
 """
 
 import ml_collections
@@ -45,3 +50,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
         c.rl.sft_steps, c.rl.sft_demos = 4, 16
         c.train.num_steps, c.checkpoint.every_steps = 4, 2
     return c
+
+
+def get_sweep(arg: str = "") -> list[dict]:
+    """Synchronous vs one-step-off-policy asynchronous RL, two seeds each (4 jobs)."""
+    del arg  # the same sweep for every variant
+    return [{"rl.mode": mode, "seed": seed} for mode in ("sync", "async") for seed in (0, 1)]

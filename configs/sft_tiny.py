@@ -7,6 +7,11 @@ Data: `configs/data/sft_chat_*.jsonl` (OpenAI messages, tool calls included; rew
 assistant tokens only, packed with segment ids. Expected: training loss near zero and
 greedy replies equal to the training targets (tests/test_learning.py checks both).
 Variant `:smoke` runs 2 steps.
+
+Sweep (`get_sweep`): learning rate x seed, 4 jobs, 2 at a time, then their results table:
+
+    python -m rlvr.launch configs/sft_tiny.py --sweep --parallel=2 --exp=sft_lr_seed
+    python -m rlvr.launch results sft_lr_seed --plot=experiments/sft_lr_seed/loss.png
 """
 
 import os
@@ -37,3 +42,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     elif arg:
         raise ValueError(f"configs/sft_tiny.py: unknown variant {arg!r}; use '' or 'smoke'.")
     return c
+
+
+def get_sweep(arg: str = "") -> list[dict]:
+    """Learning rate x seed (4 jobs); each dict's keys override the config of one job."""
+    del arg  # the same sweep for every variant
+    return [{"optimizer.learning_rate": lr, "seed": seed} for lr in (1e-3, 3e-3) for seed in (0, 1)]
