@@ -334,17 +334,21 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
     if config.train.logprob_chunk_size < 0:
         raise ConfigError(f"train.logprob_chunk_size={config.train.logprob_chunk_size}: must be >= 0 "
                           "(0 = full logits).")
-    if config.data.batch_size % config.train.micro_batches:
-        raise ConfigError(f"data.batch_size={config.data.batch_size} must be a multiple of "
+    # RL rows are rl.prompts_per_step × rl.group_size; its SFT warm start uses rl.sft_batch_size
+    batch_path = "rl.sft_batch_size" if config.job == "rl" else "data.batch_size"
+    batch_size = config.rl.sft_batch_size if config.job == "rl" else config.data.batch_size
+    checks_batch = config.job != "rl" or config.rl.sft_steps > 0
+    if checks_batch and batch_size % config.train.micro_batches:
+        raise ConfigError(f"{batch_path}={batch_size} must be a multiple of "
                           f"train.micro_batches={config.train.micro_batches}.")
     _one_of(config, "preference.reference", ("precompute", "online"))
     if config.data.source == "tfds" and not config.data.tfds_name:
         raise ConfigError("data.tfds_name is empty but data.source='tfds'; name a TFDS dataset.")
     _existing_path(config, "data.eval_path", "data file")
     data_shards = mesh["data"] * mesh["fsdp"]
-    if config.data.batch_size % data_shards:
+    if checks_batch and batch_size % data_shards:
         raise ConfigError(
-            f"data.batch_size={config.data.batch_size} must be a multiple of mesh.data×mesh.fsdp="
+            f"{batch_path}={batch_size} must be a multiple of mesh.data×mesh.fsdp="
             f"{data_shards}; change the batch size or the mesh.")
     rows = config.rl.prompts_per_step * config.rl.group_size
     multiple = data_shards * config.train.micro_batches * config.rl.updates_per_batch
