@@ -166,7 +166,7 @@ def planning(quick: bool) -> dict:
     best = result["recommended"]
     chosen = dataclasses.replace(base, **{k: best[k] for k in grid})
     what_if = {}  # changes to the loop itself, on the recommended resources
-    for name, change in {"overlap_phases": {"overlap_phases": True}, "no_dynamic_sampling": {"dynamic_sampling": False},
+    for name, change in {"serial_phases": {"overlap_phases": False}, "no_dynamic_sampling": {"dynamic_sampling": False},
                          "max_staleness_2": {"mode": "async", "max_staleness": 2}}.items():
         step_s = S.simulate(dataclasses.replace(chosen, **change)).step_s
         what_if[name] = {"step_s": round(step_s, 2), "vs_recommended": round(step_s / best["step_s"] - 1, 3)}

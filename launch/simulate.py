@@ -13,8 +13,9 @@ It models the loop as `rlvr/trainers/rl.py`, `rlvr/rl/producer.py`, `rlvr/rl/sch
   producer   a batch = rounds of `prompts_per_step - kept` groups of `group_size` samples until
              enough groups are kept (dynamic sampling drops groups whose samples all pass or all
              fail; at most `max_refill_rounds` refills); a round runs its single-turn groups through
-             the round scheduler, then its multi-turn groups as episodes on `episode_workers`
-             (`overlap_phases`: both at once, a what-if for the producer)
+             the scheduler and, at the same time, its multi-turn groups as episodes on
+             `episode_workers`, as rlvr.rl.producer does (`overlap_phases=False`: episodes after the
+             single-turn groups, the producer before the scheduler)
   scheduler  groups dispatched by the policy (highest priority first) while the requests in flight
              fit `capacity`; every finished sample is scored at once on `verifier_workers` threads
              (code verifiers also hold a sandbox worker); optional preemption of the newest
@@ -195,7 +196,7 @@ class SimulationConfig:
     train_padded_len: int = 0  # > 0: train tokens = rows * this (padded rows); 0: the samples' tokens
     weight_sync_s: float = 0.01
     colocated: float = 0.0  # contention between trainer and engine sharing devices (see module doc)
-    overlap_phases: bool = False  # what-if: a round's episodes start with its single-turn groups, not after
+    overlap_phases: bool = True  # a round's episodes run alongside its single-turn groups (False: after them)
     policy: str = "priority"  # a key of POLICIES: order of groups, engine admission and worker queues
     preempt: bool = False  # group preemption by the round scheduler (rlvr.rl.scheduler)
     max_preemptions: int = 2
