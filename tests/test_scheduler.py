@@ -307,6 +307,17 @@ CFG = ModelConfig(num_layers=2, hidden_size=64, intermediate_size=128, num_heads
                   vocab_size=300, rope_theta=10_000.0)
 
 
+def _record_submits(backend) -> list[str]:
+    """Wraps backend.submit to record every rid it is given."""
+    submitted, original = [], backend.submit
+
+    def submit(requests):
+        submitted.extend(r.rid for r in requests)
+        return original(requests)
+    backend.submit = submit
+    return submitted
+
+
 def test_preempted_group_gets_the_same_tokens_on_the_real_engine(pool):
     """The embedded engine: a low-priority group preempted mid-generation by a high-priority one
     comes back with exactly the tokens it gets when it runs alone."""
@@ -328,6 +339,7 @@ def test_preempted_group_gets_the_same_tokens_on_the_real_engine(pool):
     finally:
         alone_backend.close()
     backend = backends.EmbeddedBackend(CFG, params, tokenizer, **opts)
+    submitted = _record_submits(backend)
     s = Scheduler(SchedulePolicy(), backend, pool, 2, poll_s=0.005)
     try:
         low = s.submit(GroupJob(0, "low", 1.0, group("low", 4, 48), score=lambda c: c))
@@ -340,5 +352,47 @@ def test_preempted_group_gets_the_same_tokens_on_the_real_engine(pool):
         s.close()
         backend.close()
     assert low.preemptions == 1 and s.counts["preemptions"] == 1
+    assert any(".p" in rid for rid in submitted)  # the abort landed: unfinished requests were re-sent
+    assert [results[i].rid for i in range(4)] == [f"low-k{i}" for i in range(4)]
+    assert [results[i].output_ids for i in range(4)] == [c.output_ids for c in alone]
+
+
+def test_preemption_through_the_sglang_backend_aborts_over_http(pool, tmp_path):
+    """The same preemption against the SGLang-protocol HTTP server (rl.backend=sglang): the abort
+    travels as /abort_request, and the preempted group still gets the tokens it gets alone."""
+    from rlvr.models.tokenizer import byte_level_tokenizer
+    from rlvr.rollout.driver import EngineDriver
+    from rlvr.rollout.engine import Engine
+    from rlvr.rollout.server import serve
+
+    mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    params = params_lib.init_params(CFG, jax.random.key(0), mesh)
+    opts = dict(max_slots=4, max_len=128, page_size=8, decode_steps=1, prefill_rows=2, prefill_chunk=16)
+
+    def group(name, n, tokens):
+        return [Request(f"{name}-k{i}", [10 + i, 20, 30], SamplingParams(max_new_tokens=tokens, temperature=1.0,
+                                                                         sampling_seed=100 + i, ignore_eos=True))
+                for i in range(n)]
+
+    driver = EngineDriver(Engine(CFG, params, byte_level_tokenizer(), **opts))
+    server, _ = serve(driver, port=0)
+    backend = backends.SGLangBackend([server.url], CFG, str(tmp_path))
+    submitted = _record_submits(backend)
+    s = Scheduler(SchedulePolicy(capacity=4), backend, pool, 2, poll_s=0.005)
+    try:
+        alone = backend.generate(group("alone", 4, 48))
+        low = s.submit(GroupJob(0, "low", 1.0, group("low", 4, 48), score=lambda c: c))
+        _until(lambda: driver.load()["num_running_reqs"] == 4)
+        high = s.submit(GroupJob(1, "high", 9.0, group("high", 4, 4), score=lambda c: c))
+        s.wait(high)
+        s.wait(low)
+        results = {i: f.result() for i, f in low.scoring}
+    finally:
+        s.close()
+        backend.close()
+        server.stop(hard=True)
+        driver.close()
+    assert low.preemptions == 1
+    assert any(".p" in rid for rid in submitted)  # the abort landed: unfinished requests were re-sent
     assert [results[i].rid for i in range(4)] == [f"low-k{i}" for i in range(4)]
     assert [results[i].output_ids for i in range(4)] == [c.output_ids for c in alone]

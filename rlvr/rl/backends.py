@@ -107,7 +107,7 @@ class SGLangBackend:
         """Best effort: /abort_request to every healthy server (the request then answers with
         finish_reason abort; a retry already re-sent elsewhere runs on)."""
         for rid in rids:
-            self._run(self.client._broadcast("/abort_request", {"rid": rid}), timeout=30)
+            self._run(self.client.abort(rid), timeout=30)
 
     def health(self) -> dict[str, float]:
         """Servers healthy, and requests retried / failed over to another server (cumulative)."""

@@ -447,6 +447,11 @@ class SGLangClient:
                             for key in ("num_running_reqs", "num_waiting_reqs")}
         return out
 
+    async def abort(self, rid: str) -> None:
+        """POST /abort_request {"rid": rid} to every healthy server (the request answers with
+        finish_reason abort; a retry already re-sent under another rid runs on)."""
+        await self._broadcast("/abort_request", {"rid": rid})
+
     async def abort_all(self, wait_idle: bool = True, timeout: float = 30.0) -> None:
         """POST /abort_request {"abort_all": true}; with `wait_idle`, repeats until /v1/loads shows
         every server idle (slime's loop), for at most `timeout` seconds."""
