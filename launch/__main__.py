@@ -3,6 +3,7 @@
     python -m rlvr.launch configs/X.py[:arg] [--sweep] [--target=local] [--exp=NAME] [--root=experiments]
            [--parallel=N] [--config.a.b=v ...] [--dry_run] [target options --key=value ...]
     python -m rlvr.launch results EXP_OR_DIR [--root=experiments] [--csv=F] [--plot=F] [--metric=NAME,...]
+    python -m rlvr.launch plan WORKDIR [--set.FIELD=V ...] [--grid.FIELD=a,b ...] [--cost.trainer=X ...]
 
 Without --sweep the config runs as one job; with it, the config module's `get_sweep()` gives one job
 per entry, each on top of the common `--config.a.b=v` overrides (parsed with the field's type). Every
@@ -12,7 +13,8 @@ its folder. --target=local runs the jobs here, --parallel at a time, and prints 
 running the same command with the same --exp again skips succeeded jobs and re-runs the others.
 --target=xm|k8s|slurm hands the experiment and the other `--key=value` flags to
 `rlvr.launch.targets.TARGETS[target]`, which writes the cluster's files. --dry_run writes the
-experiment directory and prints the commands; nothing runs.
+experiment directory and prints the commands; nothing runs. `plan` simulates a larger RL run
+calibrated on a measured one (rlvr.launch.plan).
 """
 
 from __future__ import annotations
@@ -150,6 +152,17 @@ def _write_target(writer: Callable[..., list[str]], target: str, experiment: swe
     return 0
 
 
+def show_plan(argv: list[str]) -> int:
+    """The plan command: simulate a larger run calibrated on a measured one (rlvr.launch.plan)."""
+    from rlvr.launch import plan
+
+    positionals, _, other = parse_flags(argv, {})
+    if len(positionals) != 1:
+        raise LaunchError(f"plan: give one workdir of a measured rl run (got {positionals}).")
+    print(plan.report(plan.run(positionals[0], other)))
+    return 0
+
+
 def _positive_int(text: str, flag: str) -> int:
     try:
         value = int(text)
@@ -166,7 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0 if argv else 2
     try:
-        return show_results(argv[1:]) if argv[0] == "results" else launch(argv)
+        if argv[0] == "results":
+            return show_results(argv[1:])
+        if argv[0] == "plan":
+            return show_plan(argv[1:])
+        return launch(argv)
     except (LaunchError, config_lib.ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

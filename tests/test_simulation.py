@@ -308,3 +308,21 @@ def test_bad_inputs_name_the_field():
         S.plan(S.SimulationConfig(), {"server": [1]})
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         C.calibrate(os.path.dirname(GOLDEN))
+
+
+def test_plan_command_calibrates_on_a_run_and_sweeps_a_grid(capsys):
+    from rlvr.launch import __main__ as cli
+    from rlvr.launch import plan
+
+    workdir = GOLDEN
+    result = plan.run(workdir, {"set.prompts_per_step": "32", "grid.servers": "1,2", "cost.server": "0.5"})
+    assert [row["servers"] for row in result["rows"]] == [1, 2] and result["changes"] == {"prompts_per_step": 32}
+    one, two = result["rows"]
+    assert two["step_s"] <= one["step_s"]  # a second server never slows a generation-bound step
+    for row in (one, two):  # cost per step = step time x (trainer 1 + servers x 0.5 + 4 sandboxes x 0.01)
+        assert row["cost_per_step"] == pytest.approx(row["step_s"] * (1 + 0.5 * row["servers"] + 0.04), abs=0.05)
+    assert result["recommended"] == min(result["rows"], key=lambda row: row["cost_per_step"])
+    assert cli.main(["plan", workdir, "--grid.servers=1"]) == 0
+    assert "recommended (lowest cost per step)" in capsys.readouterr().out
+    assert cli.main(["plan", workdir, "--set.servres=2"]) == 2
+    assert "not a simulated setting" in capsys.readouterr().err
