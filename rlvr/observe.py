@@ -27,9 +27,12 @@ def package_versions() -> dict[str, str]:
 
 
 def write_run_info(config: ml_collections.ConfigDict, workdir: str) -> None:
-    """Writes config.json (the resolved config) and versions.json to the workdir."""
+    """Writes config.json (the resolved config) and versions.json to the workdir (process 0 of a
+    multi-host job; the others share the workdir)."""
     import jax
 
+    if jax.process_index() != 0:
+        return
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(config.to_json_best_effort(indent=2, sort_keys=True))
@@ -41,14 +44,18 @@ def write_run_info(config: ml_collections.ConfigDict, workdir: str) -> None:
 
 class MetricsWriter:
     """Appends one JSON object per record to `workdir/metrics.jsonl`, and scalars to
-    TensorBoard event files under `workdir/tensorboard` (tensorboardX: no TensorFlow)."""
+    TensorBoard event files under `workdir/tensorboard` (tensorboardX: no TensorFlow). In a
+    multi-host job only process 0 writes (the others' records go nowhere), so the shared
+    workdir holds each step once."""
 
     def __init__(self, workdir: str, filename: str = "metrics.jsonl", tensorboard: bool = True):
+        import jax
+
         os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(workdir, filename)
-        self._file = open(self.path, "a")
+        self._file = open(self.path if jax.process_index() == 0 else os.devnull, "a")
         self._tb = None
-        if tensorboard:
+        if tensorboard and jax.process_index() == 0:
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
