@@ -78,7 +78,10 @@ def test_stored_episodes_export_as_sft_data_and_replay_exactly(tmp_path):
     log = tmp_path / "episodes.jsonl"
     try:
         producer = Producer(policy, tasks, tokenizer, rl, seed=0, episode_log=str(log))
-        batch = producer.make_batch(0)
+        try:
+            batch = producer.make_batch(0)
+        finally:
+            producer.stop()
     finally:
         policy.close()
     assert all(s.rewards["correct"] == 1.0 and s.rewards["turns"] == 2.0 for s in batch.samples)

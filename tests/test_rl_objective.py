@@ -491,6 +491,17 @@ def _wrong(task):
     return str(int(task.answer) + 1)
 
 
+_PRODUCERS: list[Producer] = []
+
+
+@pytest.fixture(autouse=True)
+def _stop_producers():
+    """Stops every producer a test made (its scheduler and verifier threads)."""
+    yield
+    while _PRODUCERS:
+        _PRODUCERS.pop().stop()
+
+
 def _producer(outcome, family=None, **rl_overrides):
     rl = config_lib.load_config("configs/quickstart.py:smoke").rl
     for key, value in rl_overrides.items():
@@ -498,7 +509,8 @@ def _producer(outcome, family=None, **rl_overrides):
     tokenizer = byte_level_tokenizer()
     family = family or ArithmeticFamily(seed=5)
     backend = FakeBackend(tokenizer, family, outcome)
-    return Producer(backend, family, tokenizer, rl, seed=11), backend, tokenizer, family
+    _PRODUCERS.append(Producer(backend, family, tokenizer, rl, seed=11))
+    return _PRODUCERS[-1], backend, tokenizer, family
 
 
 def _group_rewards(batch, k):

@@ -494,15 +494,27 @@ class Scheduler:
 
 class BlockingBackend:
     """`submit`/`abort` for a backend that only has a blocking `generate` (a user's own, or a test
-    double): each request is generated on its own thread; aborts are not possible (no-ops), so
-    such a backend is never preempted or cut early, only ordered."""
+    double): each request is generated on a short-lived thread of its own (nothing is left running
+    when the work is done); aborts are not possible (no-ops), so such a backend is never preempted
+    or cut early, only ordered."""
 
-    def __init__(self, backend, threads: int = 64):
+    def __init__(self, backend):
         self.inner, self.capacity = backend, int(getattr(backend, "capacity", 0) or 0)
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="rlvr-generate")
 
     def submit(self, requests: Sequence[Request]) -> list[concurrent.futures.Future]:
-        return [self._pool.submit(lambda r=r: self.inner.generate([r])[0]) for r in requests]
+        futures = []
+        for request in requests:
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            threading.Thread(target=self._generate, args=(request, future), name="rlvr-generate",
+                             daemon=True).start()
+            futures.append(future)
+        return futures
+
+    def _generate(self, request: Request, future: concurrent.futures.Future) -> None:
+        try:
+            future.set_result(self.inner.generate([request])[0])
+        except BaseException as e:  # the scheduler fails the job with it
+            future.set_exception(e)
 
     def abort(self, rids: Sequence[str]) -> None:
         pass
