@@ -15,13 +15,14 @@ or killed show their status and whatever they have written so far.
 from __future__ import annotations
 
 import csv
-import json
 import os
 from collections.abc import Sequence
 from typing import Any
 
 from rlvr.launch import records
 from rlvr.launch.sweep import LaunchError, differing_keys, flatten, short_names
+
+from rlvr import observe
 
 DEFAULT_METRICS = ("loss", "reward", "heldout_accuracy")
 ROW_FIELDS = ("name", "status", "wall_s", "return_code", "step", "workdir", "log")
@@ -40,17 +41,7 @@ def experiment_dir(exp_or_dir: str, root: str = "experiments") -> str:
 
 def load_metrics(workdir: str) -> list[dict[str, Any]]:
     """The records of `workdir/metrics.jsonl` (a half-written last line of a running job is skipped)."""
-    path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
+    return observe.read_metrics(workdir)
 
 
 def lower_is_better(name: str) -> bool:

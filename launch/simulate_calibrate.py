@@ -35,6 +35,8 @@ from typing import Any
 import numpy as np
 from rlvr.launch.simulate import Dist, EngineTiming, SimulationConfig, TaskClass, simulate
 
+from rlvr import observe
+
 
 def load_run(workdir: str) -> tuple[dict[str, Any], list[dict[str, float]]]:
     """(config.json, the metrics.jsonl records) of a run directory."""
@@ -44,8 +46,7 @@ def load_run(workdir: str) -> tuple[dict[str, Any], list[dict[str, float]]]:
         raise FileNotFoundError(f"calibrate: {missing} not found; pass the workdir of a finished RL run")
     with open(paths[0]) as f:
         config = json.load(f)
-    with open(paths[1]) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    records = observe.read_metrics(workdir)
     if config.get("job") != "rl":
         raise ValueError(f"calibrate: {workdir} is a {config.get('job')!r} run; it needs an RL run (job='rl')")
     return config, records

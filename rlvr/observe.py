@@ -75,6 +75,22 @@ class MetricsWriter:
             self._tb.close()
 
 
+def read_metrics(workdir: str, filename: str = "metrics.jsonl") -> list[dict[str, Any]]:
+    """The records MetricsWriter wrote to `workdir` ([] if none); a half-written last line (a job
+    still running, or killed mid-write) is skipped."""
+    path = os.path.join(workdir, filename)
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
 def drop_metrics_after(workdir: str, step: int, filename: str = "metrics.jsonl") -> None:
     """On resume from checkpoint `step`: removes records of later steps, which a killed run wrote
     after its last checkpoint and the resumed run is about to write again."""

@@ -307,6 +307,22 @@ CFG = ModelConfig(num_layers=2, hidden_size=64, intermediate_size=128, num_heads
                   vocab_size=300, rope_theta=10_000.0)
 
 
+ENGINE_OPTS = dict(max_slots=4, max_len=128, page_size=8, decode_steps=1, prefill_rows=2, prefill_chunk=16)
+
+
+@pytest.fixture(scope="module")
+def engine_params():
+    mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    return params_lib.init_params(CFG, jax.random.key(0), mesh)
+
+
+def _seeded_group(name: str, n: int, tokens: int) -> list[Request]:
+    """n sampled requests of `tokens` tokens each, seeds 100.. (the same tokens under any rid)."""
+    return [Request(f"{name}-k{i}", [10 + i, 20, 30], SamplingParams(max_new_tokens=tokens, temperature=1.0,
+                                                                     sampling_seed=100 + i, ignore_eos=True))
+            for i in range(n)]
+
+
 def _record_submits(backend) -> list[str]:
     """Wraps backend.submit to record every rid it is given."""
     submitted, original = [], backend.submit
@@ -318,20 +334,13 @@ def _record_submits(backend) -> list[str]:
     return submitted
 
 
-def test_preempted_group_gets_the_same_tokens_on_the_real_engine(pool):
+def test_preempted_group_gets_the_same_tokens_on_the_real_engine(pool, engine_params):
     """The embedded engine: a low-priority group preempted mid-generation by a high-priority one
     comes back with exactly the tokens it gets when it runs alone."""
     from rlvr.models.tokenizer import byte_level_tokenizer
 
-    mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
-    params = params_lib.init_params(CFG, jax.random.key(0), mesh)
-    opts = dict(max_slots=4, max_len=128, page_size=8, decode_steps=1, prefill_rows=2, prefill_chunk=16)
     tokenizer = byte_level_tokenizer()
-
-    def group(name, n, tokens):
-        return [Request(f"{name}-k{i}", [10 + i, 20, 30], SamplingParams(max_new_tokens=tokens, temperature=1.0,
-                                                                         sampling_seed=100 + i, ignore_eos=True))
-                for i in range(n)]
+    params, opts, group = engine_params, ENGINE_OPTS, _seeded_group
 
     alone_backend = backends.EmbeddedBackend(CFG, params, tokenizer, **opts)
     try:
@@ -357,7 +366,7 @@ def test_preempted_group_gets_the_same_tokens_on_the_real_engine(pool):
     assert [results[i].output_ids for i in range(4)] == [c.output_ids for c in alone]
 
 
-def test_preemption_through_the_sglang_backend_aborts_over_http(pool, tmp_path):
+def test_preemption_through_the_sglang_backend_aborts_over_http(pool, tmp_path, engine_params):
     """The same preemption against the SGLang-protocol HTTP server (rl.backend=sglang): the abort
     travels as /abort_request, and the preempted group still gets the tokens it gets alone."""
     from rlvr.models.tokenizer import byte_level_tokenizer
@@ -365,14 +374,7 @@ def test_preemption_through_the_sglang_backend_aborts_over_http(pool, tmp_path):
     from rlvr.rollout.engine import Engine
     from rlvr.rollout.server import serve
 
-    mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
-    params = params_lib.init_params(CFG, jax.random.key(0), mesh)
-    opts = dict(max_slots=4, max_len=128, page_size=8, decode_steps=1, prefill_rows=2, prefill_chunk=16)
-
-    def group(name, n, tokens):
-        return [Request(f"{name}-k{i}", [10 + i, 20, 30], SamplingParams(max_new_tokens=tokens, temperature=1.0,
-                                                                         sampling_seed=100 + i, ignore_eos=True))
-                for i in range(n)]
+    params, opts, group = engine_params, ENGINE_OPTS, _seeded_group
 
     driver = EngineDriver(Engine(CFG, params, byte_level_tokenizer(), **opts))
     server, _ = serve(driver, port=0)
