@@ -1,6 +1,6 @@
 """Rollout throughput of the embedded engine beside the roofline of the same model and batch.
 
-    .venv/bin/python benchmarks/rollout.py [--only fixed,realistic] [--repeats 3]
+    .venv/bin/python benchmarks/rollout.py [--only fixed,realistic,sampler] [--repeats 3]
 
 fixed (the `bench` preset shared with the Tunix peer: 4 layers, d256, vocab 1024, 4.46M params, fp32):
   batch:   32 prompts x 64 prompt tokens -> 64 new tokens (temperature 1, eos ignored)
@@ -16,6 +16,11 @@ params, fp32): an RL step's rollout, 16 chat prompts x groups of 8 = 128 request
   (the varied stopping of real RL; eos is a stop token too, rarely drawn by a random model);
   temperature 1, top_p 1. Continuous batching runs all 128 at once; static batching runs the
   groups in two batches of 64, each waiting for its longest. Timed calls run in ABBA order.
+
+Every timed call starts with an empty prefix cache (`engine.flush_cache()`): prompts are
+prefilled each time, as the peer's sampler does; sharing inside a call (a group's prompt, the
+system prompt) still counts. `sampler` is the 32 x 64 -> 64 workload alone, for
+benchmarks/rollout_vs_tunix.py.
 
 Roofline (same model, batch and run): `common.decode_roofline` with the machine's best fp32
 1024^3 matmul FLOP/s and streaming-read bytes/s measured in this process; `vs_roofline` is the
@@ -53,11 +58,22 @@ def _requests(prompts, max_new, n=1, prefix="r", stop_ids=(), ignore_eos=True):
             for i, (p, m) in enumerate(zip(prompts, max_new, strict=True)) for j in range(n)]
 
 
-def tokens_per_s(fn, tokens: int, repeats: int) -> dict:
+def tokens_per_s(fn, tokens: int, repeats: int, engine=None) -> dict:
+    """Timed calls of fn; with `engine`, its prefix cache is emptied before each call (every call
+    prefills its prompts, as the peer's sampler does)."""
+    if engine is not None:
+        fn = _fresh(engine, fn)
     first, times = time_calls(fn, repeats)
     median = statistics.median(times)
     return {"tokens_per_s": round(tokens / median, 1), "median_s": round(median, 4),
             "first_call_incl_compile_s": round(first, 2)}
+
+
+def _fresh(engine, fn):
+    def call():
+        engine.flush_cache()
+        return fn()
+    return call
 
 
 def _compile_counts() -> dict:
@@ -83,8 +99,9 @@ def fixed(args) -> dict:
     prompts = [rng.integers(0, 1024, 64).tolist() for _ in range(32)]
     opts = dict(max_len=192, page_size=16, decode_steps=args.decode_steps, prefill_rows=8, prefill_chunk=64)
     engine = Engine(cfg, params, max_slots=32, **opts)
-    batch = tokens_per_s(lambda: engine.generate(_requests(prompts, [64] * 32)), 32 * 64, args.repeats)
-    groups = tokens_per_s(lambda: engine.generate(_requests(prompts[:8], [64] * 8, n=4)), 32 * 64, args.repeats)
+    batch = tokens_per_s(lambda: engine.generate(_requests(prompts, [64] * 32)), 32 * 64, args.repeats, engine)
+    groups = tokens_per_s(lambda: engine.generate(_requests(prompts[:8], [64] * 8, n=4)), 32 * 64, args.repeats,
+                          engine)
     compiles = _compile_counts()
     metrics = _engine_metrics(engine)
 
@@ -97,13 +114,14 @@ def fixed(args) -> dict:
     varied_prompts = [rng.integers(0, 1024, 32).tolist() for _ in range(64)]
     small = Engine(cfg, params, max_slots=16, **opts)
     total = sum(varied_new)
-    continuous = tokens_per_s(lambda: small.generate(_requests(varied_prompts, varied_new)), total, args.repeats)
+    continuous = tokens_per_s(lambda: small.generate(_requests(varied_prompts, varied_new)), total, args.repeats,
+                              small)
 
     def static():
         for start in range(0, 64, 16):
             small.generate(_requests(varied_prompts[start:start + 16], varied_new[start:start + 16], prefix="s"))
 
-    static_batching = tokens_per_s(static, total, args.repeats)
+    static_batching = tokens_per_s(static, total, args.repeats, small)
     roofline = decode_roofline(cfg, prompts, [64] * 32, 32, peaks)
     ratio = batch["tokens_per_s"] / TUNIX["sampler_tokens_per_s"]
     return {
@@ -120,6 +138,24 @@ def fixed(args) -> dict:
         "tunix_sampler_tokens_per_s_published": TUNIX["sampler_tokens_per_s"],
         "speedup_vs_tunix_published_raw": round(ratio, 3),
     }
+
+
+def sampler(args) -> dict:
+    """The peer's sampler workload alone (32 prompts x 64 -> 64, 2 warm-up + 7 timed calls as
+    bench_tunix.py), for the side-by-side run (benchmarks/rollout_vs_tunix.py)."""
+    cfg = ModelConfig(**PRESETS["bench"])
+    params = _params(cfg)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 1024, 64).tolist() for _ in range(32)]
+    engine = Engine(cfg, params, max_slots=32, max_len=192, page_size=16, decode_steps=args.decode_steps,
+                    prefill_rows=8, prefill_chunk=64)
+    call = _fresh(engine, lambda: engine.generate(_requests(prompts, [64] * 32)))
+    first, _ = time_calls(call, 1)
+    _, times = time_calls(call, 7)
+    median = statistics.median(times)
+    return {"tokens_per_s": round(32 * 64 / median, 1), "median_s": round(median, 4),
+            "all_call_s": [round(t, 4) for t in times], "first_call_incl_compile_s": round(first, 2),
+            "compile_counts": _compile_counts()}
 
 
 SYSTEM_LEN, CHAT_PROMPTS, GROUP, SLOTS = 64, 16, 8, 64
@@ -167,6 +203,7 @@ def realistic(args) -> dict:
         return sum(len(c.output_ids) for c in outs)
 
     def timed(fn):
+        engine.flush_cache()  # each RL step brings new prompts: nothing cached from the last call
         t0 = time.perf_counter()
         tokens = fn()
         return tokens, time.perf_counter() - t0
@@ -210,7 +247,7 @@ def main() -> None:
     parser.add_argument("--decode_steps", type=int, default=16)
     args = parser.parse_args()
     record = {"benchmark": "rollout", "devices": str(jax.devices()[0]), "jax": jax.__version__}
-    sections = {"fixed": fixed, "realistic": realistic}
+    sections = {"fixed": fixed, "realistic": realistic, "sampler": sampler}
     for name in args.only.split(","):
         record[name] = sections[name](args)
     emit(record)

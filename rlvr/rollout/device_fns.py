@@ -2,7 +2,8 @@
 
 Decode state stays on the device between calls (`init_state`: per slot the last token, its
 position, the tokens generated so far and a done flag). A prefill that completes a prompt
-samples the first output token and writes the slot's state; `decode` runs up to `steps` steps
+samples the first output token and writes the slot's state (a prompt with one token left, such
+as a group sample whose prompt is cached, skips the prefill: `arm`); `decode` runs up to `steps` steps
 in a `lax.while_loop` (sampling, stop-token and length checks on device; the loop exits early
 once every row is done) and returns the state for the next call. The host therefore dispatches
 call N+1 before it reads call N's tokens, and never syncs inside a call. Compile time does not
@@ -47,11 +48,11 @@ def _mask_stops(logits, sampling, count):
     return logits.at[jnp.arange(logits.shape[0])[:, None], ids].set(-jnp.inf, mode="drop")
 
 
-def _sample(logits, sampling, count, positions):
+def _sample(logits, sampling, count, positions, filters):
     """(token, raw policy log-prob) with the row's sampling parameters; stop tokens masked
     before min_new_tokens. The raw log-prob (temperature 1, unfiltered) is the trainer's."""
     token, _ = sample(_mask_stops(logits, sampling, count), sampling["temperature"], sampling["top_k"],
-                      sampling["top_p"], sampling["min_p"], sampling["seed"], positions)
+                      sampling["top_p"], sampling["min_p"], sampling["seed"], positions, filters)
     logits = logits.astype(jnp.float32)
     raw = jnp.take_along_axis(logits, token[:, None], -1)[:, 0] - jax.nn.logsumexp(logits, axis=-1)
     return token, raw
@@ -62,30 +63,31 @@ def _finished(token, count, sampling):
     return (stop & (count >= sampling["min_new"])) | (count >= sampling["max_new"])
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 7))
-def prefill(cfg: ModelConfig, params, pool, page_table, tokens, positions, segment_ids, state, slots, completes,
-            sampling):
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 8))
+def prefill(cfg: ModelConfig, filters: bool, params, pool, page_table, tokens, positions, segment_ids, state, slots,
+            completes, sampling):
     """Writes a chunk of prompt tokens [R, C] (valid tokens first in each row) into the pages.
     For rows with `completes` the chunk ends the prompt: the first output token is sampled from
     its last position and the row's slot (`slots`) gets its decode state. Returns the pool, the
-    state, and the sampled tokens and raw log-probs [R]."""
+    state, and the sampled tokens and raw log-probs [R]. `filters`: see `sampling.sample`."""
     last = jnp.maximum(jnp.sum(segment_ids != 0, axis=1) - 1, 0)
     logits, cache = forward_last(cfg, params, tokens, positions, segment_ids, _cache(pool, page_table), last)
     next_pos = jnp.take_along_axis(positions, last[:, None], axis=1)[:, 0] + 1
     one = jnp.ones_like(next_pos)
-    token, raw = _sample(logits, sampling, one - 1, next_pos)
+    token, raw = _sample(logits, sampling, one - 1, next_pos, filters)
     target = jnp.where(completes, slots, state["token"].shape[0])  # out of range: dropped
     updates = {"token": token, "position": next_pos, "count": one, "done": _finished(token, one, sampling)}
     state = {name: state[name].at[target].set(value, mode="drop") for name, value in updates.items()}
     return {"k": cache["k"], "v": cache["v"]}, state, token, raw
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 6))
-def decode(cfg: ModelConfig, steps: int, params, pool, page_table, ragged, state, active, sampling):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 7))
+def decode(cfg: ModelConfig, steps: int, filters: bool, params, pool, page_table, ragged, state, active, sampling):
     """Up to `steps` decode steps for every slot [S]; rows not `active` are treated as done. A
     row stops (and writes nothing more) after a stop token (past min_new_tokens) or at
     max_new_tokens; the loop ends when all rows have. Returns the pool, the new state, the
-    sampled tokens and raw log-probs [S, steps], and how many tokens each row emitted."""
+    sampled tokens and raw log-probs [S, steps], and how many tokens each row emitted.
+    `filters`: see `sampling.sample`."""
     slots = state["token"].shape[0]
     start = jnp.where(active, state["count"], 0)
 
@@ -98,7 +100,7 @@ def decode(cfg: ModelConfig, steps: int, params, pool, page_table, ragged, state
         segment = (~done).astype(jnp.int32)[:, None]
         logits, cache = forward(cfg, params, token[:, None], pos[:, None], segment,
                                 _cache(pool, page_table, ragged))
-        nxt, raw = _sample(logits[:, 0], sampling, count, pos + 1)
+        nxt, raw = _sample(logits[:, 0], sampling, count, pos + 1, filters)
         count = count + (~done).astype(jnp.int32)
         toks = jax.lax.dynamic_update_slice(toks, nxt[:, None], (0, i))
         logprobs = jax.lax.dynamic_update_slice(logprobs, raw[:, None], (0, i))
@@ -111,6 +113,16 @@ def decode(cfg: ModelConfig, steps: int, params, pool, page_table, ragged, state
     _, pool, token, pos, count, done, toks, logprobs = jax.lax.while_loop(cond, body, carry)
     new_state = {"token": token, "position": pos, "count": count, "done": jnp.where(active, done, state["done"])}
     return pool, new_state, toks, logprobs, jnp.where(active, count, 0) - start
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def arm(state, slots, tokens, positions):
+    """Slots whose prompt has one token left start decoding from it: the decode step that reads
+    it writes its KV and samples the first output token, exactly as a prefill of that token
+    would (same RNG position, same count). Entries with slot out of range are ignored."""
+    updates = {"token": tokens, "position": positions, "count": jnp.zeros_like(tokens),
+               "done": jnp.zeros(tokens.shape, bool)}
+    return {name: state[name].at[slots].set(value, mode="drop") for name, value in updates.items()}
 
 
 @functools.partial(jax.jit, donate_argnums=0)

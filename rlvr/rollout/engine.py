@@ -15,8 +15,8 @@ log-probs equal the trainer's for the same tokens. One `step()`:
 Single-threaded: call it from one thread (`rlvr.rollout.driver.EngineDriver` does).
 
 Compiled shapes are a bounded set (`warmup()` compiles them all up front): prefill [1 or
-prefill_rows, prefill_chunk/4 or prefill_chunk] and decode per power-of-two bucket of the ragged
-page list. `metrics()` reports compile counts, the prefix-cache hit rate and host vs device time.
+prefill_rows, prefill_chunk/4 or prefill_chunk] and decode for at most RAGGED_BUCKETS sizes of the
+ragged page list (each x2 when some request uses top-k/top-p/min-p). `metrics()` reports compile counts, the prefix-cache hit rate and host vs device time.
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ from rlvr.rollout.stops import StopStrings
 from rlvr.rollout.types import Completion, Request
 
 MAX_STOP_IDS = 8
-MIN_RAGGED_BUCKET = 16
+# Decode compiles once per size of the ragged page list: RAGGED_BUCKETS multiples of an eighth of
+# the whole table's pages (at least 16), so a list is padded by less than an eighth of the table.
+RAGGED_BUCKETS, MIN_RAGGED_BUCKET = 8, 16
 
 
 @dataclasses.dataclass(eq=False)
@@ -94,8 +96,10 @@ class Engine:
         if max_len % page_size:
             raise ValueError(f"max_len={max_len} must be a multiple of page_size={page_size}")
         self.cfg, self.tokenizer = cfg, tokenizer
-        # Decoding runs the same layers unscanned, on per-layer weights (see unstack_layers).
-        self.decode_cfg = dataclasses.replace(cfg, scan_layers=False, dtype=dtype, param_dtype=dtype)
+        # Decoding runs the same layers unscanned, on per-layer weights (see unstack_layers), and a
+        # tied output projection as its own [E, V] copy (the tied einsum transposes [V, E] per step).
+        self.decode_cfg = dataclasses.replace(cfg, scan_layers=False, dtype=dtype, param_dtype=dtype,
+                                              tie_word_embeddings=False)
         self.kv_dtype = kv_dtype or dtype
         self._shardings = jax.tree.map(lambda x: x.sharding, params)
         self.params = self._decode_params(params)
@@ -110,6 +114,7 @@ class Engine:
         self.state = device_fns.init_state(max_slots)
         self.active = np.zeros(max_slots, bool)
         self._sampling = _sampling_table(max_slots)
+        self._sampling_device = None  # the table on device, refreshed after admissions change it
         self.waiting: collections.deque[_Sequence] = collections.deque()
         self.slots: list[_Sequence | None] = [None] * max_slots
         self.finished: list[Completion] = []
@@ -122,6 +127,8 @@ class Engine:
 
     def _decode_params(self, params):
         params = unstack_layers(params)
+        if self.cfg.tie_word_embeddings:
+            params["lm_head"] = {"kernel": params["embed_tokens"].T}
         dtype = jnp.dtype(self.decode_cfg.param_dtype)
         return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
@@ -252,15 +259,17 @@ class Engine:
                                           for k, v in self._times.items()},
                 "pages_used": self.pages.used, "pages_total": self.pages.capacity - 1}
 
-    def warmup(self) -> None:
+    def warmup(self, filters: bool = False) -> None:
         """Compiles every prefill and decode shape this engine can use, now (idle rows only:
-        nothing is written), so a run pays compilation once, up front."""
+        nothing is written), so a run pays compilation once, up front. `filters`: also the
+        variants for requests with top-k, top-p or min-p."""
         self._process(keep=0)
-        for rows in sorted({1, self.prefill_rows}):
-            for chunk in sorted({self._small_chunk(), self.prefill_chunk}):
-                self._dispatch_prefill([], rows, chunk)
-        for bucket in self._ragged_buckets():
-            self._dispatch_decode([None] * self.max_slots, bucket)
+        for variant in sorted({False, filters}):
+            for rows in sorted({1, self.prefill_rows}):
+                for chunk in sorted({self._small_chunk(), self.prefill_chunk}):
+                    self._dispatch_prefill([], rows, chunk, variant)
+            for bucket in self._ragged_buckets():
+                self._dispatch_decode([None] * self.max_slots, bucket, filters=variant)
         self._process(keep=0)
 
     # --- scheduling ----------------------------------------------------------------------
@@ -304,8 +313,8 @@ class Engine:
         for other in self._running():
             if other.prefilled >= len(other.prompt):
                 continue
-            common = _common_prefix(seq.prompt, other.prompt)
-            if other.prefilled < common and (common >= len(seq.prompt) - 1 or common - cached >= self.page_size):
+            usable = min(_common_prefix(seq.prompt, other.prompt), len(seq.prompt) - 1)
+            if other.prefilled < usable and (usable == len(seq.prompt) - 1 or usable - cached >= self.page_size):
                 return True
         return False
 
@@ -360,6 +369,12 @@ class Engine:
             stops.append(self._eos_id())
         table["stop_ids"][slot] = -1
         table["stop_ids"][slot, : len(stops[:MAX_STOP_IDS])] = stops[:MAX_STOP_IDS]
+        self._sampling_device = None
+
+    def _filters(self, slots: np.ndarray) -> bool:
+        """Whether any of these rows asks for top-k, top-p or min-p (compiles the filter paths)."""
+        table = self._sampling
+        return bool(np.any((table["top_k"][slots] > 0) | (table["top_p"][slots] < 1) | (table["min_p"][slots] > 0)))
 
     def _max_new(self, seq: _Sequence) -> int:
         return min(seq.request.sampling.max_new_tokens, self.max_len - len(seq.prompt))
@@ -374,6 +389,10 @@ class Engine:
 
     def _prefill(self) -> None:
         pending = [s for s in self._running() if s.prefilled < len(s.prompt)]
+        last_token = [s for s in pending if s.prefilled == len(s.prompt) - 1]
+        if last_token:
+            self._arm(last_token)
+            pending = [s for s in pending if s.prefilled < len(s.prompt)]
         for start in range(0, len(pending), self.prefill_rows):
             seqs = pending[start: start + self.prefill_rows]
             rows = 1 if len(seqs) == 1 else self.prefill_rows
@@ -381,7 +400,7 @@ class Engine:
             self._dispatch_prefill(seqs, rows, self._small_chunk() if longest <= self._small_chunk()
                                    else self.prefill_chunk)
 
-    def _dispatch_prefill(self, seqs: list[_Sequence], rows: int, chunk: int) -> None:
+    def _dispatch_prefill(self, seqs: list[_Sequence], rows: int, chunk: int, filters: bool | None = None) -> None:
         tokens, positions, segments = (np.zeros((rows, chunk), np.int32) for _ in range(3))
         table = np.zeros((rows, self.pages_per_row), np.int32)
         slots, completes = np.zeros(rows, np.int32), np.zeros(rows, bool)
@@ -400,13 +419,26 @@ class Engine:
                 seq.device_tokens = end + 1
                 self.active[seq.slot] = True
             self._cache_prompt_pages(seq)
-        sampling = {k: jnp.asarray(v[slots]) for k, v in self._sampling.items()}
+        host_slots = slots[: len(seqs)]
+        sampling = {k: v[slots] for k, v in self._sampling.items()}
+        table, tokens, positions, segments, slots, completes, sampling = jax.device_put(
+            (table, tokens, positions, segments, slots, completes, sampling))  # one transfer
         self.pool, self.state, tok, logprob = device_fns.prefill(
-            self.decode_cfg, self.params, self.pool, jnp.asarray(table), jnp.asarray(tokens), jnp.asarray(positions),
-            jnp.asarray(segments), self.state, jnp.asarray(slots), jnp.asarray(completes), sampling)
+            self.decode_cfg, self._filters(host_slots) if filters is None else filters, self.params, self.pool, table, tokens, positions, segments,
+            self.state, slots, completes, sampling)
         self._times["prefill_calls"] += 1
         if any(finishing):
             self.inflight.append(_Inflight("prefill", finishing, tok, logprob, None, self.weight_version))
+
+    def _arm(self, seqs: list[_Sequence]) -> None:
+        """Prompts with one token left go straight to decoding (`device_fns.arm`)."""
+        slots = np.full(self.max_slots, self.max_slots, np.int32)
+        tokens, positions = np.zeros(self.max_slots, np.int32), np.zeros(self.max_slots, np.int32)
+        for i, seq in enumerate(seqs):
+            slots[i], tokens[i], positions[i] = seq.slot, seq.prompt[-1], len(seq.prompt) - 1
+            seq.prefilled = seq.device_tokens = len(seq.prompt)
+            self.active[seq.slot] = True
+        self.state = device_fns.arm(self.state, *jax.device_put((slots, tokens, positions)))
 
     def _cache_prompt_pages(self, seq: _Sequence) -> None:
         """Full prompt pages just dispatched go into the prefix cache (later readers are
@@ -431,24 +463,26 @@ class Engine:
                 self._ensure_pages(seq, reach[i])
                 seq.device_tokens = min(seq.device_tokens + self.decode_steps, final)
         pages = int(np.minimum(-(-reach // self.page_size), self.pages_per_row).sum())
-        self._dispatch_decode(seqs, _bucket(pages), reach)
+        self._dispatch_decode(seqs, next(b for b in self._ragged_buckets() if b >= pages), reach)
         return True
 
     def _ragged_buckets(self) -> list[int]:
-        top, buckets = _bucket(self.max_slots * self.pages_per_row), []
-        while top >= MIN_RAGGED_BUCKET:
-            buckets.append(top)
-            top //= 2
-        return sorted(buckets)
+        step = -(-self.max_slots * self.pages_per_row // RAGGED_BUCKETS)
+        step = max(-(-step // MIN_RAGGED_BUCKET) * MIN_RAGGED_BUCKET, MIN_RAGGED_BUCKET)
+        return [step * k for k in range(1, RAGGED_BUCKETS + 1)]
 
-    def _dispatch_decode(self, seqs: list, bucket: int, reach: np.ndarray | None = None) -> None:
+    def _dispatch_decode(self, seqs: list, bucket: int, reach: np.ndarray | None = None,
+                         filters: bool | None = None) -> None:
         reach = np.zeros(self.max_slots, np.int64) if reach is None else reach
         ragged = ragged_pages(self.page_table, reach, self.page_size, bucket)
-        active = np.array([s is not None for s in seqs]) & self.active
-        sampling = {k: jnp.asarray(v) for k, v in self._sampling.items()}
+        active = active_host = np.array([s is not None for s in seqs]) & self.active
+        if self._sampling_device is None:
+            self._sampling_device = jax.device_put(self._sampling)
+        table, ragged, active = jax.device_put((self.page_table, ragged, active))  # one transfer
+        filters = self._filters(np.flatnonzero(active_host)) if filters is None else filters
         self.pool, self.state, toks, logprobs, emitted = device_fns.decode(
-            self.decode_cfg, self.decode_steps, self.params, self.pool, jnp.asarray(self.page_table),
-            jax.tree.map(jnp.asarray, ragged), self.state, jnp.asarray(active), sampling)
+            self.decode_cfg, self.decode_steps, filters, self.params, self.pool, table, ragged, self.state, active,
+            self._sampling_device)
         self._times["decode_calls"] += 1
         self.inflight.append(_Inflight("decode", seqs, toks, logprobs, emitted, self.weight_version))
 
@@ -536,10 +570,6 @@ def _sampling_table(slots: int) -> dict[str, np.ndarray]:
             "top_p": np.ones(slots, np.float32), "min_p": np.zeros(slots, np.float32),
             "seed": np.zeros(slots, np.int32), "min_new": np.zeros(slots, np.int32),
             "max_new": np.ones(slots, np.int32), "stop_ids": np.full((slots, MAX_STOP_IDS), -1, np.int32)}
-
-
-def _bucket(pages: int) -> int:
-    return max(MIN_RAGGED_BUCKET, 1 << max(pages - 1, 0).bit_length())
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
