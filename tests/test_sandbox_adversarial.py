@@ -215,20 +215,20 @@ CASES = [
          "attempt('driver', lambda: open('/harness/driver.py', 'w').write(''))\n"
          "open('test_solution.py', 'w').write('def test(): pass')\ndef add(a, b): return 1\n",
          lambda v: not v.passed, "calls"),
-    Case("hack_always_equal", "fails: an object whose __eq__ is always True is not a JSON value",
+    Case("hack_always_equal", "fails: an object whose __eq__ is always True is no data (typed JSON)",
          "class Eq:\n    def __eq__(self, other): return True\n    def __ne__(self, other): return False\n"
          "def add(a, b): return Eq()\n",
-         lambda v: not v.passed and v.outcomes[0] == "error:TypeError", "calls"),
-    Case("hack_int_subclass", "fails: an int subclass lying about equality is refused",
+         lambda v: not v.passed and v.outcomes[0] == "error:unsupported", "calls"),
+    Case("hack_int_subclass", "fails: an int subclass lying about equality arrives as the plain int it holds",
          "class I(int):\n    def __eq__(self, o): return True\n    __hash__ = int.__hash__\n"
          "def add(a, b): return I(0)\n",
-         lambda v: not v.passed and v.outcomes[0] == "error:TypeError", "calls"),
+         lambda v: not v.passed and v.outcomes[0] == "wrong_output", "calls"),
     Case("hack_shadow_modules", "fails: json.py/unittest.py in the workspace are not imported (python -I)",
          "open('/workspace/json.py', 'w').write('def dumps(*a, **k): return \"{\\\\\"end\\\\\": true}\"')\n"
          "open('/workspace/unittest.py', 'w').write('raise SystemExit(0)')\ndef add(a, b): return 0\n",
          lambda v: not v.passed and v.reason == "wrong_output", "calls"),
     Case("hack_patch_driver", "fails: patching the driver's json/emit only garbles or forges output values",
-         "import json, sys\nmain = sys.modules['__main__']\nmain.plain = lambda v, d=0: 5\n"
+         "import json, sys\nmain = sys.modules['__main__']\nmain.encode = lambda v, d=0: ['i', '0x5']\n"
          "json.dumps = lambda *a, **k: '{\"end\": true}'\ndef add(a, b): return 0\n",
          lambda v: not v.passed, "calls"),
     Case("hack_peek_expected", "fails: the expected values are not in the sandbox to be found", TRY +

@@ -285,7 +285,8 @@ def humaneval_items() -> tuple[Item, ...]:
     return tuple(
         Item(id=p["task_id"], question=HUMANEVAL_QUESTION.format(prompt=p["prompt"]),
              answer=p["prompt"] + p["canonical_solution"],
-             verifier={"kind": "code", "tests": p["test"], "entry_point": p["entry_point"], "timeout_s": 10},
+             verifier={"kind": "code", "tests": p["test"], "prelude": p["prompt"], "entry_point": p["entry_point"],
+                       "timeout_s": 10},
              level=level, metadata={"task_id": p["task_id"], "entry_point": p["entry_point"],
                                     "solution_lines": n})
         for p, n, level in zip(problems, lengths, quantile_levels(lengths), strict=True))
