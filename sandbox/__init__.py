@@ -47,6 +47,6 @@ from .types import (
 )
 from .verdict import CallTest, CheckTest, StdioTest, Verdict, verify_program
 
-__all__ = ["BACKENDS", "CPU", "DISK", "FILE_SIZE", "MEMORY", "OUTPUT", "PYTHON", "WALL_TIME", "CallTest", "CheckTest", "Episode",
-           "Executor", "JsonExecutor", "Limits", "Local", "Pool", "Result", "SandboxError", "SandboxUnavailable",
-           "StdioTest", "Timings", "Verdict", "replay_episode", "run", "verify_program"]
+__all__ = ["BACKENDS", "CPU", "DISK", "FILE_SIZE", "MEMORY", "OUTPUT", "PYTHON", "WALL_TIME", "CallTest", "CheckTest",
+           "Episode", "Executor", "JsonExecutor", "Limits", "Local", "Pool", "Result", "SandboxError",
+           "SandboxUnavailable", "StdioTest", "Timings", "Verdict", "replay_episode", "run", "verify_program"]

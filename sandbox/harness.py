@@ -23,16 +23,17 @@ transcript to the end without probing gives the verdict (the test returned: pass
 whose arguments depend on earlier results (`candidate(candidate(x))`) just takes one more round per
 dependency; a nondeterministic test that diverges from its transcript probes again from there.
 
-Protocol with the parent, one JSON object per line on stdin/stdout (the test code's own prints go to
-stderr): in `{"prelude", "tests", "entry_point", "seed", "max_calls", "probe_s", "memory_bytes", "cpu_s"}`;
-out `{"run": [call, ...]}` (every call of the next round, each `{"args", "kwargs"}` in wire form), in
+Protocol with the parent: frames of a 4-byte big-endian length and a `marshal` body, both ways (both ends
+are trusted; marshal needs no import, and carries the tests precompiled by the parent with
+`probing_asserts`, so this process imports neither `ast` nor `json`). In: `{"code": {"prelude", "tests"}
+(code objects), "entry_point", "seed", "max_calls", "probe_s", "memory_bytes", "cpu_s"}`; out
+`{"run": [call, ...]}` (every call of the next round, each `{"args", "kwargs"}` in wire form), in
 `{"results": [entry, ...]}` (one per call: `{"value"}`, `{"raised"}`, `{"unsupported"}` or `{"error"}`),
 ... and finally out `{"verdict": {"passed", "reason", "calls", "mutated"}}`.
 """
 
-import ast
 import builtins
-import json
+import marshal
 import os
 import random
 import resource
@@ -172,24 +173,30 @@ def probing_asserts(source, filename):
             _ok = True
         if not _ok and not __rlvr_probing__(): raise AssertionError(msg)
     """
+    import ast
+
+    class AssertRewriter(ast.NodeTransformer):
+        def visit_Assert(self, node):
+            return rewrite_assert(ast, node)
+
     tree = AssertRewriter().visit(ast.parse(source, filename))
     return compile(ast.fix_missing_locations(tree), filename, "exec")
 
 
-class AssertRewriter(ast.NodeTransformer):
-    def visit_Assert(self, node):
-        probing = ast.Call(ast.Name("__rlvr_probing__", ast.Load()), [], [])
-        ok = ast.Name("__rlvr_ok", ast.Store())
-        guarded = ast.Try(
-            body=[ast.Assign([ok], ast.Call(ast.Name("bool", ast.Load()), [node.test], []))],
-            handlers=[ast.ExceptHandler(ast.Name("Exception", ast.Load()), None, [
-                ast.If(ast.UnaryOp(ast.Not(), probing), [ast.Raise(None, None)], []),
-                ast.Assign([ast.Name("__rlvr_ok", ast.Store())], ast.Constant(True))])],
-            orelse=[], finalbody=[])
-        error = ast.Call(ast.Name("AssertionError", ast.Load()), [node.msg] if node.msg else [], [])
-        failed = ast.BoolOp(ast.And(), [ast.UnaryOp(ast.Not(), ast.Name("__rlvr_ok", ast.Load())),
-                                        ast.UnaryOp(ast.Not(), probing)])
-        return [ast.copy_location(guarded, node), ast.copy_location(ast.If(failed, [ast.Raise(error, None)], []), node)]
+def rewrite_assert(ast, node):
+    """The statements that replace one `assert` node (see `probing_asserts`)."""
+    probing = ast.Call(ast.Name("__rlvr_probing__", ast.Load()), [], [])
+    truth = ast.Call(ast.Name("bool", ast.Load()), [node.test], [])
+    guarded = ast.Try(
+        body=[ast.Assign([ast.Name("__rlvr_ok", ast.Store())], truth)],
+        handlers=[ast.ExceptHandler(ast.Name("Exception", ast.Load()), None, [
+            ast.If(ast.UnaryOp(ast.Not(), probing), [ast.Raise(None, None)], []),
+            ast.Assign([ast.Name("__rlvr_ok", ast.Store())], ast.Constant(True))])],
+        orelse=[], finalbody=[])
+    error = ast.Call(ast.Name("AssertionError", ast.Load()), [node.msg] if node.msg else [], [])
+    failed = ast.BoolOp(ast.And(), [ast.UnaryOp(ast.Not(), ast.Name("__rlvr_ok", ast.Load())),
+                                    ast.UnaryOp(ast.Not(), probing)])
+    return [ast.copy_location(guarded, node), ast.copy_location(ast.If(failed, [ast.Raise(error, None)], []), node)]
 
 
 def attempt(code, entry_point, seed, candidate):
@@ -214,8 +221,7 @@ def attempt(code, entry_point, seed, candidate):
 
 def judge(setup, send, receive):
     """Attempts and rounds until an attempt replays without probing; returns the verdict."""
-    code = {"prelude": probing_asserts(setup["prelude"], "prelude.py"), "tests": probing_asserts(setup["tests"],
-                                                                                                 "tests.py")}
+    code = setup["code"]
     transcript, mutated = [], 0
     while True:
         candidate = Candidate(transcript, setup["max_calls"], setup["probe_s"])
@@ -232,19 +238,26 @@ def judge(setup, send, receive):
         mutated = sum(bool(r.get("mutated")) for r in results)
 
 
+def read_frame(stream):
+    size = int.from_bytes(stream.read(4), "big")
+    return marshal.loads(stream.read(size))
+
+
+def write_frame(stream, message):
+    body = marshal.dumps(message)
+    stream.write(len(body).to_bytes(4, "big") + body)
+    stream.flush()
+
+
 def main():
-    channel_out = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    channel_in, channel_out = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # the test code's prints go to stderr
-    setup = json.loads(sys.stdin.readline())
+    setup = read_frame(channel_in)
     for limit, value in ((resource.RLIMIT_AS, setup["memory_bytes"]), (resource.RLIMIT_CPU, setup["cpu_s"]),
                          (resource.RLIMIT_FSIZE, 1 << 20), (resource.RLIMIT_CORE, 0)):
         resource.setrlimit(limit, (value, value))
-
-    def send(message):
-        channel_out.write(json.dumps(message) + "\n")
-        channel_out.flush()
-
-    send({"verdict": judge(setup, send, lambda: json.loads(sys.stdin.readline()))})
+    verdict = judge(setup, lambda message: write_frame(channel_out, message), lambda: read_frame(channel_in))
+    write_frame(channel_out, {"verdict": verdict})
 
 
 if __name__ == "__main__":

@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import json
+import marshal
 import math
 import os
 import secrets
@@ -50,6 +52,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from .harness import probing_asserts, write_frame
 from .types import Limits, Result
 from .wire import WireError, decode, encode
 
@@ -57,7 +60,7 @@ if TYPE_CHECKING:
     from .executor import Executor
 
 SOLUTION = "solution.py"
-CALLS = "harness/calls.json"
+CALLS = "harness/calls.bin"
 MAX_ROUNDS = 8  # sandbox rounds of one check-style verdict (see harness.py); usually 1
 PROBE_CALLS = 5000  # calls one probing attempt may record
 PROBE_S = 2.0  # seconds one probing attempt may take
@@ -65,18 +68,40 @@ HARNESS_STEP_S = 20.0  # wall clock of the harness between two messages (its rli
 HARNESS_MEMORY = 1 << 30
 
 DRIVER_BODY = r'''
-import io, json, os, signal, subprocess, sys
+import io, marshal, os, signal, sys
 NONCE = os.environ["RLVR_NONCE"]
 RESULT = os.fdopen(os.dup(1), "w", encoding="utf-8")  # the result channel: the sandbox's original stdout
 os.dup2(2, 1)  # the candidate's prints go to stderr
 sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", 0), encoding="utf-8", write_through=True)
 WORKDIR = os.getcwd()  # /workspace (the development backends: the workspace's host path)
-with open(os.path.join(WORKDIR, "harness", "calls.json"), encoding="utf-8") as f:
-    SPEC = json.load(f)
+with open(os.path.join(WORKDIR, "harness", "calls.bin"), "rb") as f:
+    SPEC = marshal.loads(f.read())  # written by the host, read before the candidate is loaded
+ESCAPES = {'"': '\\"', "\\": "\\\\"}
+
+
+def escape(c):
+    n = ord(c)
+    if n < 0x10000:
+        return "\\u%04x" % n
+    n -= 0x10000
+    return "\\u%04x\\u%04x" % (0xD800 + (n >> 10), 0xDC00 + (n & 0x3FF))
+
+
+def dumps(value):
+    """JSON text of str, int, bool, None, list and dict with str keys (the json module costs an import)."""
+    if value is None or value is True or value is False:
+        return "null" if value is None else "true" if value else "false"
+    if type(value) is int:
+        return str(value)
+    if type(value) is str:
+        return '"' + "".join(ESCAPES.get(c) or (c if " " <= c < "\x7f" else escape(c)) for c in value) + '"'
+    if type(value) is list:
+        return "[" + ", ".join(dumps(v) for v in value) + "]"
+    return "{" + ", ".join(dumps(k) + ": " + dumps(v) for k, v in value.items()) + "}"
 
 
 def emit(entry):
-    RESULT.write(NONCE + " " + json.dumps(entry) + "\n")
+    RESULT.write(NONCE + " " + dumps(entry) + "\n")
     RESULT.flush()
 
 
@@ -122,12 +147,13 @@ def one_call(fn, call):
 
 
 def calls():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("solution", os.path.join(WORKDIR, "solution.py"))
-    module = importlib.util.module_from_spec(spec)
+    path = os.path.join(WORKDIR, "solution.py")
+    module = type(sys)("solution")
+    module.__file__ = path
     sys.modules["solution"] = module
     try:
-        spec.loader.exec_module(module)
+        with open(path, "rb") as f:
+            exec(compile(f.read(), path, "exec"), module.__dict__)
         fn = getattr(module, SPEC["entry_point"])
     except BaseException as e:
         emit({"load_error": type(e).__name__})
@@ -149,6 +175,7 @@ def calls():
 
 
 def stdio():
+    import subprocess
     for i, test in enumerate(SPEC["tests"]):
         try:
             done = subprocess.run([sys.executable, "-I", "-B", os.path.join(WORKDIR, "solution.py")], cwd=WORKDIR,
@@ -249,7 +276,7 @@ def run_calls(executor: Executor, program: str, spec: dict, limits: Limits) -> t
     """One sandbox run of the driver (as the run's Python program: a pool task is a fork, no interpreter
     start) over the candidate and the round's inputs; (its Result, the nonce tagging its result lines)."""
     nonce = secrets.token_hex(16)
-    result = executor.run(python=DRIVER, files={SOLUTION: program, CALLS: json.dumps(spec)}, limits=limits,
+    result = executor.run(python=DRIVER, files={SOLUTION: program, CALLS: marshal.dumps(spec)}, limits=limits,
                           env={"RLVR_NONCE": nonce}, tag="verify_program")
     return result, nonce
 
@@ -402,7 +429,7 @@ def _judge_check(program: str, test: CheckTest, entry_point: str, executor: Exec
                  call_timeout_s: float | None) -> Verdict:
     """Relay between the host harness process (the test code) and sandbox rounds of calls until the harness
     gives its verdict (see harness.py); any failure of a round or of the harness fails closed."""
-    setup = {"prelude": test.prelude, "tests": test.tests, "entry_point": entry_point,
+    setup = {"code": _compiled(test.prelude, test.tests), "entry_point": entry_point,
              "seed": secrets.randbits(62), "max_calls": PROBE_CALLS, "probe_s": PROBE_S,
              "memory_bytes": HARNESS_MEMORY, "cpu_s": int(HARNESS_STEP_S * 2)}
     result, rounds = None, 0
@@ -428,6 +455,13 @@ def _judge_check(program: str, test: CheckTest, entry_point: str, executor: Exec
             if failed:
                 return _check_verdict(False, failed, result, rounds)
             harness.send({"results": [entries[i] for i in range(len(calls))]})
+
+
+@functools.lru_cache(maxsize=512)
+def _compiled(prelude: str, tests: str) -> dict[str, Any]:
+    """The prelude and tests compiled for the harness (asserts rewritten by `harness.probing_asserts`),
+    once per test code; a syntax error in the test code raises here (a task bug, not the candidate's)."""
+    return {"prelude": probing_asserts(prelude, "prelude.py"), "tests": probing_asserts(tests, "tests.py")}
 
 
 def _check_verdict(passed: bool, reason: str, result: Result | None, rounds: int, **info: Any) -> Verdict:
@@ -463,8 +497,7 @@ class _HarnessProcess:
 
     def send(self, message: dict) -> None:
         try:
-            self.proc.stdin.write(json.dumps(message).encode() + b"\n")
-            self.proc.stdin.flush()
+            write_frame(self.proc.stdin, message)
         except OSError:
             pass  # it died: the next receive says so
 
@@ -472,7 +505,7 @@ class _HarnessProcess:
         """The next message, or None (dead, silent past HARNESS_STEP_S, or not speaking the protocol)."""
         deadline = time.monotonic() + HARNESS_STEP_S
         fd = self.proc.stdout.fileno()
-        while b"\n" not in self._buffer:
+        while len(self._buffer) < 4 or len(self._buffer) < 4 + int.from_bytes(self._buffer[:4], "big"):
             left = deadline - time.monotonic()
             if left <= 0:
                 self.why = f"harness_timeout: the test code ran over {HARNESS_STEP_S:g} s"
@@ -483,11 +516,12 @@ class _HarnessProcess:
                     self.why = "harness_died"
                     return None
                 self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
+        size = int.from_bytes(self._buffer[:4], "big")
         try:
-            message = json.loads(line)
-        except ValueError:
+            message = marshal.loads(self._buffer[4:4 + size])
+        except (ValueError, EOFError, TypeError):
             message = None
+        self._buffer = self._buffer[4 + size:]
         if not isinstance(message, dict) or not ({"run", "verdict"} & message.keys()):
             self.why = "harness_protocol"
             return None

@@ -124,8 +124,9 @@ def test_probing_never_decides():
             raise RuntimeError("round 6")
         return {"results": [{"value": encode(answer(decode(c["args"])[0], len(rounds)))} for c in calls]}
 
-    setup = {"prelude": "", "tests": "def check(candidate):\n    assert candidate(candidate(1)) == 4\n",
-             "entry_point": "f", "seed": 3, "max_calls": 100, "probe_s": 1.0}
+    tests = "def check(candidate):\n    assert candidate(candidate(1)) == 4\n"
+    setup = {"code": {"prelude": harness_module.probing_asserts("", "p"), "tests": harness_module.probing_asserts(
+        tests, "t")}, "entry_point": "f", "seed": 3, "max_calls": 100, "probe_s": 1.0}
     sent = []
     found = harness_module.judge(setup, sent.append, lambda: run(sent[-1]["run"], lambda x, r: 2 * x))
     assert found["passed"] and rounds == [1, 2]

@@ -100,7 +100,7 @@ def test_expected_values_never_enter_the_sandbox():
     assert not v.passed
     blob = json.loads(v.result.stdout.decode().split(" ", 1)[1].splitlines()[0])["value"]
     assert "RESULT = os.fdopen" in blob  # it did read the driver and its input file ...
-    assert '"args": ["t", [["i", "0x1"]]]' in blob and secret not in blob  # ... the inputs, not the expected value
+    assert "0x1" in blob and secret not in blob  # ... the inputs (the argument 1, in wire form), not the expected value
 
 
 def test_calls_from_humaneval_asserts():
