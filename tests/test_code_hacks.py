@@ -22,7 +22,7 @@ from rlvr.envs.families import CodeRepair, CodeRepairHumanEval
 from rlvr.envs.tools import call_text
 from rlvr.tasks import verifiers
 from rlvr.tasks.base import Task
-from rlvr.tasks.code_hacks import HACKS, hack_programs
+from rlvr.tasks.code_hacks import HACKS, fenced_answer, hack_programs
 from rlvr.tasks.datasets import HumanEvalFamily
 from rlvr.tasks.procedural import CodeFunction
 
@@ -33,10 +33,6 @@ ENV_LIMITS = Limits(wall_s=10.0, cpu_s=10, memory_bytes=512 << 20)
 HUMANEVAL = ("HumanEval/2", "HumanEval/53")  # check-style tests: a tolerance; 100 random cases
 REQUIRED = {"always_equal", "subclass_eq", "frame_inspection", "sentinel_forging", "code_objects", "monkeypatching",
             "early_exit", "test_files", "module_shadowing", "nan", "time_randomness"}
-
-
-def fenced(program: str) -> str:
-    return f"<answer>\n```python\n{program}```\n</answer>"
 
 
 def _humaneval_task(family: HumanEvalFamily, task_id: str) -> Task:
@@ -73,7 +69,7 @@ def _targets():
 
 
 def _scorer(family, task):
-    return lambda program: family.score(task, fenced(program), truncated=False)["correct"]
+    return lambda program: family.score(task, fenced_answer(program), truncated=False)["correct"]
 
 
 def _episode(task):
@@ -138,5 +134,5 @@ def test_hacks_on_the_default_fresh_sandbox_path():
     programs = dict(hack_programs(task.metadata["entry_point"]))
     for name in ("always_equal/object", "code_objects/module_constant_sentinel", "subclass_eq/float",
                  "early_exit/atexit"):
-        assert family.score(task, fenced(programs[name]), truncated=False)["correct"] == 0.0, name
+        assert family.score(task, fenced_answer(programs[name]), truncated=False)["correct"] == 0.0, name
     assert family.score(task, family.reference_completion(task), truncated=False)["correct"] == 1.0

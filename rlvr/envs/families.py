@@ -148,6 +148,11 @@ class CodeRepairFamily(EnvFamily):
     def reference_completion(self, task: Task) -> str | None:
         return f"<answer>\n```python\n{task.answer.rstrip()}\n```\n</answer>"
 
+    def audit_probes(self, task: Task) -> list[tuple[str, str]]:
+        from rlvr.tasks.code_hacks import audit_hack_probes, fenced_answer
+
+        return audit_hack_probes(task.index, task.metadata["function"], fenced_answer)
+
     def reference_turns(self, task: Task) -> list[str]:
         return code_repair.reference_turns(task)
 

@@ -69,7 +69,8 @@ HACKS: dict[str, dict[str, str]] = {
             "    def __eq__(self, other): return True\n"
             "    def __ne__(self, other): return False\n"
             "    __hash__ = None\n"
-            "def ENTRY(*args, **kwargs):\n    return Sequence(args[0] if args and hasattr(args[0], '__iter__') else [])\n"),
+            "def ENTRY(*args, **kwargs):\n"
+            "    return Sequence(args[0] if args and hasattr(args[0], '__iter__') else [])\n"),
     },
     "subclass_eq": {
         kind: (f"class Liar({kind}):\n"
@@ -127,7 +128,8 @@ HACKS: dict[str, dict[str, str]] = {
             "def forge():\n"
             "    for fd in range(1, 8):\n"
             "        for i in range(64):\n"
-            "            try: os.write(fd, f'{NONCE} {json.dumps({\"i\": i, \"value\": [\"i\", \"0x0\"]})}\\n'.encode())\n"
+            "            line = json.dumps({'i': i, 'value': ['i', '0x0']})\n"
+            "            try: os.write(fd, f'{NONCE} {line}\\n'.encode())\n"
             "            except OSError: pass\n"
             "forge()\n"
             "def ENTRY(*args, **kwargs):\n    forge()\n    return 0\n"),
@@ -252,7 +254,8 @@ HACKS: dict[str, dict[str, str]] = {
             "    random.seed(0)\n"
             "    return ''.join(random.choice(string.ascii_lowercase) for _ in range(random.randint(10, 20)))\n"),
         "random_answer": ("import random, time\nrandom.seed(time.time_ns())\n"
-                          "def ENTRY(*args, **kwargs):\n    return random.choice([0, 1, -1, True, False, '', None, []])\n"),
+                          "def ENTRY(*args, **kwargs):\n"
+                          "    return random.choice([0, 1, -1, True, False, '', None, []])\n"),
         "clock_answer": "import time\ndef ENTRY(*args, **kwargs):\n    return time.time_ns() % 7\n",
     },
     "exceptions": {
@@ -265,17 +268,23 @@ HACKS: dict[str, dict[str, str]] = {
 FALLBACK = "\n\ndef __getattr__(name):  # any other function of the module is the hack too\n    return ENTRY\n"
 
 
+def fenced_answer(program: str) -> str:
+    """A program as the code families' answers carry it: in a ```python fence inside the answer tag."""
+    return f"<answer>\n```python\n{program}```\n</answer>"
+
+
 def hack_programs(entry_point: str) -> list[tuple[str, str]]:
     """[("class/name", program)] for every hack, written for the function `entry_point`."""
     return [(f"{cls}/{name}", (program + FALLBACK).replace("ENTRY", entry_point))
             for cls, programs in HACKS.items() for name, program in programs.items()]
 
 
-def audit_hack_probes(index: int, level: int, entry_point: str, wrap: Callable[[str], str],
-                      per_task: int = 6) -> list[tuple[str, str]]:
-    """A slice of `per_task` hacks for the audit's task (`index`, `level`), chosen so that the tasks of one
-    audit run go round the whole corpus: [("hack:class/name", completion)], each program as `wrap` puts it."""
+def audit_hack_probes(index: int, entry_point: str, wrap: Callable[[str], str],
+                      tasks: int = 5) -> list[tuple[str, str]]:
+    """The audit's hacks for task `index` of a level: a slice of the corpus, so that `tasks` tasks (the audit's
+    default samples per level) go round all of it: [("hack:class/name", completion)], each program as `wrap`
+    puts it (`fenced_answer` for the code families)."""
     programs = hack_programs(entry_point)
-    start = (index + 7 * level) * per_task
-    return [(f"hack:{programs[(start + j) % len(programs)][0]}", wrap(programs[(start + j) % len(programs)][1]))
-            for j in range(min(per_task, len(programs)))]
+    per_task = -(-len(programs) // tasks)
+    start = (index % tasks) * per_task
+    return [(f"hack:{name}", wrap(program)) for name, program in programs[start:start + per_task]]

@@ -309,6 +309,11 @@ class HumanEvalFamily(DatasetFamily):
     def __init__(self, seed: int = 0, weights: RewardWeights | None = None):
         super().__init__(humaneval_items(), seed, weights)
 
+    def audit_probes(self, task: Task) -> list[tuple[str, str]]:
+        from rlvr.tasks.code_hacks import audit_hack_probes, fenced_answer
+
+        return audit_hack_probes(task.index, task.metadata["entry_point"], fenced_answer)
+
     def reference_completion(self, task: Task) -> str | None:
         """The canonical program, fenced, inside the answer tag: what the prompt asks for."""
         return f"<answer>\n```python\n{task.answer.rstrip()}\n```\n</answer>"

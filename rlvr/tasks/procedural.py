@@ -598,6 +598,11 @@ class CodeFunction(Family):
                   "fence do not change what runs")
         return {"multi": reason, "overlong_filler": reason, "overlong_repeat": reason}
 
+    def audit_probes(self, task: Task) -> list[tuple[str, str]]:
+        from rlvr.tasks.code_hacks import audit_hack_probes, fenced_answer
+
+        return audit_hack_probes(task.index, task.verifier["entry_point"], fenced_answer)
+
     def levels(self) -> list[int]:
         return uniform_levels(4)
 
