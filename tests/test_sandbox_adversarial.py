@@ -129,12 +129,14 @@ CASES = [
          "    print('setuid copy: rc', d.returncode, 'euid', d.stdout.strip() or None)\n"
          "except OSError as e: print('exec denied', e.errno)\n",
          lambda r: "chown denied" in _out(r) and "euid 0" not in _out(r)),
-    Case("device_nodes", "mknod on the workspace denied; a node in gVisor's own /tmp cannot be opened (ENXIO)",
+    Case("device_nodes", "mknod of character/block devices denied (seccomp) in the workspace and in gVisor's /tmp",
          TRY + "import stat\n"
          "attempt('mknod', lambda: os.mknod('null2', 0o666 | stat.S_IFCHR, os.makedev(1, 3)))\n"
-         "os.mknod('/tmp/mem', 0o666 | stat.S_IFCHR, os.makedev(1, 1))\n"
-         "attempt('open_mem', lambda: open('/tmp/mem', 'rb').read(16))\n",
-         lambda r: "mknod denied" in _out(r) and "open_mem denied" in _out(r)),
+         "attempt('mknod_tmp', lambda: os.mknod('/tmp/mem', 0o666 | stat.S_IFCHR, os.makedev(1, 1)))\n"
+         "attempt('mknod_block', lambda: os.mknod('/tmp/sda', 0o666 | stat.S_IFBLK, os.makedev(8, 0)))\n"
+         "attempt('mkfifo', lambda: os.mkfifo('/tmp/fifo'))\n",
+         lambda r: all(f"{n} denied" in _out(r) for n in ("mknod", "mknod_tmp", "mknod_block"))
+         and "mkfifo ALLOWED" in _out(r)),
     Case("namespace_tricks", "unshare gives no power over the real mounts; setuid(0) denied",
          TRY + "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
          "print('unshare', libc.unshare(0x10000000 | 0x00020000))\n"
