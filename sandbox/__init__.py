@@ -22,8 +22,8 @@ Modules: api (run, the backends table), workspace (private workspaces, templates
 (multi-step sessions, snapshots and their replay), executor (the `Executor` protocol the RL side depends on:
 `Local`, `Pool`, and the JSON round trip a remote worker implements), runsc (the gVisor OCI bundle,
 teardown), local (the weaker development backends), pool and zygote (the warm pool and the worker inside
-each sandbox), verdict, wire and harness (verdicts a program cannot forge: typed values out of the sandbox,
-test code on the host), cleanup (sandboxes left by killed processes), trace and replay (JSONL records;
+each sandbox), verdict, wire, checks and harness (verdicts a program cannot forge: typed values out of the
+sandbox, test code on the host), cleanup (sandboxes left by killed processes), trace and replay (JSONL records;
 `python -m rlvr.sandbox.replay`).
 Measured facts behind the design: ../shared/specs/sandbox-gvisor.md.
 """

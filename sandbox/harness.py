@@ -1,7 +1,7 @@
 """The host-side test harness of a check-style verdict: the dataset's test code, run where the candidate
 cannot reach it, against the candidate's return values as plain data.
 
-Runs as its own process on the host (`python -I -S`, started and bounded by `verdict.verify_program`:
+Runs as its own process on the host (`python -I -S`, started and bounded by `checks.judge_check`:
 rlimits set here first, a wall clock and a kill from the parent). It execs the trusted `prelude` (e.g.
 HumanEval's prompt: helpers such as `poly` that the tests use come from here, never from the candidate)
 and the `tests` (e.g. `def check(candidate): ...`), then calls `check(candidate)`, where `candidate` is a
@@ -10,18 +10,19 @@ and the `tests` (e.g. `def check(candidate): ...`), then calls `check(candidate)
 fresh builtin values, or raised as the builtin exception the candidate raised. Whatever the test then does
 with them (`==`, `abs(a - b) < eps`, loops over computed cases) happens here, on plain values.
 
-The sandbox runs calls in batches (`verdict.run_calls`: one sandbox run per batch, the candidate loaded
-once, the calls made in order). To learn the calls a test makes without one sandbox round trip per call,
-an attempt that reaches a call not in the transcript switches to *probing*: from there on each call is
-recorded and returns a `Probe`, a stand-in that makes every comparison true, and every `assert` of the
-test code (compiled with `probing_asserts`) stops failing, so the test goes on and shows its next calls
-(computed arguments, loops over 100 random cases) until it ends, stops, or passes the probe budget
-(calls, seconds). The recorded calls (the transcript's plus the new ones) go to the
+The sandbox runs calls in batches (checks.py drives `verdict.run_calls`: one sandbox run per batch, the
+candidate loaded once, the calls made in order). To learn the calls a test makes without one sandbox
+round trip per call, an attempt that reaches a call not in the transcript switches to *probing*: from
+there on each call is recorded and returns a `Probe`, a stand-in that makes every comparison true, and
+every `assert` of the test code (compiled with `probing_asserts`) stops failing, so the test goes on and
+shows its next calls (computed arguments, loops over 100 random cases) until it ends, stops, or passes
+the probe budget (calls, seconds). The recorded calls (the transcript's plus the new ones) go to the
 sandbox as the next round, and the test is run again from the start (fresh namespace, the same random
 seed) against the longer transcript. Probing never decides anything: only an attempt that replays the
-transcript to the end without probing gives the verdict (the test returned: pass; it raised: fail). A test
-whose arguments depend on earlier results (`candidate(candidate(x))`) just takes one more round per
-dependency; a nondeterministic test that diverges from its transcript probes again from there.
+transcript to the end without probing gives the verdict (the test returned: pass; it raised: fail). A
+test whose arguments depend on earlier results (`candidate(candidate(x))`) takes one more round per
+dependency; a nondeterministic test that diverges from its transcript probes again from there. Each
+round re-runs every call in order in a fresh process, so the final transcript is one sandbox run's.
 
 Protocol with the parent: frames of a 4-byte big-endian length and a `marshal` body, both ways (both ends
 are trusted; marshal needs no import, and carries the tests precompiled by the parent with

@@ -6,7 +6,7 @@ computed arguments, random cases, typed exceptions, exact types, rounds) and the
 import math
 
 import pytest
-from rlvr.sandbox import CheckTest, Limits, Pool, verdict, verify_program
+from rlvr.sandbox import CheckTest, Limits, Pool, checks, verify_program
 from rlvr.sandbox import harness as harness_module
 from rlvr.sandbox.wire import WireError, decode, encode
 
@@ -107,7 +107,7 @@ def test_failures_fail_closed(pool, monkeypatch):
     assert not slow.passed and slow.reason == "error:timeout"
     load = check(pool, "raise RuntimeError\n", "def check(candidate):\n    assert candidate(1) == 1\n")
     assert load.reason == "load_error:RuntimeError"
-    monkeypatch.setattr(verdict, "HARNESS_STEP_S", 1.0)
+    monkeypatch.setattr(checks, "HARNESS_STEP_S", 1.0)
     hung = check(pool, "def f(x):\n    return x\n", "def check(candidate):\n    while True:\n        pass\n")
     assert not hung.passed and hung.reason.startswith("harness_timeout")
 
