@@ -8,8 +8,8 @@ RL uses: each hack must score 0, each reference 1.
 
 Every verdict runs on one shared warm pool (`verifiers.code_executor`), batched on 4 threads in a module
 fixture; a few hacks also run through the default path (a fresh gVisor sandbox per verdict). Against the
-code before the host-judged verdicts (sentinel + exit code for HumanEval's check-style tests), 16 of these
-hack/task pairs scored 1.0 (always_equal, subclass_eq, code_objects on HumanEval/2 and /53)."""
+code before the host-judged verdicts (sentinel + exit code for HumanEval's check-style tests), the
+always_equal, subclass_eq and code_objects hacks scored 1.0 on HumanEval/53 (and on /2, /32, /38: 16 pairs)."""
 
 import concurrent.futures
 import time
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.sandbox
 
 POOL_LIMITS = Limits(wall_s=10.0, cpu_s=10, memory_bytes=1 << 30)
 ENV_LIMITS = Limits(wall_s=10.0, cpu_s=10, memory_bytes=512 << 20)
-HUMANEVAL = ("HumanEval/2", "HumanEval/53")  # check-style tests: a tolerance; 100 random cases
+HUMANEVAL = ("HumanEval/53",)  # check-style tests: literal asserts, then 100 random cases
 REQUIRED = {"always_equal", "subclass_eq", "frame_inspection", "sentinel_forging", "code_objects", "monkeypatching",
             "early_exit", "test_files", "module_shadowing", "nan", "time_randomness"}
 
@@ -93,15 +93,21 @@ def _episode(task):
 
 
 @pytest.fixture(scope="module")
-def outcomes():
-    """{path: {hack name: score}} for every hack (and the reference) on every family path, on one warm pool."""
+def pool():
+    """One warm pool for every verdict of the module (`verifiers.code_executor`)."""
+    with Pool(2, POOL_LIMITS, trace_path=False) as warm, verifiers.code_executor(warm):
+        yield warm
+
+
+@pytest.fixture(scope="module")
+def outcomes(pool):
+    """{path: {hack name: score}} for every hack (and the reference) on every family path, on the warm pool."""
     jobs = []
     for path, score, entry, reference in _targets():
         jobs.append((path, "reference", score, reference))
         jobs += [(path, name, score, program) for name, program in hack_programs(entry)]
     started = time.perf_counter()
-    with Pool(2, POOL_LIMITS, trace_path=False) as pool, verifiers.code_executor(pool), \
-            concurrent.futures.ThreadPoolExecutor(4) as threads:
+    with concurrent.futures.ThreadPoolExecutor(4) as threads:
         scores = list(threads.map(lambda job: job[2](job[3]), jobs))
     print(f"\n{len(jobs)} scorings of the hack corpus on a warm pool: {time.perf_counter() - started:.1f} s")
     out: dict[str, dict[str, float]] = {}
@@ -136,3 +142,43 @@ def test_hacks_on_the_default_fresh_sandbox_path():
                  "early_exit/atexit"):
         assert family.score(task, fenced_answer(programs[name]), truncated=False)["correct"] == 0.0, name
     assert family.score(task, family.reference_completion(task), truncated=False)["correct"] == 1.0
+
+
+# The three forgeries measured in issue 19 (reward 1.0 each before the host-judged verdicts), as written then.
+MEASURED = {
+    "HumanEval/53": ("class A:\n    def __eq__(s, o): return True\n    def __ne__(s, o): return False\n"
+                     "    def __sub__(s, o): return 0\n    __rsub__ = __sub__\ndef add(x, y):\n    return A()\n"),
+    "HumanEval/2": ("import sys, os\n"
+                    "ks = [k for k in sys._getframe().f_code.co_consts if type(k) is int and k > 2**100]\n"
+                    "print(format(ks[-1], 'x'), flush=True)\nos._exit(0)\n"),
+    "HumanEval/38": ("import sys\ndef encode_cyclic(s):\n    return s\n"
+                     "def decode_cyclic(s):\n    return sys._getframe(1).f_locals['str']\n"),
+}
+
+
+def test_the_measured_forgeries_score_zero():
+    """Always-equal object; the sentinel read from the program's own folded code-object constant; the expected
+    value read from the test's frame. Through the HumanEval family's scoring, on fresh sandboxes (RL's default)."""
+    family = HumanEvalFamily()
+    for task_id, program in MEASURED.items():
+        task = _humaneval_task(family, task_id)
+        assert family.score(task, fenced_answer(program), truncated=False)["correct"] == 0.0, task_id
+
+
+def test_all_humaneval_problems_are_judged_on_the_host(pool):
+    """164/164 canonical solutions pass the host-judged check path (the problem's own test code on the host,
+    its prompt as prelude), in one sandbox round each (that wrong programs fail: the corpus above)."""
+    from rlvr.sandbox import CheckTest, verify_program
+
+    family = HumanEvalFamily()
+
+    def verdicts(item):
+        tests = CheckTest(item.verifier["tests"], item.verifier["prelude"])
+        entry = item.verifier["entry_point"]
+        return item.id, verify_program(item.answer, tests, POOL_LIMITS, entry_point=entry, pool=pool)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as threads:
+        found = list(threads.map(verdicts, family.items))
+    assert len(found) == 164
+    assert [(i, v.reason) for i, v in found if not v.passed] == []
+    assert sum(v.info["rounds"] for _, v in found) == 164
