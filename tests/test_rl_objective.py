@@ -25,7 +25,7 @@ from rlvr.rl import advantages as adv_lib
 from rlvr.rl import policy_loss as pl
 from rlvr.rl.batching import AGGREGATIONS, Sample, build_batch
 from rlvr.rl.objective import Objective, rl_loss, token_means
-from rlvr.rl.producer import Producer, ScoredBatch, sample_seed
+from rlvr.rl.producer import Producer, ProducerSettings, ScoredBatch, sample_seed
 from rlvr.rollout.types import Completion
 from rlvr.tasks.arithmetic import ArithmeticFamily, Task
 from rlvr.train.step import accumulate_gradients
@@ -537,7 +537,7 @@ def _producer(outcome, family=None, **rl_overrides):
     tokenizer = byte_level_tokenizer()
     family = family or ArithmeticFamily(seed=5)
     backend = FakeBackend(tokenizer, family, outcome)
-    _PRODUCERS.append(Producer(backend, family, tokenizer, rl, seed=11))
+    _PRODUCERS.append(Producer(backend, family, tokenizer, ProducerSettings.from_config(rl), seed=11))
     return _PRODUCERS[-1], backend, tokenizer, family
 
 
@@ -549,7 +549,7 @@ def test_producer_batch_order_and_advantages():
     # even k answers correctly; task 2's group is all correct (zero variance, kept without dynamic sampling)
     outcome = lambda task, k: (task.answer if k % 2 == 0 or task.index == 2 else _wrong(task), "stop")
     producer, backend, tokenizer, family = _producer(outcome)
-    G, K = producer.rl.prompts_per_step, producer.rl.group_size
+    G, K = producer.settings.prompts_per_step, producer.settings.group_size
     assert (G, K) == (4, 4)
     batch = producer.make_batch(0)
     assert len(batch.samples) == G * K and batch.cursor_end == G and batch.failures == []
@@ -561,7 +561,7 @@ def test_producer_batch_order_and_advantages():
             assert (s.group, s.task_index) == (g, g)
             assert s.prompt_ids == tokenizer.encode(task.prompt) == req.input_ids
             assert req.sampling.sampling_seed == sample_seed(11, g, k)
-            assert req.sampling.max_new_tokens == producer.rl.max_new_tokens
+            assert req.sampling.max_new_tokens == producer.settings.max_new_tokens
             assert tokenizer.decode(s.output_ids[:-1]) == outcome(task, k)[0]
             assert s.behaviour_logp == pytest.approx([-0.1 * (j + 1) for j in range(len(s.output_ids))])
             assert s.versions == [7] * len(s.output_ids) and not s.truncated
@@ -581,7 +581,7 @@ def test_producer_dynamic_sampling_refills():
     outcome = lambda task, k: (task.answer if task.index % 2 or k % 2 == 0 else _wrong(task), "stop")
     producer, backend, _, _ = _producer(outcome, dynamic_sampling=True, max_refill_rounds=2)
     batch = producer.make_batch(0)
-    K = producer.rl.group_size
+    K = producer.settings.group_size
     # round 1: tasks 0-3 keep 0, 2; round 2: tasks 4, 5 keep 4; round 3: task 6
     assert len(backend.requests) == 7 * K
     assert [s.task_index for s in batch.samples[::K]] == [0, 2, 4, 6]
@@ -595,7 +595,7 @@ def test_producer_dynamic_sampling_gives_up_after_max_refill_rounds():
     producer, backend, _, _ = _producer(lambda task, k: (_wrong(task), "stop"), dynamic_sampling=True,
                                         max_refill_rounds=2)
     batch = producer.make_batch(0)
-    K = producer.rl.group_size
+    K = producer.settings.group_size
     assert len(backend.requests) == 3 * 4 * K  # 1 round + 2 refills of 4 prompts each
     assert batch.cursor_end == 12 and batch.stats["generation_rounds"] == 3.0
     assert [s.task_index for s in batch.samples[::K]] == [0, 1, 2, 3]  # trains on flat groups
@@ -616,7 +616,7 @@ def test_producer_records_failures_and_round_trips():
 
     producer, _, _, _ = _producer(outcome, family=ExplodingFamily(seed=5))
     batch = producer.make_batch(3)
-    K = producer.rl.group_size
+    K = producer.settings.group_size
     assert len(batch.failures) == 2 * 4
     for g in range(4):
         group = batch.samples[g * K:(g + 1) * K]
@@ -640,10 +640,9 @@ def test_gae_batch_matches_brute_force_and_value_loss(setup):
     """The trainer's GAE pass (value head on the backbone, reward on the last sampled token,
     whitened advantages) against a per-sequence Python loop, in padded and packed layouts; then
     rl_loss adds value_coef · 0.5 (v - R)² exactly."""
-    import ml_collections
-
     from rlvr import api
     from rlvr.models.transformer import forward_with_values
+    from rlvr.rl import update as update_lib
     from rlvr.trainers import rl as rl_trainer
 
     gamma, lam = 0.9, 0.8
@@ -655,8 +654,7 @@ def test_gae_batch_matches_brute_force_and_value_loss(setup):
     params = {**model.params, "value_proj": head}
     samples = [dataclasses.replace(s, rewards={"reward": float(r)})
                for s, r in zip(setup["samples"], rng.normal(size=N), strict=True)]
-    rl = ml_collections.ConfigDict({"gae_gamma": gamma, "gae_lambda": lam})
-    gae_fn = rl_trainer._gae_fn(model.cfg, rl)
+    gae_fn = update_lib.gae_fn(model.cfg, gamma, lam)
 
     padded = build_batch(samples, SEQ_LEN, PAD)
     _, values, _ = forward_with_values(model.cfg, params, jnp.asarray(padded["tokens"]),
@@ -707,6 +705,6 @@ def test_producer_passes_over_prompts_too_long_for_seq_len():
     batch = producer.make_batch(0)
     drawn = family.tasks(0, batch.cursor_end)
     fitting = [t.index for t in drawn if len(t.prompt) <= 5]
-    assert [s.task_index for s in batch.samples[::producer.rl.group_size]] == fitting[:4]
+    assert [s.task_index for s in batch.samples[::producer.settings.group_size]] == fitting[:4]
     assert batch.stats["prompts_too_long"] == batch.cursor_end - len(fitting) > 0
     assert all(len(r.input_ids) <= 5 for r in backend.requests)

@@ -53,6 +53,19 @@ class Objective:
     # (rlvr.kernels.chunked_logprob), never the [B, T, V] logits; 0 = from the full logits
     logprob_chunk_size: int = 0
 
+    @classmethod
+    def from_config(cls, config) -> Objective:
+        """The RL job's objective (`rl.*`; `train.logprob_chunk_size`)."""
+        rl = config.rl
+        gspo = rl.policy_loss == "gspo"
+        return cls(policy_loss=rl.policy_loss, clip_low=rl.gspo_clip_low if gspo else rl.clip_low,
+                   clip_high=rl.gspo_clip_high if gspo else rl.clip_high, dual_clip=rl.dual_clip or None,
+                   kl_coef=rl.kl_coef if rl.kl_mode == "loss" else 0.0, kl_estimator=rl.kl_estimator,
+                   entropy_coef=rl.entropy_coef, tis_cap=rl.tis_cap, tis_level=rl.tis_level,
+                   num_seqs=rl.prompts_per_step * rl.group_size,
+                   value_coef=rl.value_coef if rl.advantage == "gae" else 0.0, value_clip=rl.value_clip or None,
+                   logprob_chunk_size=config.train.logprob_chunk_size)
+
 
 def rl_loss(cfg, obj: Objective, params, batch: dict[str, jax.Array], rng, frozen):
     """(Σ weighted per-token loss, aux sums); see the module docstring. `frozen` is None or
