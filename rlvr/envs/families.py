@@ -131,6 +131,7 @@ class CodeRepairFamily(EnvFamily):
 
     def verify(self, task: Task, completion: str, truncated: bool) -> dict[str, float]:
         from rlvr.envs.sandboxes import SandboxOptions
+        from rlvr.tasks.verifiers import active_code_executor
 
         answer = self.answer_text(completion)
         if answer is None or truncated:
@@ -141,11 +142,16 @@ class CodeRepairFamily(EnvFamily):
         spec = task.metadata
         sources = {name: spec["files"][f"{name}.py"] for name in spec["modules"]}
         sources[spec["faulty"][:-3]] = program + "\n"
-        verdict = repos.judge_sources(task.verifier["judge"], sources, SandboxOptions())
+        verdict = repos.judge_sources(task.verifier["judge"], sources, SandboxOptions(pool=active_code_executor()))
         return {"terminal": float(verdict["passed"]), "format": 1.0}
 
     def reference_completion(self, task: Task) -> str | None:
         return f"<answer>\n```python\n{task.answer.rstrip()}\n```\n</answer>"
+
+    def audit_probes(self, task: Task) -> list[tuple[str, str]]:
+        from rlvr.tasks.code_hacks import audit_hack_probes, fenced_answer
+
+        return audit_hack_probes(task.index, task.metadata["function"], fenced_answer)
 
     def reference_turns(self, task: Task) -> list[str]:
         return code_repair.reference_turns(task)
@@ -189,14 +195,14 @@ class CodeRepairHumanEval(CodeRepairFamily):
         return self.sample_stream(rng, level, TRAIN)
 
     def sample_stream(self, rng: np.random.Generator, level: int, stream: int) -> Task:
-        from rlvr.envs.humaneval_bugs import BUGS
+        from rlvr.envs import build_humaneval_bugs
 
         items = self._pools.get((HELD_OUT if stream == HELD_OUT else TRAIN, level), ())
         if not items:
             raise ValueError(f"task family {self.name!r}: no items at level {level} in stream {stream}")
         item = pick(rng, items)
         task_id = item.metadata["task_id"]
-        bugs = BUGS.get(task_id) or []
+        bugs = build_humaneval_bugs.load().get(task_id) or []
         stub = not bugs or rng.random() < self.stubs
         bug = None if stub else pick(rng, bugs)
         return self.repo_task(repos.humaneval_repo(_humaneval_problems()[task_id], bug))

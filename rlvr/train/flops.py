@@ -10,6 +10,7 @@ as in PaLM's appendix B convention). Padding positions are counted: they are com
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import jax
@@ -28,27 +29,26 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 6 * matmul_params(cfg) + attention
 
 
-def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    return train_flops_per_token(cfg, seq_len) / 3
-
-
-def measure_matmul_peak(dtype: str = "float32", size: int = 1024, repeats: int = 10) -> float:
-    """FLOP/s of a square matmul on the default device: the 'peak' MFU is quoted against.
+def measure_matmul_peak(dtype: str = "float32", size: int = 1024, repeats: int = 10, median: bool = False) -> float:
+    """FLOP/s of a square matmul on the default device: the 'peak' MFU is quoted against (the
+    best of `repeats` timed calls), or with `median=True` the benchmarks' yardstick of machine
+    speed (the peer benchmark's: the median fp32 1024³ matmul, robust to a noisy shared machine).
 
     On CPU one matmul uses all cores, so this is the whole machine's figure; on
     accelerators it is per device."""
-    return 2 * size**3 / _best_time(jax.jit(lambda x: x @ x), jnp.ones((size, size), dtype), repeats)
+    return 2 * size**3 / _call_time(jax.jit(lambda x: x @ x), jnp.ones((size, size), dtype), repeats, median)
 
 
-def _best_time(fn, arg, repeats: int) -> float:
-    """Fastest of `repeats` calls of jitted `fn(arg)` after a warm-up call (seconds)."""
+def _call_time(fn, arg, repeats: int, median: bool = False) -> float:
+    """Seconds of one call of jitted `fn(arg)` after a warm-up call: the fastest of `repeats`, or
+    their median."""
     fn(arg).block_until_ready()
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn(arg).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) if median else min(times)
 
 
 def machine_peak(dtype: str = "float32") -> float:
@@ -80,7 +80,8 @@ def decode_bytes_per_token(cfg: ModelConfig, context: int, batch: int, kv_dtype:
     return context * kv_bytes_per_token(cfg, kv_dtype) + weights / max(batch, 1)
 
 
-def measure_memory_bandwidth(megabytes: int = 256, repeats: int = 10) -> float:
-    """Bytes/s of a streaming read (a sum over a resident float32 array), best of `repeats`."""
+def measure_memory_bandwidth(megabytes: int = 256, repeats: int = 10, median: bool = False) -> float:
+    """Bytes/s of a streaming read (a sum over a resident float32 array): best of `repeats`, or
+    their median."""
     x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
-    return x.nbytes / _best_time(jax.jit(jnp.sum), x, repeats)
+    return x.nbytes / _call_time(jax.jit(jnp.sum), x, repeats, median)
