@@ -15,8 +15,8 @@ log-probs equal the trainer's for the same tokens. One `step()`:
 Single-threaded: call it from one thread (`rlvr.rollout.driver.EngineDriver` does).
 
 Compiled shapes are a bounded set (`warmup()` compiles them all up front): prefill [1 or
-prefill_rows, prefill_chunk/4 or prefill_chunk] and decode for at most RAGGED_BUCKETS sizes of the
-ragged page list (each x2 when some request uses top-k/top-p/min-p). `metrics()` reports compile counts, the prefix-cache hit rate and host vs device time.
+prefill_rows, prefill_chunk/4 or prefill_chunk] and one decode program (its attention loops over
+the pages held, `kernels/paged_attention/ragged.py`); each x2 when a request uses top-k/top-p/min-p. `metrics()` reports compile counts, the prefix-cache hit rate and host vs device time.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from rlvr.rollout.stops import StopStrings
 from rlvr.rollout.types import Completion, Request
 
 MAX_STOP_IDS = 8
-# Decode compiles once per size of the ragged page list: RAGGED_BUCKETS multiples of an eighth of
-# the whole table's pages (at least 16), so a list is padded by less than an eighth of the table.
-RAGGED_BUCKETS, MIN_RAGGED_BUCKET = 8, 16
+# The decode attention's page list comes in chunks of max(RAGGED_MIN_CHUNK, table / RAGGED_CHUNKS)
+# entries, looped over on device: one compiled program whatever the pages held, padded by < 1 chunk.
+RAGGED_CHUNKS, RAGGED_MIN_CHUNK = 16, 64
 
 
 @dataclasses.dataclass(eq=False)
@@ -268,8 +268,7 @@ class Engine:
             for rows in sorted({1, self.prefill_rows}):
                 for chunk in sorted({self._small_chunk(), self.prefill_chunk}):
                     self._dispatch_prefill([], rows, chunk, variant)
-            for bucket in self._ragged_buckets():
-                self._dispatch_decode([None] * self.max_slots, bucket, filters=variant)
+            self._dispatch_decode([None] * self.max_slots, filters=variant)
         self._process(keep=0)
 
     # --- scheduling ----------------------------------------------------------------------
@@ -462,19 +461,14 @@ class Engine:
                 reach[i] = min(seq.device_tokens + self.decode_steps, final, self.max_len + 1) - 1
                 self._ensure_pages(seq, reach[i])
                 seq.device_tokens = min(seq.device_tokens + self.decode_steps, final)
-        pages = int(np.minimum(-(-reach // self.page_size), self.pages_per_row).sum())
-        self._dispatch_decode(seqs, next(b for b in self._ragged_buckets() if b >= pages), reach)
+        self._dispatch_decode(seqs, reach)
         return True
 
-    def _ragged_buckets(self) -> list[int]:
-        step = -(-self.max_slots * self.pages_per_row // RAGGED_BUCKETS)
-        step = max(-(-step // MIN_RAGGED_BUCKET) * MIN_RAGGED_BUCKET, MIN_RAGGED_BUCKET)
-        return [step * k for k in range(1, RAGGED_BUCKETS + 1)]
-
-    def _dispatch_decode(self, seqs: list, bucket: int, reach: np.ndarray | None = None,
-                         filters: bool | None = None) -> None:
+    def _dispatch_decode(self, seqs: list, reach: np.ndarray | None = None, filters: bool | None = None) -> None:
         reach = np.zeros(self.max_slots, np.int64) if reach is None else reach
-        ragged = ragged_pages(self.page_table, reach, self.page_size, bucket)
+        entries = self.max_slots * self.pages_per_row
+        chunk = max(RAGGED_MIN_CHUNK, -(-entries // RAGGED_CHUNKS))
+        ragged = ragged_pages(self.page_table, reach, self.page_size, chunk, -(-entries // chunk))
         active = active_host = np.array([s is not None for s in seqs]) & self.active
         if self._sampling_device is None:
             self._sampling_device = jax.device_put(self._sampling)
