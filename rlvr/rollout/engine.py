@@ -124,6 +124,9 @@ class Engine:
         self._reserved = 0  # pages promised to running sequences' worst cases, not yet allocated
         self._times = {"host_s": 0.0, "device_wait_s": 0.0, "steps": 0, "decode_calls": 0, "prefill_calls": 0,
                        "generated_tokens": 0}
+        # Set to a list to time every device call synchronously (no overlap; for calibration):
+        # ("prefill", rows x chunk, s), ("decode", (rows decoding, max_slots), s), ("step", 0, host s).
+        self.call_times: list[tuple[str, Any, float]] | None = None
 
     def _decode_params(self, params):
         params = unstack_layers(params)
@@ -156,6 +159,7 @@ class Engine:
     def step(self) -> list[Completion]:
         """One scheduling iteration; returns the completions finished in it."""
         start, wait = time.perf_counter(), self._times["device_wait_s"]
+        timed = 0.0 if self.call_times is None else sum(t for kind, _, t in self.call_times if kind != "step")
         dispatched = False
         if not self.paused:
             self._admit()
@@ -164,6 +168,9 @@ class Engine:
         self._process(keep=1 if dispatched else 0)
         self._times["steps"] += 1
         self._times["host_s"] += time.perf_counter() - start - (self._times["device_wait_s"] - wait)
+        if self.call_times is not None:
+            calls = sum(t for kind, _, t in self.call_times if kind != "step") - timed
+            self.call_times.append(("step", 0.0, time.perf_counter() - start - calls))
         done, self.finished = self.finished, []
         return done
 
@@ -422,10 +429,12 @@ class Engine:
         sampling = {k: v[slots] for k, v in self._sampling.items()}
         table, tokens, positions, segments, slots, completes, sampling = jax.device_put(
             (table, tokens, positions, segments, slots, completes, sampling))  # one transfer
+        start = time.perf_counter()
         self.pool, self.state, tok, logprob = device_fns.prefill(
             self.decode_cfg, self._filters(host_slots) if filters is None else filters, self.params, self.pool, table, tokens, positions, segments,
             self.state, slots, completes, sampling)
         self._times["prefill_calls"] += 1
+        self._time_call("prefill", rows * chunk, start, tok)
         if any(finishing):
             self.inflight.append(_Inflight("prefill", finishing, tok, logprob, None, self.weight_version))
 
@@ -474,11 +483,18 @@ class Engine:
             self._sampling_device = jax.device_put(self._sampling)
         table, ragged, active = jax.device_put((self.page_table, ragged, active))  # one transfer
         filters = self._filters(np.flatnonzero(active_host)) if filters is None else filters
+        start = time.perf_counter()
         self.pool, self.state, toks, logprobs, emitted = device_fns.decode(
             self.decode_cfg, self.decode_steps, filters, self.params, self.pool, table, ragged, self.state, active,
             self._sampling_device)
         self._times["decode_calls"] += 1
+        self._time_call("decode", (int(active_host.sum()), self.max_slots), start, emitted)
         self.inflight.append(_Inflight("decode", seqs, toks, logprobs, emitted, self.weight_version))
+
+    def _time_call(self, kind: str, size: Any, start: float, output: jax.Array) -> None:
+        if self.call_times is not None:
+            jax.block_until_ready(output)
+            self.call_times.append((kind, size, time.perf_counter() - start))
 
     # --- reading results -----------------------------------------------------------------
 

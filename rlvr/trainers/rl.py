@@ -184,6 +184,7 @@ def rollout_metrics(batch: ScoredBatch, version: int) -> dict[str, float]:
     out["pass_at_group"] = float(np.mean([max(g) for g in by_group.values()]))
     out["samples"] = float(len(samples))
     out["response_length"] = float(np.mean([len(s.output_ids) for s in samples]))
+    out["prompt_length"] = float(np.mean([len(s.prompt_ids) for s in samples]))
     out["truncated_fraction"] = float(np.mean([s.truncated for s in samples]))
     oldest = [min(s.versions) if s.versions else version for s in samples]
     out["staleness_mean"] = float(np.mean([version - v for v in oldest]))
