@@ -62,9 +62,9 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     """q [B, H, D]; pool [N, P, KVH, D] or [L, N, P, KVH, D] (+ `layer`); lengths [B] = the query's
     position + 1 (0 = idle row, output zeros). Returns [B, H, D] in q's dtype (float32 softmax)."""
     b, h, d = q.shape
-    if k_pages.ndim == 5:
-        k_pages, v_pages = k_pages[layer], v_pages[layer]
-    kvh = k_pages.shape[2]
+    if k_pages.ndim == 4:
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    kvh = k_pages.shape[3]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     qg = jnp.concatenate([q, jnp.zeros((1, h, d), q.dtype)]).astype(jnp.float32).reshape(b + 1, kvh, h // kvh, d)
     length = jnp.concatenate([lengths.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
@@ -73,7 +73,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     def chunk(c, state):  # online softmax: fold chunk c's entries into the rows' running state
         peak, total, out = state
         rows = jnp.minimum(ragged.rows[c], b)
-        c_peak, c_total, c_out = _chunk_attention(qg[rows] * scale, k_pages, v_pages, ragged.pages[c],
+        c_peak, c_total, c_out = _chunk_attention(qg[rows] * scale, k_pages, v_pages, layer, ragged.pages[c],
                                                   ragged.starts[c], length[rows], **options)
         segments = dict(segment_ids=rows, num_segments=b + 1, indices_are_sorted=True)
         new_peak = jnp.maximum(peak, jax.ops.segment_max(c_peak, **segments))
@@ -90,13 +90,15 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     return out.reshape(b, h, d).astype(q.dtype)
 
 
-def _chunk_attention(q, k_pages, v_pages, pages, starts, length, *, sliding_window, softcap):
+def _chunk_attention(q, k_pages, v_pages, layer, pages, starts, length, *, sliding_window, softcap):
     """Per entry (one page of one row): the max score, the sum of exp(score - max) and the
-    exp-weighted values, for the row's query q [K, KVH, G, D] (scaled). Scores as a fused
+    exp-weighted values, for the row's query q [K, KVH, G, D] (scaled). Pages are read from the
+    whole pool [L, N, ...] by flat index (slicing out a layer would copy it). Scores as a fused
     multiply-reduce in the pages' own [P, KVH] layout (tiny per-entry matmuls are slower on CPU)."""
-    page_size = k_pages.shape[1]
-    k = k_pages[pages].astype(jnp.float32)  # [K, P, KVH, D]
-    v = v_pages[pages].astype(jnp.float32)
+    layers, num_pages, page_size = k_pages.shape[:3]
+    flat = layer * num_pages + pages
+    k = k_pages.reshape(layers * num_pages, *k_pages.shape[2:])[flat].astype(jnp.float32)  # [K, P, KVH, D]
+    v = v_pages.reshape(layers * num_pages, *v_pages.shape[2:])[flat].astype(jnp.float32)
     scores = jnp.sum(k[:, :, :, None, :] * q[:, None], axis=-1)  # [K, P, KVH, G]
     if softcap:
         scores = softcap * jnp.tanh(scores / softcap)
