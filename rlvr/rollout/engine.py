@@ -36,39 +36,13 @@ from rlvr.models.config import ModelConfig
 from rlvr.models.transformer import init_paged_cache, unstack_layers
 from rlvr.rollout import device_fns
 from rlvr.rollout.pages import PagePool, PrefixCache
+from rlvr.rollout.sequence import Sequence, sampling_table, write_sampling_row
 from rlvr.rollout.stops import StopStrings
 from rlvr.rollout.types import Completion, Request
 
-MAX_STOP_IDS = 8
 # The decode attention's page list comes in chunks of max(RAGGED_MIN_CHUNK, table / RAGGED_CHUNKS)
 # entries, looped over on device: one compiled program whatever the pages held, padded by < 1 chunk.
 RAGGED_CHUNKS, RAGGED_MIN_CHUNK = 16, 64
-
-
-@dataclasses.dataclass(eq=False)
-class _Sequence:
-    request: Request
-    seed: int
-    slot: int = -1
-    pages: list[int] = dataclasses.field(default_factory=list)
-    nodes: list = dataclasses.field(default_factory=list)  # prefix-cache nodes this sequence reads
-    prefilled: int = 0  # prompt tokens whose KV is written (or dispatched)
-    cached_tokens: int = 0  # prompt tokens taken from cached or shared pages
-    device_tokens: int = 0  # upper bound of prompt + output tokens on the device
-    budget: int = 0  # pages still reserved for this sequence's worst case
-    output: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-    stops: StopStrings | None = None
-    finish: dict[str, Any] | None = None
-
-    @property
-    def prompt(self) -> list[int]:
-        return self.request.input_ids
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt) + len(self.output)
 
 
 @dataclasses.dataclass
@@ -113,10 +87,10 @@ class Engine:
         self.page_table = np.zeros((max_slots, self.pages_per_row), np.int32)
         self.state = device_fns.init_state(max_slots)
         self.active = np.zeros(max_slots, bool)
-        self._sampling = _sampling_table(max_slots)
+        self._sampling = sampling_table(max_slots)
         self._sampling_device = None  # the table on device, refreshed after admissions change it
-        self.waiting: collections.deque[_Sequence] = collections.deque()
-        self.slots: list[_Sequence | None] = [None] * max_slots
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.slots: list[Sequence | None] = [None] * max_slots
         self.finished: list[Completion] = []
         self.inflight: collections.deque[_Inflight] = collections.deque()
         self.weight_version, self.paused, self.model_path = 0, False, model_path
@@ -151,10 +125,11 @@ class Engine:
                              f"[0, {self.cfg.vocab_size})")
         seed = request.sampling.sampling_seed
         seed = int(self._seed_rng.integers(2**31)) if seed is None else int(seed)
-        seq = _Sequence(request, seed % 2**31)
-        if request.sampling.stop and self.tokenizer is not None:
-            seq.stops = StopStrings(self.tokenizer, list(request.sampling.stop))
-        self.waiting.append(seq)
+        sp = request.sampling
+        eos = set() if sp.ignore_eos or self._eos_id() is None else {self._eos_id()}
+        stops = StopStrings(self.tokenizer, list(sp.stop)) if sp.stop and self.tokenizer is not None else None
+        self.waiting.append(Sequence(request, seed % 2**31, min(sp.max_new_tokens, self.max_len - len(request.input_ids)),
+                                     frozenset(sp.stop_token_ids) | eos, stops))
 
     def step(self) -> list[Completion]:
         """One scheduling iteration; returns the completions finished in it."""
@@ -280,7 +255,7 @@ class Engine:
 
     # --- scheduling ----------------------------------------------------------------------
 
-    def _running(self) -> list[_Sequence]:
+    def _running(self) -> list[Sequence]:
         return [s for s in self.slots if s is not None]
 
     def _admit(self) -> None:
@@ -299,7 +274,7 @@ class Engine:
             self._place(seq, nodes, twin, need)
         self.waiting.extendleft(reversed(deferred))
 
-    def _place(self, seq: _Sequence, nodes: list, twin: _Sequence | None, budget: int) -> None:
+    def _place(self, seq: Sequence, nodes: list, twin: Sequence | None, budget: int) -> None:
         slot = self.slots.index(None)
         seq.slot, self.slots[slot] = slot, seq
         seq.budget = budget
@@ -313,7 +288,7 @@ class Engine:
         self._sampling_row(slot, seq)
         self._sync_table(seq)
 
-    def _prefix_pending(self, seq: _Sequence, cached: int) -> bool:
+    def _prefix_pending(self, seq: Sequence, cached: int) -> bool:
         """True if a running prefill will soon cache more of this prompt than is cached now
         (a page more, or all of it but the last token for an identical prompt)."""
         for other in self._running():
@@ -324,14 +299,14 @@ class Engine:
                 return True
         return False
 
-    def _twin(self, seq: _Sequence) -> _Sequence | None:
+    def _twin(self, seq: Sequence) -> Sequence | None:
         """A running sequence with the same prompt whose prompt (but the last token) is written."""
         for other in self._running():
             if other.prompt == seq.prompt and other.prefilled >= len(seq.prompt) - 1:
                 return other
         return None
 
-    def _copy_partial_page(self, seq: _Sequence, twin: _Sequence) -> None:
+    def _copy_partial_page(self, seq: Sequence, twin: Sequence) -> None:
         """The twin's partly filled prompt page, copied (copy-on-write): only the last prompt
         token is recomputed, its logits giving this sample's own first token."""
         index = len(seq.pages)
@@ -340,8 +315,8 @@ class Engine:
         seq.pages.append(page)
         seq.prefilled = seq.cached_tokens = len(seq.prompt) - 1
 
-    def _worst_case_pages(self, seq: _Sequence) -> int:
-        return math.ceil(min(len(seq.prompt) + self._max_new(seq), self.max_len) / self.page_size)
+    def _worst_case_pages(self, seq: Sequence) -> int:
+        return math.ceil(min(len(seq.prompt) + seq.max_new, self.max_len) / self.page_size)
 
     def _reserve(self, count: int) -> bool:
         shortfall = self._reserved + count - len(self.pages.free)
@@ -350,40 +325,29 @@ class Engine:
         self._reserved += count
         return True
 
-    def _allocate(self, seq: _Sequence, count: int) -> list[int]:
+    def _allocate(self, seq: Sequence, count: int) -> list[int]:
         seq.budget -= count
         self._reserved -= count
         return self.pages.allocate(count)
 
-    def _ensure_pages(self, seq: _Sequence, tokens: int) -> None:
+    def _ensure_pages(self, seq: Sequence, tokens: int) -> None:
         needed = min(math.ceil(tokens / self.page_size), self.pages_per_row) - len(seq.pages)
         if needed > 0:
             seq.pages += self._allocate(seq, needed)
             self._sync_table(seq)
 
-    def _sync_table(self, seq: _Sequence) -> None:
+    def _sync_table(self, seq: Sequence) -> None:
         self.page_table[seq.slot, :] = 0
         self.page_table[seq.slot, : len(seq.pages)] = seq.pages
 
-    def _sampling_row(self, slot: int, seq: _Sequence) -> None:
-        sp, table = seq.request.sampling, self._sampling
-        table["temperature"][slot], table["top_k"][slot], table["top_p"][slot] = sp.temperature, sp.top_k, sp.top_p
-        table["min_p"][slot], table["seed"][slot], table["min_new"][slot] = sp.min_p, seq.seed, sp.min_new_tokens
-        table["max_new"][slot] = self._max_new(seq)
-        stops = list(sp.stop_token_ids)
-        if not sp.ignore_eos and self._eos_id() is not None:
-            stops.append(self._eos_id())
-        table["stop_ids"][slot] = -1
-        table["stop_ids"][slot, : len(stops[:MAX_STOP_IDS])] = stops[:MAX_STOP_IDS]
+    def _sampling_row(self, slot: int, seq: Sequence) -> None:
+        write_sampling_row(self._sampling, slot, seq)
         self._sampling_device = None
 
     def _filters(self, slots: np.ndarray) -> bool:
         """Whether any of these rows asks for top-k, top-p or min-p (compiles the filter paths)."""
         table = self._sampling
         return bool(np.any((table["top_k"][slots] > 0) | (table["top_p"][slots] < 1) | (table["min_p"][slots] > 0)))
-
-    def _max_new(self, seq: _Sequence) -> int:
-        return min(seq.request.sampling.max_new_tokens, self.max_len - len(seq.prompt))
 
     def _eos_id(self) -> int | None:
         return None if self.tokenizer is None else self.tokenizer.eos_id
@@ -406,7 +370,7 @@ class Engine:
             self._dispatch_prefill(seqs, rows, self._small_chunk() if longest <= self._small_chunk()
                                    else self.prefill_chunk)
 
-    def _dispatch_prefill(self, seqs: list[_Sequence], rows: int, chunk: int, filters: bool | None = None) -> None:
+    def _dispatch_prefill(self, seqs: list[Sequence], rows: int, chunk: int, filters: bool | None = None) -> None:
         tokens, positions, segments = (np.zeros((rows, chunk), np.int32) for _ in range(3))
         table = np.zeros((rows, self.pages_per_row), np.int32)
         slots, completes = np.zeros(rows, np.int32), np.zeros(rows, bool)
@@ -438,7 +402,7 @@ class Engine:
         if any(finishing):
             self.inflight.append(_Inflight("prefill", finishing, tok, logprob, None, self.weight_version))
 
-    def _arm(self, seqs: list[_Sequence]) -> None:
+    def _arm(self, seqs: list[Sequence]) -> None:
         """Prompts with one token left go straight to decoding (`device_fns.arm`)."""
         slots = np.full(self.max_slots, self.max_slots, np.int32)
         tokens, positions = np.zeros(self.max_slots, np.int32), np.zeros(self.max_slots, np.int32)
@@ -448,7 +412,7 @@ class Engine:
             self.active[seq.slot] = True
         self.state = device_fns.arm(self.state, *jax.device_put((slots, tokens, positions)))
 
-    def _cache_prompt_pages(self, seq: _Sequence) -> None:
+    def _cache_prompt_pages(self, seq: Sequence) -> None:
         """Full prompt pages just dispatched go into the prefix cache (later readers are
         dispatched after the writes, so they see them)."""
         full = seq.prefilled // self.page_size
@@ -466,7 +430,7 @@ class Engine:
         reach = np.zeros(self.max_slots, np.int64)  # tokens whose KV this call may write, per row
         for i, seq in enumerate(seqs):
             if seq is not None:
-                final = len(seq.prompt) + self._max_new(seq)
+                final = len(seq.prompt) + seq.max_new
                 reach[i] = min(seq.device_tokens + self.decode_steps, final, self.max_len + 1) - 1
                 self._ensure_pages(seq, reach[i])
                 seq.device_tokens = min(seq.device_tokens + self.decode_steps, final)
@@ -510,7 +474,7 @@ class Engine:
                 if seq is None or seq.finish is not None:
                     continue
                 if call.kind == "prefill":
-                    if self._max_new(seq) <= 0:
+                    if seq.max_new <= 0:
                         self._finish(seq, {"type": "length", "length": 0})
                     else:
                         self._append(seq, [int(tokens[i])], [float(logprobs[i])], call.version)
@@ -518,34 +482,16 @@ class Engine:
                     n = int(emitted[i])
                     self._append(seq, tokens[i, :n].tolist(), logprobs[i, :n].tolist(), call.version)
 
-    def _append(self, seq: _Sequence, tokens: list[int], logprobs: list[float], version: int) -> None:
-        """Adds sampled tokens up to the first stop condition (a stop token past min_new_tokens,
-        max_new_tokens, or the first stop string, whichever comes first) and finishes there."""
-        sp = seq.request.sampling
-        stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos or self._eos_id() is None else {self._eos_id()})
-        end, reason = len(tokens), None
-        for i, token in enumerate(tokens):
-            count = len(seq.output) + i + 1
-            if token in stops and count >= sp.min_new_tokens:
-                end, reason = i + 1, {"type": "stop", "matched": token}
-                break
-            if count >= self._max_new(seq):
-                end, reason = i + 1, {"type": "length", "length": count}
-                break
-        seq.output += tokens[:end]
-        seq.logprobs += logprobs[:end]
-        seq.versions += [version] * end
-        self._times["generated_tokens"] += end
-        hit = None if seq.stops is None else seq.stops.feed(seq.output)
-        if hit is not None:
-            del seq.output[hit[1]:], seq.logprobs[hit[1]:], seq.versions[hit[1]:]
-            reason = {"type": "stop", "matched": hit[0]}
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[float], version: int) -> None:
+        before = len(seq.output)
+        reason = seq.accept(tokens, logprobs, version)
+        self._times["generated_tokens"] += len(seq.output) - before
         if reason is not None:
             self._finish(seq, reason)
 
     # --- finishing -----------------------------------------------------------------------
 
-    def _finish(self, seq: _Sequence, reason: dict[str, Any]) -> None:
+    def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:
         if seq.finish is not None:
             return
         seq.finish = reason
@@ -562,7 +508,7 @@ class Engine:
             seq.pages, seq.nodes, seq.budget = [], [], 0
         self.finished.append(self._completion(seq, reason))
 
-    def _completion(self, seq: _Sequence, finish: dict[str, Any] | None) -> Completion:
+    def _completion(self, seq: Sequence, finish: dict[str, Any] | None) -> Completion:
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(seq.output, skip_special_tokens=seq.request.sampling.skip_special_tokens)
@@ -573,13 +519,6 @@ class Engine:
                           output_logprobs=list(seq.logprobs), output_versions=list(seq.versions),
                           finish_reason=finish, cached_tokens=seq.cached_tokens,
                           weight_version=self.weight_version, text=text)
-
-
-def _sampling_table(slots: int) -> dict[str, np.ndarray]:
-    return {"temperature": np.ones(slots, np.float32), "top_k": np.full(slots, -1, np.int32),
-            "top_p": np.ones(slots, np.float32), "min_p": np.zeros(slots, np.float32),
-            "seed": np.zeros(slots, np.int32), "min_new": np.zeros(slots, np.int32),
-            "max_new": np.ones(slots, np.int32), "stop_ids": np.full((slots, MAX_STOP_IDS), -1, np.int32)}
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
