@@ -53,6 +53,10 @@ def test_greedy_generate_over_http_matches_engine(stack):
         lps = [item[0] for item in out["meta_info"]["output_token_logprobs"]]
         assert lps == pytest.approx(ref.output_logprobs, abs=1e-4)
         assert [item[1] for item in out["meta_info"]["output_token_logprobs"]] == ref.output_ids
+    state = httpx.get(server.url + "/server_info", timeout=30).json()["internal_states"][0]
+    metrics = state["engine_metrics"]  # the engine's counters as of its last step
+    assert metrics["compiles_decode"] >= 1 and metrics["generated_tokens"] >= 2 * sum(len(r.output_ids) for r in direct)
+    assert 0.0 <= metrics["prefix_cache_hit_rate"] <= 1.0
 
 
 def test_stream_over_real_engine(stack):
