@@ -35,7 +35,7 @@ from rlvr.envs.sandboxes import pool_counters
 from rlvr.launch.ray_workers import make_verifier_workers
 from rlvr.rl import backends
 from rlvr.rl.batching import build_batch
-from rlvr.rl.objective import token_means
+from rlvr.rl.objective import sampling_of, token_means
 from rlvr.rl.producer import Producer, ProducerSettings, ScoredBatch, load_moments, passed
 from rlvr.rl.replay import ReplayBuffer
 from rlvr.rl.update import PolicyUpdate, reference_logprobs_fn
@@ -383,7 +383,8 @@ def build_producer(run: Run, ref_params) -> Producer:
         load_moments(reward_model, producer_state.get("reward_model_moments"))
     ref_fn = None
     if rl.kl_mode == "reward" and ref_params is not None:
-        ref_fn = reference_logprobs_fn(run.model.cfg, ref_params, rl.seq_len, run.tokenizer.pad_id)
+        ref_fn = reference_logprobs_fn(run.model.cfg, ref_params, rl.seq_len, run.tokenizer.pad_id, sampling_of(rl),
+                                       config.train.logprob_chunk_size)
     if rl.curriculum:
         run.curriculum = Curriculum(run.tasks.levels(), mixture=run.tasks.weights,
                                     band=(rl.curriculum_band_low, rl.curriculum_band_high), floor=rl.curriculum_floor,
