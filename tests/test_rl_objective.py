@@ -689,6 +689,18 @@ def test_failed_verifier_is_left_out_of_the_loss_and_the_group_statistics():
     tree_close(grads, grads_without)
 
 
+def test_a_batch_of_failures_trains_on_nothing():
+    """Every verifier call crashes: the producer refills up to rl.max_refill_rounds, then hands over
+    an empty batch (all failures recorded); its metrics say so instead of crashing the step."""
+    from rlvr.trainers.rl import rollout_metrics
+
+    producer, backend, _, _ = _producer(lambda task, k: ("boom", "stop"), family=ExplodingFamily(seed=5))
+    batch = producer.make_batch(0)
+    assert batch.samples == [] and len(batch.failures) == len(backend.requests) == 3 * 4 * 4
+    metrics = rollout_metrics(batch, 0)
+    assert metrics["samples"] == 0.0 and metrics["failures"] == 48.0 and math.isnan(metrics["reward"])
+
+
 def _global_norm(tree):
     return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
 

@@ -339,7 +339,7 @@ class Producer:
         rewards = {key: float(v) for key, v in traj.rewards.items()}
         rewards.setdefault("env_error", 0.0)
         failure = None
-        if "error" in traj.trace:
+        if traj.trace.get("error"):  # (an agent's trace has "error": None when it ran fine)
             failure = {"task_index": task.index, "family": task.family, "rid": traj.trace.get("rid"),
                        "error": traj.trace["error"]}
         prompt = traj.prompt_ids or [self.tokenizer.eos_id]

@@ -170,6 +170,8 @@ def _eval_point(step: int, result: dict[str, Any]) -> list:
 def rollout_metrics(batch: ScoredBatch, version: int) -> dict[str, float]:
     """Reward (total and components), pass rates, lengths and staleness of one batch."""
     samples = batch.samples
+    if not samples:  # every sample was an infrastructure failure: nothing was trained on
+        return {"reward": float("nan"), "samples": 0.0, "failures": float(len(batch.failures)), **batch.stats}
     out: dict[str, float] = {}
     for key in sorted({k for s in samples for k in s.rewards}):  # components present in each family's samples
         out[f"reward/{key}" if key != "reward" else "reward"] = float(np.mean(
@@ -441,7 +443,7 @@ def run_steps(run: Run) -> int | None:
             writer.write(done, record)
             if done % config.train.log_every == 0 or done == num_steps or done == run.start + 1:
                 progress.update(done, {"reward": record["reward"], "acc": run.evals[-1][1],
-                                       "stale": record["staleness_max"]})
+                                       "stale": record.get("staleness_max", 0.0)})
             if done % config.checkpoint.every_steps == 0 or done == num_steps:
                 if done == num_steps:
                     run.evaluate(done, "after")
