@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable
 
 import ml_collections
+from ml_collections import config_dict
 
 from rlvr.models.config import PRESETS, ModelConfig, validate_attention_mesh
 
@@ -22,22 +23,28 @@ class ConfigError(ValueError):
     """A bad config value; the message names the field and how to fix it."""
 
 
+_FIELD_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
 def model_config_dict(preset: str = "", **overrides) -> ml_collections.ConfigDict:
-    """`model.*` fields: exactly the fields of `ModelConfig`, from its defaults, a named
-    preset (`rlvr.models.config.PRESETS`), then the overrides."""
-    values = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-    if preset:
-        if preset not in PRESETS:
-            raise ConfigError(f"model preset {preset!r} is unknown; presets: {sorted(PRESETS)}")
-        values.update(PRESETS[preset])
-    unknown = set(overrides) - set(values)
+    """`model.*`: `preset` (a named architecture of `rlvr.models.config.PRESETS`, for random init) and
+    one field per `ModelConfig` field. A field left None is not set: it comes from the checkpoint the
+    job starts from (init.*), else the preset, else ModelConfig's default. A field that is set is a
+    choice: a checkpoint that contradicts it is an error (rlvr.start)."""
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    if preset and preset not in PRESETS:
+        raise ConfigError(f"model preset {preset!r} is unknown; presets: {sorted(PRESETS)}")
+    unknown = set(overrides) - set(fields)
     if unknown:
         name = sorted(unknown)[0]
-        close = difflib.get_close_matches(name, values, n=1)
+        close = difflib.get_close_matches(name, fields, n=1)
         hint = f' Did you mean "{close[0]}"?' if close else ""
         raise ConfigError(f"model.{name} is not a model field.{hint}")
-    values.update(overrides)
-    return ml_collections.ConfigDict(values)
+    c = ml_collections.ConfigDict({"preset": preset, **{
+        name: config_dict.placeholder(_FIELD_TYPES[str(f.type)]) for name, f in fields.items()}})
+    for name, value in overrides.items():
+        c[name] = value
+    return c
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -46,9 +53,17 @@ def base_config() -> ml_collections.ConfigDict:
     c.job = "sft"  # which trainer: see rlvr.main.TRAINERS
     c.seed = 0
     c.model = model_config_dict()
-    # Weights to start from: an HF dir, or an rlvr workdir's latest checkpoint (e.g. an SFT run).
-    c.init = ml_collections.ConfigDict({"hf_checkpoint": "", "workdir": ""})
-    c.tokenizer = ml_collections.ConfigDict({"path": ""})  # HF dir; "" = built-in byte-level
+    # Where the policy comes from (rlvr.start): both "" = random init from model.*; else one of
+    c.init = ml_collections.ConfigDict({
+        "hf_checkpoint": "",  # a Hugging Face directory: its architecture, weights and tokenizer
+        "workdir": "",  # an rlvr workdir's latest checkpoint, with the architecture and tokenizer it recorded
+    })
+    c.tokenizer = ml_collections.ConfigDict({
+        "path": "",  # a Hugging Face tokenizer dir; "" = the checkpoint's own (random init: byte-level)
+        # the chat template: a jinja template, a .jinja file or "chatml"; "" = the tokenizer's own
+        "chat_template": "",
+        "system_prompt": "",  # put first in every conversation without a system message ("" = none)
+    })
     c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1, "sequence": 1})
     c.data = ml_collections.ConfigDict({
         "source": "arithmetic",  # arithmetic (synthetic, built in) | jsonl | tfds
@@ -129,7 +144,9 @@ def rl_config() -> ml_collections.ConfigDict:
         # where verifiers run: local (threads in this process) | ray (verifier_workers Ray actors, each with
         # its own task mixture; verifier_address = an existing cluster, "" = start a local one)
         "verifier_backend": "local", "verifier_address": "",
-        "prompt_format": "raw",  # raw (task.prompt as text) | chat (task messages through the chat template)
+        # raw (task.prompt as text) | chat (task messages through the chat template); "" = the run in
+        # init.workdir's (an RL or eval run), else raw
+        "prompt_format": "",
         # multi-turn tasks (rlvr.envs: tools, code repair): episodes run concurrently on episode_workers
         # threads; max_new_tokens is then per model turn and seq_len bounds the whole episode;
         # max_turns caps the environment's own turn limit (0 = the environment's)
@@ -139,13 +156,21 @@ def rl_config() -> ml_collections.ConfigDict:
         # task through the embedded engine's OpenAI endpoint; its calls are recorded as token trajectories
         "agent": "", "agent_timeout_s": 600.0,
         "agent_options": ml_collections.ConfigDict(),  # keyword arguments of the agent factory
-        # rollout
-        "prompts_per_step": 16, "group_size": 8, "max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0,
-        "seq_len": 32,  # train rows: longest prompt + max_new_tokens must fit
+        # rollout: prompts (tasks) per step, samples per prompt, sampling temperature and top-p
+        "prompts_per_step": 16, "group_size": 8, "temperature": 1.0, "top_p": 1.0,
+        # budgets (rlvr.budgets): the response budget; 0 = the run in init.workdir's (an RL or eval run)
+        "max_new_tokens": 0,
+        "max_prompt_len": 0,  # prompts longer are skipped (and reported); 0 = the longest prompt of rl.task
+        "seq_len": 0,  # train rows (multi-turn: the episode budget); 0 = max_prompt_len + max_new_tokens
         "backend": "embedded",  # embedded (in-process JAX engine) | sglang (HTTP servers at sglang_urls)
         "sglang_urls": "",  # comma-separated
-        "engine": ml_collections.ConfigDict({"max_slots": 128, "max_len": 64, "page_size": 16, "decode_steps": 8,
+        # embedded engine: sequences at once, cache per sequence (0 = rl.seq_len rounded up to page_size),
+        # KV page size, decode steps per host round trip, prefill rows and chunk length
+        "engine": ml_collections.ConfigDict({"max_slots": 128, "max_len": 0, "page_size": 16, "decode_steps": 8,
                                              "prefill_rows": 16, "prefill_chunk": 32}),
+        # what happens: samples_per_step completions of each step (with their reward components) go to
+        # samples.jsonl; the first and every print_samples_every steps, two are printed (0 = never)
+        "samples_per_step": 4, "print_samples_every": 10,
         # loop
         "mode": "sync",  # sync | async
         "max_staleness": 1,  # async: max weight versions between sampling and training a sample
@@ -187,7 +212,9 @@ def rl_config() -> ml_collections.ConfigDict:
         # evaluation (held-out greedy) and the SFT warm start
         "eval_examples": 128, "eval_every": 0,
         "eval_samples": 1, "eval_temperature": 1.0,  # > 1: also pass@k (k = 1, 2, 4, … <= eval_samples) sampled
+        # SFT warm start on the tasks' demonstrations before RL: steps (0 = none), demonstrations, batch, lr
         "sft_steps": 0, "sft_demos": 256, "sft_batch_size": 16, "sft_learning_rate": 3e-3,
+        "sft_on_checkpoint": False,  # allow the warm start on top of init.hf_checkpoint / init.workdir
         "sft_off_format": 0.0,  # fraction of demonstrations written in a format the verifier rejects
         "sft_seq_len": 0,  # warm-start rows (demonstrations packed); 0 = 4 × rl.seq_len
     })
@@ -205,7 +232,7 @@ def _validate_rl(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(str(e)) from None
     _one_of(config, "rl.backend", ("embedded", "sglang"))
     _one_of(config, "rl.mode", ("sync", "async"))
-    _one_of(config, "rl.prompt_format", ("raw", "chat"))
+    _one_of(config, "rl.prompt_format", ("", "raw", "chat"))
     _one_of(config, "rl.verifier_backend", ("local", "ray"))
     _existing_path(config, "rl.reward_model", "reward-model workdir (a job 'rm' run)")
     if rl.replay_capacity and not 0 < rl.replay_fraction < 1:
@@ -223,9 +250,13 @@ def _validate_rl(config: ml_collections.ConfigDict) -> None:
                           "the in-process engine's OpenAI endpoint)")
     if rl.max_turns < 0:
         raise ConfigError(f"rl.max_turns={rl.max_turns}: must be >= 0 (0 = the environment's own limit).")
-    for path in ("rl.prompts_per_step", "rl.group_size", "rl.max_new_tokens", "rl.seq_len", "rl.eval_examples",
-                 "rl.updates_per_batch", "rl.episode_workers"):
+    for path in ("rl.prompts_per_step", "rl.group_size", "rl.eval_examples", "rl.updates_per_batch",
+                 "rl.episode_workers"):
         _positive(config, path)
+    for path in ("rl.max_new_tokens", "rl.max_prompt_len", "rl.seq_len", "rl.engine.max_len", "rl.samples_per_step",
+                 "rl.print_samples_every"):
+        if _get(config, path) < 0:
+            raise ConfigError(f"{path}={_get(config, path)}: must be >= 0 (0 = derived or inherited, see rlvr.budgets).")
     if rl.curriculum and not 0 <= rl.curriculum_band_low < rl.curriculum_band_high <= 1:
         raise ConfigError(f"rl.curriculum_band_low={rl.curriculum_band_low}, rl.curriculum_band_high="
                           f"{rl.curriculum_band_high}: need 0 <= low < high <= 1.")
@@ -237,17 +268,20 @@ def _validate_rl(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"rl.dual_clip={rl.dual_clip}: must be > 1 (or 0 to turn it off).")
     if rl.backend == "sglang" and not rl.sglang_urls.strip():
         raise ConfigError("rl.backend='sglang' needs rl.sglang_urls (comma-separated server URLs).")
-    if rl.seq_len > rl.engine.max_len:
+    if rl.seq_len and rl.engine.max_len and rl.seq_len > rl.engine.max_len:
         raise ConfigError(f"rl.seq_len={rl.seq_len} exceeds rl.engine.max_len={rl.engine.max_len}; raise "
-                          "rl.engine.max_len (a multiple of rl.engine.page_size).")
-    if rl.max_new_tokens >= rl.seq_len:
+                          "rl.engine.max_len (a multiple of rl.engine.page_size), or set it to 0 (derived).")
+    if rl.seq_len and rl.max_new_tokens >= rl.seq_len:
         raise ConfigError(f"rl.max_new_tokens={rl.max_new_tokens} leaves no room for the prompt in "
                           f"rl.seq_len={rl.seq_len}; raise rl.seq_len.")
     if rl.group_size < 2 and rl.advantage in ("grpo", "dr_grpo", "rloo"):
         raise ConfigError(f"rl.advantage={rl.advantage!r} compares samples within a group: set rl.group_size >= 2.")
     _validate_schedule(rl)
-    if rl.sft_steps and config.init.workdir:
-        raise ConfigError("set either rl.sft_steps (warm start here) or init.workdir (start from a run), not both.")
+    checkpoint = config.init.hf_checkpoint and "init.hf_checkpoint" or config.init.workdir and "init.workdir"
+    if config.job == "rl" and rl.sft_steps and checkpoint and not rl.sft_on_checkpoint:
+        raise ConfigError(f"rl.sft_steps={rl.sft_steps} would run an SFT warm start on demonstrations on top of "
+                          f"{checkpoint}: set rl.sft_steps=0 to start RL from the checkpoint as it is, or "
+                          "rl.sft_on_checkpoint=True to warm-start it first.")
 
 
 def _validate_schedule(rl: ml_collections.ConfigDict) -> None:
@@ -311,15 +345,16 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
     """Checks values before any compile. Raises ConfigError naming the field."""
     from rlvr import sharding  # local: keeps config files importable without jax set-up
 
+    from rlvr import start
+
     if jobs is not None:
         _one_of(config, "job", jobs)
-    try:
-        ModelConfig.from_mapping(config.model)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    _existing_path(config, "init.hf_checkpoint", "checkpoint directory")
+    _existing_path(config, "init.workdir", "workdir")
+    model = start.model_config(config)  # the checkpoint's architecture when there is one
     try:
         mesh = sharding.mesh_shape_from_config(dict(config.mesh), num_devices)
-        validate_attention_mesh(ModelConfig.from_mapping(config.model), mesh)
+        validate_attention_mesh(model, mesh)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     for path in ("data.batch_size", "data.seq_len", "train.num_steps", "train.log_every",
@@ -359,17 +394,15 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
     if config.data.source == "jsonl" and not config.data.path:
         raise ConfigError("data.path is empty but data.source='jsonl'; give a JSONL file.")
     _existing_path(config, "data.path", "data file")
-    _existing_path(config, "init.hf_checkpoint", "checkpoint directory")
     _existing_path(config, "tokenizer.path", "tokenizer directory")
-    _existing_path(config, "init.workdir", "workdir")
     if config.job in ("rl", "eval"):
         _validate_rl(config)
     if config.job == "eval":
         _validate_eval(config)
-    if config.data.seq_len > config.model.max_position_embeddings:
+    if config.data.seq_len > model.max_position_embeddings:
         raise ConfigError(
             f"data.seq_len={config.data.seq_len} exceeds model.max_position_embeddings="
-            f"{config.model.max_position_embeddings}.")
+            f"{model.max_position_embeddings}.")
 
 
 def load_config(spec: str, overrides: dict | None = None) -> ml_collections.ConfigDict:

@@ -39,14 +39,11 @@ def eval_task_list(tasks, eval_config: ml_collections.ConfigDict) -> list:
 
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    from rlvr.trainers.rl import build_backend
+    from rlvr.trainers.rl import build_backend, policy_pointer
 
     tasks = build_tasks(config.rl, config.seed)
     tokenizer = api.build_tokenizer(config)
-    if config.init.workdir:
-        model, source = api.load_trained(config.init.workdir), f"rlvr-workdir:{config.init.workdir}"
-    else:
-        model, source = api.build_model(config), config.init.hf_checkpoint or f"random-init:seed={config.seed}"
+    model, source = api.build_model(config), policy_pointer(config)
     api.check_vocab(model.cfg, tokenizer)
     backend = build_backend(config, model, model.params, tokenizer, workdir, version=0)
     try:

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from rlvr import api, evaluation, observe
+from rlvr import api, evaluation, observe, start
 from rlvr.envs.sandboxes import pool_counters
 from rlvr.rl import backends
 from rlvr.rl.batching import build_batch
@@ -104,7 +104,7 @@ def warm_start(config: ml_collections.ConfigDict, workdir: str, tasks) -> str:
     c.train.log_every = max(rl.sft_steps // 4, 1)
     c.checkpoint.every_steps = rl.sft_steps
     print(f"warm start: SFT on {rl.sft_demos} demonstrations for {rl.sft_steps} steps -> {sft_dir}")
-    observe.write_run_info(c, sft_dir)
+    start.write_workdir(c, sft_dir)
     sft.train(c, sft_dir)
     return sft_dir
 
@@ -114,10 +114,13 @@ def initial_model(config: ml_collections.ConfigDict, workdir: str, tasks) -> tup
     if config.rl.sft_steps:
         sft_dir = warm_start(config, workdir, tasks)
         return api.load_trained(sft_dir), f"rlvr-workdir:{sft_dir}"
-    if config.init.workdir:
-        return api.load_trained(config.init.workdir), f"rlvr-workdir:{config.init.workdir}"
-    source = config.init.hf_checkpoint or f"random-init:seed={config.seed}"
-    return api.build_model(config), source
+    return api.build_model(config), policy_pointer(config)
+
+
+def policy_pointer(config: ml_collections.ConfigDict) -> str:
+    """Where the policy came from, for the record: rlvr-workdir:DIR, an HF directory, or random-init."""
+    src = start.source(config)
+    return {"workdir": f"rlvr-workdir:{src.path}", "hf": src.path}.get(src.kind, f"random-init:seed={config.seed}")
 
 
 def build_backend(config: ml_collections.ConfigDict, model: api.Model, params, tokenizer, workdir: str,
@@ -265,20 +268,6 @@ def _logprobs_fn(cfg):
     return lambda params, b: np.asarray(logprobs(params, b["tokens"], b["positions"], b["segment_ids"]))
 
 
-def with_value_head(model: api.Model) -> api.Model:
-    """The policy plus a zero-initialised scalar value head on its backbone (PPO's critic): the
-    value starts at 0 everywhere and is learned by the value loss."""
-    from rlvr.models import params as params_lib
-
-    if model.cfg.value_head:
-        return model
-    cfg = dataclasses.replace(model.cfg, value_head=True)
-    shardings = params_lib.param_shardings(cfg, model.mesh)
-    head = jax.tree.map(lambda sh, a: jax.device_put(jnp.zeros(a.shape, a.dtype), sh),
-                        shardings["value_proj"], params_lib.abstract_params(cfg)["value_proj"])
-    return api.Model(cfg, {**model.params, "value_proj": head}, model.mesh)
-
-
 def _record_value_head(workdir: str) -> None:
     """Marks model.value_head in the run's config.json, so `api.load_trained(workdir)` rebuilds
     the checkpoint's structure (policy + value head)."""
@@ -383,7 +372,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     tasks = build_tasks(rl, config.seed)
     model, reference_pointer = initial_model(config, workdir, tasks)
     if rl.advantage == "gae":
-        model = with_value_head(model)
+        model = api.with_value_head(model)
         _record_value_head(workdir)
     api.check_vocab(model.cfg, tokenizer)
     num_steps, updates = config.train.num_steps, rl.updates_per_batch
