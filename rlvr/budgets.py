@@ -46,9 +46,10 @@ def inherit(rl: ml_collections.ConfigDict, recorded: ml_collections.ConfigDict |
     rl.prompt_format = rl.prompt_format or "raw"
 
 
-def resolve(config: ml_collections.ConfigDict, tokenizer, recorded: ml_collections.ConfigDict | None) -> None:
+def resolve(config: ml_collections.ConfigDict, tokenizer, recorded: ml_collections.ConfigDict | None) -> list[str]:
     """Fills rl.max_new_tokens, prompt_format, max_prompt_len, seq_len and engine.max_len of an
-    unlocked, otherwise resolved config (see the module docstring). Prints the budgets."""
+    unlocked, otherwise resolved config (see the module docstring) and prints them. Returns the
+    multi-turn (tool-using) families of rl.task."""
     from rlvr.tasks import build_tasks, preview
 
     rl = config.rl
@@ -93,3 +94,4 @@ def resolve(config: ml_collections.ConfigDict, tokenizer, recorded: ml_collectio
         print(f"WARNING: {len(too_long)} of {len(measured)} measured prompts of rl.task are longer than "
               f"{rl.max_prompt_len} tokens and will be skipped (longest: {preview.longest(too_long)}); "
               "set rl.max_prompt_len=0 and rl.seq_len=0 to fit them all.")
+    return episodic

@@ -51,7 +51,7 @@ def base_config() -> ml_collections.ConfigDict:
     """All keys a job may read, with defaults. Experiment files override and lock."""
     c = ml_collections.ConfigDict()
     c.job = "sft"  # which trainer: see rlvr.main.TRAINERS
-    c.seed = 0
+    c.seed = 0  # seeds the model init, data order, task streams and sampling
     c.model = model_config_dict()
     # Where the policy comes from (rlvr.start): both "" = random init from model.*; else one of
     c.init = ml_collections.ConfigDict({
@@ -64,6 +64,8 @@ def base_config() -> ml_collections.ConfigDict:
         "chat_template": "",
         "system_prompt": "",  # put first in every conversation without a system message ("" = none)
     })
+    # device mesh axis sizes (one may be -1: the remaining devices): data parallel, fully sharded data parallel
+    # (params and optimizer state sharded), tensor parallel, sequence (context) parallel
     c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1, "sequence": 1})
     c.data = ml_collections.ConfigDict({
         "source": "arithmetic",  # arithmetic (synthetic, built in) | jsonl | tfds
@@ -71,42 +73,42 @@ def base_config() -> ml_collections.ConfigDict:
         # preference jobs: {"prompt", "chosen", "rejected"} (strings or chat messages).
         "path": "",
         "eval_path": "",  # held-out records (jsonl) for evaluation; "" = none
-        "tfds_name": "",
-        "tfds_dir": "",
-        "split": "train",
+        "tfds_name": "",  # data.source="tfds": the dataset name
+        "tfds_dir": "",  # data.source="tfds": its data directory
+        "split": "train",  # the training split (tfds)
         "eval_split": "",  # tfds held-out split
         "batch_size": 8,  # sequences (SFT) or pairs (preference) per step
-        "seq_len": 128,
+        "seq_len": 128,  # tokens per training row (SFT, preference pairs)
         "pack": True,  # SFT: several examples per row with segment ids
-        "max_operand": 99,
+        "max_operand": 99,  # data.source="arithmetic": the largest operand
     })
     c.optimizer = ml_collections.ConfigDict({
-        "name": "adamw",
-        "learning_rate": 1e-3,
-        "warmup_steps": 10,
-        "schedule": "cosine",  # cosine | linear | constant
-        "weight_decay": 0.0,
-        "b1": 0.9,
-        "b2": 0.95,
-        "eps": 1e-8,
-        "grad_clip": 1.0,
+        "name": "adamw",  # adamw | adafactor | sgd
+        "learning_rate": 1e-3,  # peak learning rate
+        "warmup_steps": 10,  # linear warmup from 0 to the peak
+        "schedule": "cosine",  # cosine | linear | constant (after the warmup)
+        "weight_decay": 0.0,  # decoupled weight decay (not on norms and biases)
+        "b1": 0.9,  # Adam beta1
+        "b2": 0.95,  # Adam beta2
+        "eps": 1e-8,  # Adam epsilon
+        "grad_clip": 1.0,  # global gradient-norm clipping (0 = off)
     })
     c.train = ml_collections.ConfigDict({
-        "num_steps": 100,
-        "log_every": 10,
+        "num_steps": 100,  # optimizer steps (RL: train steps, each on one rollout batch)
+        "log_every": 10,  # steps between metrics records and progress lines
         "micro_batches": 1,  # gradient accumulation: the batch is split into this many parts
-        "eval_examples": 32,
-        "tensorboard": True,
+        "eval_examples": 32,  # SFT: held-out records (data.eval_path) or arithmetic problems evaluated at the end
+        "tensorboard": True,  # also write metrics as TensorBoard events (workdir/tensorboard)
         # > 0: the SFT/RL losses compute token log-probs in chunks of this many positions (forward and
         # backward) instead of materialising [batch, seq_len, vocab] logits; 0 = full logits
         "logprob_chunk_size": 0,
     })
     c.preference = ml_collections.ConfigDict({
         "loss": "dpo",  # dpo | cdpo | ipo | simpo | orpo (jobs 'dpo'); 'rm' jobs use bradley_terry
-        "beta": 0.1,
+        "beta": 0.1,  # inverse temperature of the implicit reward (dpo, cdpo, ipo, simpo)
         "label_smoothing": 0.0,  # cdpo
-        "simpo_gamma": 0.5,
-        "orpo_lambda": 0.1,
+        "simpo_gamma": 0.5,  # simpo: the target reward margin
+        "orpo_lambda": 0.1,  # orpo: weight of the odds-ratio term
         "reference": "precompute",  # precompute (one pass before training) | online (frozen params)
     })
     c.rl = rl_config()
@@ -114,15 +116,15 @@ def base_config() -> ml_collections.ConfigDict:
     # evaluated per family and level on the held-out stream with pass@k
     c.eval = ml_collections.ConfigDict({
         "levels": "all",  # all | default (each family's level drawn per task) | comma-separated ints
-        "examples_per_level": 32,
+        "examples_per_level": 32,  # held-out tasks per family and level
         "samples": 8,  # per task; pass@k for k = 1, 2, 4, … <= samples (1 = greedy pass@1)
-        "temperature": 1.0,
+        "temperature": 1.0,  # sampling temperature when samples > 1
     })
     c.checkpoint = ml_collections.ConfigDict({
-        "every_steps": 50,
-        "keep": 3,
-        "async_save": True,
-        "resume": True,
+        "every_steps": 50,  # steps between checkpoints (and one at the end)
+        "keep": 3,  # checkpoints kept
+        "async_save": True,  # save in the background while training continues
+        "resume": True,  # rerunning a job resumes from its latest checkpoint
         # on SIGTERM (preemption) a checkpoint is saved at the next step boundary; RL in async mode first
         # waits up to this long for the batch being generated, so it is saved too (rlvr.train.preemption)
         "preemption_grace_s": 30.0,
@@ -181,10 +183,10 @@ def rl_config() -> ml_collections.ConfigDict:
         "aggregation": "token_mean",  # token_mean | seq_mean_token_mean | seq_mean_token_sum | token_sum_norm
         "clip_low": 0.2, "clip_high": 0.2,  # clip_high > clip_low: DAPO clip-higher
         "dual_clip": 0.0,  # > 1 enables dual-clip with this c; 0 = off
-        "gspo_clip_low": 3e-4, "gspo_clip_high": 4e-4,
+        "gspo_clip_low": 3e-4, "gspo_clip_high": 4e-4,  # gspo: clip range of the sequence-level ratio
         "kl_coef": 0.0, "kl_estimator": "k3", "kl_mode": "loss",  # loss (term) | reward (penalty)
         "reference_model": False,  # keep the frozen reference even at kl_coef=0 (KL is still reported)
-        "entropy_coef": 0.0,
+        "entropy_coef": 0.0,  # entropy bonus weight in the loss
         "tis_cap": 2.0,  # truncated importance sampling cap on π_trainer/π_sampler; 0 = off
         "tis_level": "token",  # token | sequence
         "dynamic_sampling": False, "max_refill_rounds": 2,  # DAPO: drop zero-variance groups, refill

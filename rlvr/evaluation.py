@@ -49,7 +49,7 @@ def _aggregate(rows: list[dict[str, Any]], ks: Sequence[int]) -> dict[str, float
 def evaluate_tasks(backend, tokenizer, tasks, task_list: Sequence, *, max_new_tokens: int, samples: int = 1,
                    temperature: float = 1.0, prompt_format: str = "raw", seed: int = 0,
                    tag: str = "eval", max_len: int | None = None, make_env=None, max_turns: int = 0,
-                   episode_workers: int = 64) -> dict[str, Any]:
+                   episode_workers: int = 64, records: list | None = None) -> dict[str, Any]:
     """Generates and scores `samples` completions per task of `task_list` (greedy if 1).
 
     `tasks` scores (a TaskMixture or a Family). Returns {"overall", "by_family", "by_level",
@@ -57,7 +57,9 @@ def evaluate_tasks(backend, tokenizer, tasks, task_list: Sequence, *, max_new_to
     and "value" when the family reports it (arithmetic: right number, any format). Tasks whose
     prompt + max_new_tokens exceeds `max_len` are left out and counted in "skipped_too_long".
     Multi-turn tasks (`task.metadata["env"]`) are played as episodes of their environment
-    (`make_env`, default rlvr.envs.make_env; `max_new_tokens` per turn, `max_len` per episode)."""
+    (`make_env`, default rlvr.envs.make_env; `max_new_tokens` per turn, `max_len` per episode).
+    `records`, when given, receives every single-turn completion with its rewards (for
+    `rlvr.observe.SampleLog`)."""
     from rlvr.rl.producer import is_episode_task
 
     greedy = samples == 1
@@ -82,8 +84,14 @@ def evaluate_tasks(backend, tokenizer, tasks, task_list: Sequence, *, max_new_to
     completions = backend.generate(requests) if requests else []
     rows = []
     for i, t in enumerate(kept):
-        scores = [tasks.score(t, *completion_text(tokenizer, c)) for c in completions[i * samples:(i + 1) * samples]]
+        group = completions[i * samples:(i + 1) * samples]
+        texts = [completion_text(tokenizer, c) for c in group]
+        scores = [tasks.score(t, *text) for text in texts]
         rows.append(_row(t, samples, scores))
+        if records is not None:
+            records += [{"family": t.family, "level": t.level, "task_index": t.index, "prompt_ids": c.prompt_ids,
+                         "output_ids": c.output_ids, "rewards": score, "truncated": text[1]}
+                        for c, text, score in zip(group, texts, scores, strict=True)]
     if episode_tasks:
         rows += _episode_rows(backend, tokenizer, episode_tasks, samples=samples, temperature=temperature, seed=seed,
                               tag=tag, max_new_tokens=max_new_tokens, max_len=max_len or 4096, make_env=make_env,

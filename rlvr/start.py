@@ -31,6 +31,7 @@ import shutil
 import ml_collections
 
 from rlvr.config_lib import ConfigError
+from rlvr.data.chat import check_tool_calls
 from rlvr.models.config import RUNTIME_FIELDS, ModelConfig
 from rlvr.models.tokenizer import (BUILTIN_TEMPLATES, TOKENIZER_FILES, Tokenizer, byte_level_tokenizer,
                                    write_chat_template)
@@ -252,7 +253,12 @@ def resolve(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     for key, value in settings.items():
         out.tokenizer[key] = value
     if config.job in ("rl", "eval"):
-        budgets.resolve(out, tokenizer, run_config(src.path) if src.kind == "workdir" else None)
+        episodic = budgets.resolve(out, tokenizer, run_config(src.path) if src.kind == "workdir" else None)
+        if episodic or config.rl.agent:
+            try:
+                check_tool_calls(tokenizer, f"rl.task ({', '.join(episodic)})" if episodic else "rl.agent")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
     out.lock()
     return out
 

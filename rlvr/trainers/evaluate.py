@@ -15,7 +15,7 @@ from typing import Any
 
 import ml_collections
 
-from rlvr import api, evaluation
+from rlvr import api, evaluation, observe
 from rlvr.tasks import build_tasks
 from rlvr.tasks.base import HELD_OUT
 
@@ -46,17 +46,24 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     model, source = api.build_model(config), policy_pointer(config)
     api.check_vocab(model.cfg, tokenizer)
     backend = build_backend(config, model, model.params, tokenizer, workdir, version=0)
+    records: list[dict[str, Any]] = []
     try:
         task_list = eval_task_list(tasks, config.eval)
         result = evaluation.evaluate_tasks(backend, tokenizer, tasks, task_list,
                                            max_new_tokens=config.rl.max_new_tokens, samples=config.eval.samples,
                                            temperature=config.eval.temperature,
                                            prompt_format=config.rl.prompt_format, seed=config.seed,
-                                           max_len=config.rl.seq_len)
+                                           max_len=config.rl.seq_len, records=records)
     finally:
         backend.close()
     result["policy"] = source
+    samples_log = observe.SampleLog(workdir, tokenizer)
+    samples_log.write(0, "eval", records, show=3)
+    samples_log.close()
     json_path, md_path = evaluation.write(workdir, result)
     print(evaluation.table(result, "by_level"))
-    print(f"wrote {json_path} and {md_path}")
+    if result["skipped_too_long"]:
+        print(f"WARNING: {result['skipped_too_long']} of {len(task_list)} tasks have prompts longer than "
+              f"rl.max_prompt_len={config.rl.max_prompt_len} and were not evaluated (rl.max_prompt_len=0 fits them all)")
+    print(f"wrote {json_path}, {md_path} and samples.jsonl")
     return result

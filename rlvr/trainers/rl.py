@@ -134,7 +134,7 @@ def build_backend(config: ml_collections.ConfigDict, model: api.Model, params, t
                                         seed=config.seed)
     urls = [u.strip() for u in rl.sglang_urls.split(",") if u.strip()]
     backend = backends.SGLangBackend(urls, model.cfg, os.path.join(workdir, "weights"),
-                                     tokenizer_dir=config.tokenizer.path or config.init.hf_checkpoint or None)
+                                     tokenizer_dir=config.tokenizer.path or None)
     backend.update_weights(params, version)  # the servers start from the trainer's policy
     return backend
 
@@ -152,14 +152,15 @@ def build_objective(rl: ml_collections.ConfigDict) -> Objective:
 
 # --- evaluation ----------------------------------------------------------------------------------
 
-def evaluate(backend, tasks, tokenizer, rl: ml_collections.ConfigDict, tag: str, seed: int = 0) -> dict[str, Any]:
+def evaluate(backend, tasks, tokenizer, rl: ml_collections.ConfigDict, tag: str, seed: int = 0,
+             records: list | None = None) -> dict[str, Any]:
     """Held-out evaluation on `rl.eval_examples` tasks (stratified over families): pass@1 greedy,
     or pass@k over `rl.eval_samples` samples; per family, level and domain (rlvr.evaluation)."""
     return evaluation.evaluate_tasks(backend, tokenizer, tasks, tasks.held_out(rl.eval_examples),
                                      max_new_tokens=rl.max_new_tokens, samples=rl.eval_samples,
                                      temperature=rl.eval_temperature, prompt_format=rl.prompt_format,
                                      seed=seed, tag=f"eval-{tag}", max_len=rl.seq_len, make_env=env_factory(rl),
-                                     max_turns=rl.max_turns, episode_workers=rl.episode_workers)
+                                     max_turns=rl.max_turns, episode_workers=rl.episode_workers, records=records)
 
 
 def env_factory(rl: ml_collections.ConfigDict):
@@ -181,6 +182,17 @@ def _eval_point(step: int, result: dict[str, Any]) -> list:
 
 
 # --- metrics -------------------------------------------------------------------------------------
+
+def _spread(samples, count: int) -> list[dict[str, Any]]:
+    """`count` samples of the batch, from different groups first, as SampleLog records."""
+    groups: dict[int, list] = {}
+    for s in samples:
+        groups.setdefault(s.group, []).append(s)
+    rounds = max((len(g) for g in groups.values()), default=0)
+    chosen = [g[i] for i in range(rounds) for g in groups.values() if i < len(g)][:count]
+    return [{"family": s.family, "level": s.level, "task_index": s.task_index, "prompt_ids": s.prompt_ids,
+             "output_ids": s.output_ids, "rewards": s.rewards, "truncated": s.truncated} for s in chosen]
+
 
 def rollout_metrics(batch: ScoredBatch, version: int) -> dict[str, float]:
     """Reward (total and components), pass rates, lengths and staleness of one batch."""
@@ -387,7 +399,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     if config.checkpoint.resume and checkpoints.latest_step() is not None:
         state, extra = checkpoints.restore(step_lib.abstract_state(model.cfg, optimizer, shardings))
         print(f"resumed from step {int(state['step']) // updates} ({checkpoints.directory})")
-        observe.drop_metrics_after(workdir, int(state["step"]) // updates)
+        for log in ("metrics.jsonl", "samples.jsonl"):
+            observe.drop_metrics_after(workdir, int(state["step"]) // updates, log)
     else:
         state = step_lib.init_state(model.params, optimizer, shardings)
     model.params = None  # owned (and donated) by `state`
@@ -405,11 +418,15 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     evals: list[list] = [[*e, {}][:4] for e in extra.get("evals", [])]
     eval_details: list[dict[str, Any]] = extra.get("eval_details", [])
 
+    samples_log = observe.SampleLog(workdir, tokenizer)
+
     def run_eval(step: int, tag: str) -> None:
-        result = evaluate(backend, tasks, tokenizer, rl, tag, config.seed)
+        records: list[dict[str, Any]] = []
+        result = evaluate(backend, tasks, tokenizer, rl, tag, config.seed, records)
+        samples_log.write(step, f"eval-{tag}", records)
         if result["skipped_too_long"]:
-            print(f"evaluation {tag}: {result['skipped_too_long']} held-out prompts are longer than rl.seq_len "
-                  f"allows and were left out (their families are missing from the tables)")
+            print(f"WARNING: evaluation {tag}: {result['skipped_too_long']} held-out prompts are longer than "
+                  f"rl.max_prompt_len={rl.max_prompt_len} and were left out (rl.max_prompt_len=0 fits them all)")
         evals.append(_eval_point(step, result))
         eval_details.append({"step": step, **result})
 
@@ -455,7 +472,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         return {"producer": producer.state(), "reference": reference_pointer, "history": history, "evals": evals,
                 "eval_details": eval_details}
 
-    guard, preempted_at = PreemptionGuard().__enter__(), None
+    guard, preempted_at, skipped = PreemptionGuard().__enter__(), None, 0.0
     try:  # from here on, any failure (evaluation included) closes the backend and producer
         if not evals:
             run_eval(0, "before")
@@ -490,6 +507,13 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                 record.update({f"heldout/{d}": v for d, v in evals[-1][3].items()})
             history.append({"step": done, "reward": record["reward"]})
             writer.write(done, record)
+            show = 2 if done == start + 1 or (rl.print_samples_every and done % rl.print_samples_every == 0) else 0
+            samples_log.write(done, "train", _spread(batch.samples, rl.samples_per_step), show)
+            skipped, skipped_before = record.get("prompts_too_long", 0), skipped
+            if skipped > skipped_before:
+                print(f"WARNING: step {done}: {int(skipped - skipped_before)} prompts of rl.task were longer than "
+                      f"rl.max_prompt_len={rl.max_prompt_len} and were skipped ({int(skipped)} so far; "
+                      "rl.max_prompt_len=0 fits every measured prompt)")
             if done % config.train.log_every == 0 or done == num_steps or done == start + 1:
                 progress.update(done, {"reward": record["reward"], "acc": evals[-1][1],
                                        "stale": record["staleness_max"]})
@@ -509,6 +533,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         producer.stop()
         checkpoints.close()
         writer.close()
+        samples_log.close()
         failures_log.close()
         if agent is not None:
             agent.close()
@@ -528,7 +553,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                "evals": [e[:3] for e in evals], "wall_s": round(time.perf_counter() - wall_start, 1),
                "reference": reference_pointer, "families": len(tasks.names),
                "balance": evaluation.balance_report([(e[0], e[3]) for e in evals]),
-               "eval_final": eval_details[-1]}
+               "prompts_too_long": int(skipped), "eval_final": eval_details[-1]}
     if "tool_use" in eval_details[0]["overall"]:  # multi-turn tool tasks: the share of episodes using a tool
         summary["heldout_tool_use_before"] = eval_details[0]["overall"]["tool_use"]
         summary["heldout_tool_use_after"] = eval_details[-1]["overall"]["tool_use"]
