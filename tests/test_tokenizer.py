@@ -182,3 +182,18 @@ def test_special_ids_fall_back_to_generation_and_model_config(tmp_path):
     assert (tok.eos_id, tok.bos_id, tok.pad_id) == (257, 256, 257)
     with pytest.raises(ValueError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+@pytest.mark.hf
+def test_a_system_prompt_in_the_template_renders_the_same_in_transformers(tmp_path):
+    system = 'Answer in "one" line.\nÜbung macht den Meister.'
+    ours = byte_level_tokenizer().with_chat(system_prompt=system)
+    ours.save(str(tmp_path))
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    for name, messages in CONVERSATIONS.items():
+        explicit = messages if messages[0]["role"] == "system" else [{"role": "system", "content": system}, *messages]
+        expected = byte_level_tokenizer().apply_chat_template(explicit, tools=TOOLS, add_generation_prompt=True,
+                                                              tokenize=False)
+        rendered = ours.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+        assert rendered == expected == theirs.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True,
+                                                                  tokenize=False), name
