@@ -60,11 +60,11 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
         c.mesh.data, c.mesh.fsdp = -1, 1
         c.model.dtype, c.model.remat_policy = "float32", "none"
         c.train.micro_batches, c.train.logprob_chunk_size = 1, 0
-        c.rl.max_new_tokens = 0 if "eval" in variants else 24
+        c.rl.max_new_tokens = 0 if "eval" in variants else 16
         c.rl.max_prompt_len, c.rl.prompts_per_step, c.rl.group_size = 0, 2, 4
         c.rl.engine.max_slots, c.rl.engine.page_size, c.rl.engine.decode_steps = 16, 16, 8
         c.rl.engine.prefill_chunk = 64
-        c.rl.eval_examples, c.rl.eval_every, c.rl.print_samples_every = 6, 0, 1
+        c.rl.eval_examples, c.rl.eval_every, c.rl.print_samples_every = 3, 0, 1
         c.eval.examples_per_level, c.eval.samples = 1, 1
         c.train.num_steps, c.checkpoint.every_steps, c.train.tensorboard = 2, 2, False
     return c
