@@ -63,7 +63,7 @@ def build_model(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> 
         _, params = hf.load_hf_checkpoint(src.path, mesh=mesh, overrides=runtime)
     elif src.kind == "workdir":
         params = load_trained(src.path, mesh=mesh).params
-        params = jax.tree.map(lambda x: x.astype(cfg.param_dtype), params)
+        params = jax.tree.map(lambda x: x if x.dtype == cfg.param_dtype else x.astype(cfg.param_dtype), params)
     else:
         params = params_lib.init_params(cfg, jax.random.key(config.seed), mesh)
     return with_value_head(Model(dataclasses.replace(cfg, value_head="value_proj" in params), params, mesh),

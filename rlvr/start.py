@@ -130,9 +130,9 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
             defaults = ModelConfig()
             stored = dataclasses.replace(stored, **{k: getattr(defaults, k) for k in RUNTIME_FIELDS})
         return dataclasses.replace(stored, **runtime)
-    except ValueError as e:
-        if isinstance(e, ConfigError):
-            raise
+    except ConfigError:
+        raise
+    except ValueError as e:  # a model.* value ModelConfig refuses
         raise ConfigError(str(e)) from None
 
 
@@ -179,8 +179,8 @@ def _recorded_tokenizer(workdir: str) -> tuple[str, str]:
 def tokenizer_settings(config: ml_collections.ConfigDict) -> dict[str, str]:
     """`tokenizer.*` as the job runs them: the directory the tokenizer comes from ("" = byte-level),
     the chat template override and the system prompt. Raises ConfigError on a contradiction."""
-    src, tok = source(config), config.tokenizer
-    path, template, system = os.path.expanduser(tok.path), tok.chat_template, tok.system_prompt
+    src, tok = source(config), config.tokenizer  # (configs recorded before chat settings existed lack them)
+    path, template, system = os.path.expanduser(tok.path), tok.get("chat_template", ""), tok.get("system_prompt", "")
     if src.kind == "random":
         if path:
             _require_tokenizer(path, "tokenizer.path", "give a Hugging Face tokenizer directory, or '' for the "

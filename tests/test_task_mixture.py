@@ -221,7 +221,8 @@ def test_eval_job_writes_tables(tmp_path):
     """`job = "eval"` end to end on a random-init tiny model: per-level pass@k JSON and markdown."""
     from rlvr import main
 
-    config = config_lib.load_config("configs/eval_tasks.py:smoke", {"init.workdir": "", "rl.task": "add,sub"})
+    config = config_lib.load_config("configs/eval_tasks.py:smoke", {"init.workdir": "", "rl.task": "add,sub",
+                                                                    "rl.max_new_tokens": 6})  # no run to inherit from
     result = main.run(config, str(tmp_path))
     with open(tmp_path / "eval.json") as f:
         written = json.load(f)
