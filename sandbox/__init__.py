@@ -1,6 +1,6 @@
 """Isolated code execution (installed as rlvr.sandbox): gVisor by default, with limits, traces and verdicts.
 
-    from rlvr.sandbox import CallTest, Episode, Limits, Pool, run, verify_program
+    from rlvr.sandbox import CallTest, CheckTest, Episode, Limits, Pool, run, verify_program
 
     result = run(python="print(6 * 7)", limits=Limits(wall_s=5))          # a fresh sandbox per call
     assert result.ok and result.stdout == b"42\\n"
@@ -9,6 +9,9 @@
         result = pool.run(python="print(6 * 7)")
         verdict = verify_program("def add(a, b): return a + b", [CallTest((2, 3), 5)], entry_point="add",
                                  pool=pool)                                # judged on the host
+        verdict = verify_program("def add(a, b): return a + b",               # test code, run on the host
+                                 CheckTest("def check(f):\\n    assert abs(f(0.1, 0.2) - 0.3) < 1e-9\\n"),
+                                 entry_point="add", pool=pool)
 
     with Episode(Limits(wall_s=5), template="repo/") as ep:                # several steps, one workspace
         ep.write({"calc.py": "def add(a, b): return a - b"})
@@ -19,7 +22,8 @@ Modules: api (run, the backends table), workspace (private workspaces, templates
 (multi-step sessions, snapshots and their replay), executor (the `Executor` protocol the RL side depends on:
 `Local`, `Pool`, and the JSON round trip a remote worker implements), runsc (the gVisor OCI bundle,
 teardown), local (the weaker development backends), pool and zygote (the warm pool and the worker inside
-each sandbox), verdict (verdicts a program cannot forge), trace and replay (JSONL records;
+each sandbox), verdict, wire, checks and harness (verdicts a program cannot forge: typed values out of the
+sandbox, test code on the host), cleanup (sandboxes left by killed processes), trace and replay (JSONL records;
 `python -m rlvr.sandbox.replay`).
 Measured facts behind the design: ../shared/specs/sandbox-gvisor.md.
 """
@@ -41,8 +45,8 @@ from .types import (
     SandboxUnavailable,
     Timings,
 )
-from .verdict import CallTest, StdioTest, Verdict, verify_program
+from .verdict import CallTest, CheckTest, StdioTest, Verdict, verify_program
 
-__all__ = ["BACKENDS", "CPU", "DISK", "FILE_SIZE", "MEMORY", "OUTPUT", "PYTHON", "WALL_TIME", "CallTest", "Episode",
-           "Executor", "JsonExecutor", "Limits", "Local", "Pool", "Result", "SandboxError", "SandboxUnavailable",
-           "StdioTest", "Timings", "Verdict", "replay_episode", "run", "verify_program"]
+__all__ = ["BACKENDS", "CPU", "DISK", "FILE_SIZE", "MEMORY", "OUTPUT", "PYTHON", "WALL_TIME", "CallTest", "CheckTest",
+           "Episode", "Executor", "JsonExecutor", "Limits", "Local", "Pool", "Result", "SandboxError",
+           "SandboxUnavailable", "StdioTest", "Timings", "Verdict", "replay_episode", "run", "verify_program"]

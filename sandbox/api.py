@@ -104,7 +104,8 @@ def build_command(command: Sequence[str] | None, python: str | None,
 
 def new_workspace(limits: Limits, backend: str, template: Template | None = None) -> Workspace:
     """A fresh workspace for `backend` (owned by the uid its programs run as), optionally over a template."""
-    return Workspace(limits.workspace_bytes, limits.workspace_inodes, owner_uid=_owner(backend), template=template)
+    return Workspace(limits.workspace_bytes, limits.workspace_inodes, owner_uid=_owner(backend),
+                     parent=runsc.workspaces_dir(), template=template)
 
 
 def _run_once(argv: list[str], inputs: dict[str, bytes], limits: Limits, backend: str, stdin: bytes,

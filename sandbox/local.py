@@ -7,8 +7,9 @@ the dedicated host uid `LOCAL_UID` (RLIMIT_NPROC is ignored for root and counts 
 "process" does NOT protect against: reading any host file that uid can read (world-readable secrets,
 /etc, other users' world-readable homes); writing anywhere that uid can write (/tmp, /dev/shm); network
 access (loopback and off-host); signalling or ptracing other processes of the same uid (other concurrent
-runs); daemons that leave the process group with setsid (only the group is killed); memory limits beyond
-RLIMIT_AS (no cgroup); total disk use outside the workspace; any kernel exploit.
+runs, and, when not run as root, the host-side test harness of a check-style verdict); daemons that leave
+the process group with setsid (only the group is killed); memory limits beyond RLIMIT_AS (no cgroup);
+total disk use outside the workspace; any kernel exploit.
 
 "bwrap" adds a private mount view (`/usr` read-only, the workspace, a size-capped /tmp), new
 pid/net/ipc/uts/user namespaces, no capabilities and --die-with-parent (the pid namespace dies with its

@@ -2,8 +2,9 @@
 
 Each warm sandbox is a long-lived `runsc run` whose pid 1 is the worker in zygote.py, talking to the host
 over the sandbox's stdin/stdout. The sandbox has the same layout and limits as `api.run` (read-only root,
-/usr read-only, size-capped /tmp, no network, cgroup memory/CPU), except that /workspace is a size-capped
-tmpfs inside the sentry rather than a host directory; the worker keeps a few capabilities inside gVisor
+/usr read-only, size-capped /tmp, no network, cgroup memory/CPU, no device nodes), including /workspace:
+a host tmpfs per warm sandbox, capped in size and inodes (`Limits.workspace_bytes`, `workspace_inodes`;
+gVisor's own tmpfs ignores `nr_inodes` in this runsc version); the worker keeps a few capabilities inside gVisor
 to reset the workspace and to drop each task's child (forked ahead of the task) to uid 1000 with no
 capabilities and the task's rlimits. CPU is enforced by the host from the sandbox's cgroup; the wall
 clock by the worker, with a host backstop that kills the whole sandbox.
@@ -27,7 +28,7 @@ verdicts never enter a sandbox at all; use `api.run` when tasks must not learn a
 
 A Pool is an `executor.Executor` (`run(...) -> Result`, `close()`), the interface a remote worker implements
 too (see executor.py). Templates (overlay workspaces) are `api.run`'s and `Episode`'s, not the pool's: its
-workspace is a tmpfs inside the sentry, where a template would be a full copy per task.
+workspace is wiped and refilled by the worker per task, where a template would be a full copy per task.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 
 from . import api, runsc, trace
-from .types import CPU, MEMORY, WALL_TIME, Limits, Result, SandboxError, Timings
+from .types import CPU, DISK, MEMORY, WALL_TIME, Limits, Result, SandboxError, Timings
 
 ZYGOTE_CAPS = ["CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER"]
 STDIN_MAX = 1 << 16  # the worker writes a task's stdin in one go into the pipe buffer
@@ -83,10 +84,10 @@ def _zygote_dir() -> str:
     return directory
 
 
-def _worker_config(limits: Limits) -> dict:
-    """The OCI spec of a warm sandbox: like api.run's, but pid 1 is the worker, uid 0 with ZYGOTE_CAPS, and
-    /workspace a size-capped tmpfs inside the sentry (no gofer round trip per file; the worker wipes it)."""
-    config = runsc.oci_config([api.PYTHON, "-I", "-S", "-B", "/harness/zygote.py"], None, limits,
+def _worker_config(limits: Limits, workspace: str) -> dict:
+    """The OCI spec of a warm sandbox: like api.run's (the same capped host workspace, which the worker wipes
+    between tasks), but pid 1 is the worker, uid 0 with ZYGOTE_CAPS."""
+    config = runsc.oci_config([api.PYTHON, "-I", "-S", "-B", "/harness/zygote.py"], workspace, limits,
                               ro_binds={"/harness": _zygote_dir()})
     process = config["process"]
     process["user"] = {"uid": 0, "gid": 0}
@@ -102,9 +103,15 @@ class Worker:
     def __init__(self, limits: Limits):
         self.limits = limits
         self.cid = runsc.new_id("rlvr-pool")
-        bundle = runsc.write_bundle(self.cid, _worker_config(limits))
-        self.proc = subprocess.Popen(runsc.runsc_argv("run", "--bundle", bundle, self.cid), stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.ws = api.new_workspace(limits, "runsc")
+        try:
+            bundle = runsc.write_bundle(self.cid, _worker_config(limits, self.ws.path))
+            self.proc = subprocess.Popen(runsc.runsc_argv("run", "--bundle", bundle, self.cid),
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                         start_new_session=True)
+        except BaseException:
+            self.ws.close()
+            raise
         self.watch = runsc.CgroupWatch(self.cid, limits)
         self.tasks = 0
         try:
@@ -170,7 +177,7 @@ class Worker:
                 pipe.close()
             except OSError:
                 pass
-        runsc.REAPER.submit(self.cid, None)
+        runsc.REAPER.submit(self.cid, self.ws)
 
 
 def _clamp(task: Limits, pool: Limits) -> Limits:
@@ -326,15 +333,15 @@ class Pool:
             return Result("runsc-pool", None, 9, b"", str(e).encode(), limit_hit=e.limit,
                           timings=Timings(queue_s, 0.0, time.perf_counter() - sent), sandbox_id=worker.cid), \
                 e.limit is None
+        out, err = data[: reply["stdout_size"]], data[reply["stdout_size"]:]
+        hit = reply["limit_hit"] or _evidence(err, worker)  # before the worker is reused (it wipes the workspace)
         if reply["limit_hit"] or reply["leftover"]:
             self._retire(worker)
         else:
             self._idle.put(worker)
-        out, err = data[: reply["stdout_size"]], data[reply["stdout_size"]:]
         return Result("runsc-pool", reply["exit_code"], reply["signal"], out, err,
                       reply["limit_hit"] == "output" and len(out) >= limits.output_bytes,
-                      reply["limit_hit"] == "output" and len(err) >= limits.output_bytes,
-                      reply["limit_hit"] or _evidence(err),
+                      reply["limit_hit"] == "output" and len(err) >= limits.output_bytes, hit,
                       Timings(queue_s, sent - dequeued, time.perf_counter() - sent),
                       reply["digest_before"], reply["digest_after"], worker.cid), False
 
@@ -356,5 +363,9 @@ class Pool:
         self.close()
 
 
-def _evidence(stderr: bytes) -> str | None:
-    return MEMORY if b"MemoryError" in stderr[-4096:] else None
+def _evidence(stderr: bytes, worker: Worker) -> str | None:
+    """A limit the task ran into without the worker stopping it: memory (a MemoryError), or the workspace
+    (under 1 % of its bytes or inodes left)."""
+    if b"MemoryError" in stderr[-4096:]:
+        return MEMORY
+    return DISK if min(worker.ws.free_fraction()) < 0.01 else None

@@ -6,9 +6,16 @@ to the per-call host tmpfs, optional read-only binds (the verdict harness), `--n
 capabilities, noNewPrivileges, rlimits (NPROC caps processes and threads per sandbox; AS, NOFILE, FSIZE,
 CPU, CORE=0) and cgroup memory/CPU limits (pids only as a high backstop: a low one crashes the sentry).
 
+A seccomp filter (OCI `linux.seccomp`, loaded by gVisor with `--oci-seccomp`) makes mknod/mknodat of
+character and block devices fail with EPERM for every process in the sandbox: gVisor's own tmpfs (`/tmp`,
+the pool's workspace) would otherwise let uid 1000 create device nodes (FIFOs and sockets stay allowed).
+
 Every runsc invocation has a timeout (the kvm platform hangs on machines without VT-x; so can a wedged
 sentry). Teardown (`runsc delete --force`, ~1.7 s, and the empty cgroup directories runsc leaves after
 kills) runs in a background reaper thread, off the request path; `drain()` waits for it (atexit too).
+Everything of this process (runsc state, bundles, workspaces) lives under one directory named after its
+pid and start time (`home()`), so sandboxes left by a killed process are found and removed by the next
+one's first sandbox, or by `python -m rlvr.sandbox.cleanup` (cleanup.py).
 """
 
 from __future__ import annotations
@@ -46,15 +53,24 @@ _probed: bool = False
 
 
 def home() -> str:
-    """This process's private directory: runsc state (`--root`), the shared read-only rootfs, bundles."""
+    """This process's private directory, `<tmp>/rlvr-sandbox-<pid>-<start time>-<random>` (its owner, for
+    cleanup.py): runsc state (`--root`), the shared read-only rootfs, bundles, workspaces."""
     global _home
     with _lock:
         if _home is None:
-            _home = tempfile.mkdtemp(prefix=f"rlvr-sandbox-{os.getpid()}-")
+            from .cleanup import owner_tag
+
+            _home = tempfile.mkdtemp(prefix=f"rlvr-sandbox-{owner_tag()}-")
             os.chmod(_home, 0o711)
             os.mkdir(os.path.join(_home, "state"), 0o700)
+            os.mkdir(os.path.join(_home, "workspaces"), 0o711)
             _make_rootfs(os.path.join(_home, "rootfs"))
         return _home
+
+
+def workspaces_dir() -> str:
+    """Where this process's workspaces are made (traversable by the sandbox uids, not listable)."""
+    return os.path.join(home(), "workspaces")
 
 
 def state_root() -> str:
@@ -82,9 +98,22 @@ def runsc_binary() -> str:
     return path
 
 
-def runsc_argv(*args: str) -> list[str]:
-    """`runsc --root <ours> --platform=… --network=none <args>`: only ever our own containers."""
-    return [runsc_binary(), "--root", state_root(), f"--platform={PLATFORM}", "--network=none", *args]
+def runsc_argv(*args: str, root: str | None = None) -> list[str]:
+    """`runsc --root <ours> --platform=… --network=none --oci-seccomp <args>`: only ever our own containers
+    (`root`: another state root, for cleanup.py's orphans)."""
+    return [runsc_binary(), "--root", root or state_root(), f"--platform={PLATFORM}", "--network=none",
+            "--oci-seccomp", *args]
+
+
+def _device_rule(syscall: str, mode_arg: int, kind: int) -> dict[str, Any]:
+    return {"names": [syscall], "action": "SCMP_ACT_ERRNO", "errnoRet": 1,  # EPERM
+            "args": [{"index": mode_arg, "value": 0o170000, "valueTwo": kind, "op": "SCMP_CMP_MASKED_EQ"}]}
+
+
+# mknod(path, mode, dev) / mknodat(dirfd, path, mode, dev) of a character or block device: EPERM
+SECCOMP = {"defaultAction": "SCMP_ACT_ALLOW", "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_AARCH64"],
+           "syscalls": [_device_rule(call, arg, kind) for call, arg in (("mknod", 1), ("mknodat", 2))
+                        for kind in (0o020000, 0o060000)]}
 
 
 def new_id(prefix: str = "rlvr") -> str:
@@ -128,6 +157,7 @@ def oci_config(argv: Sequence[str], workspace: str | None, limits: Limits, env: 
                     "noNewPrivileges": True, "rlimits": rlimits},
         "mounts": _mounts(workspace, limits, ro_binds or {}),
         "linux": {"namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
+                  "seccomp": SECCOMP,
                   "resources": {"memory": {"limit": memory, "swap": memory},
                                 "cpu": {"quota": int(limits.cpus * 100_000), "period": 100_000},
                                 "pids": {"limit": 4096}}},
@@ -166,7 +196,10 @@ def probe() -> None:
     global _probed
     if _probed:
         return
-    ws = Workspace(1 << 20, 64)
+    from .cleanup import start_reaping
+
+    start_reaping()  # sandboxes of killed processes, in the background (the first start of this process)
+    ws = Workspace(1 << 20, 64, parent=workspaces_dir())
     cid = new_id("rlvr-probe")
     try:
         bundle = write_bundle(cid, oci_config(["/usr/bin/true"], ws.path, Limits()))
@@ -256,19 +289,9 @@ def leftover_cgroups(prefix: str = "rlvr-") -> list[str]:
 
 def leftover_processes() -> list[int]:
     """Host pids whose command line names this process's runsc directory (sentry, gofer, stubs, runsc)."""
-    if _home is None:
-        return []
-    mine, pids = _home.encode(), []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if mine in f.read():
-                    pids.append(int(entry))
-        except OSError:
-            continue
-    return pids
+    from .cleanup import processes_naming
+
+    return [] if _home is None else processes_naming(_home)
 
 
 def list_containers() -> list[str]:
@@ -330,9 +353,13 @@ def _existing() -> set[str]:
 
 
 def _at_exit() -> None:
-    """Finish queued teardowns, then remove this process's directory when no container is left in it."""
+    """Finish queued teardowns (and a reaping of orphans in flight), then remove this process's directory
+    when no container and no mount is left in it."""
+    from .cleanup import finish_reaping, mounts_under
+
     REAPER.drain()
-    if _home is not None and not _existing():
+    finish_reaping()
+    if _home is not None and not _existing() and not mounts_under(_home):
         shutil.rmtree(_home, ignore_errors=True)
 
 

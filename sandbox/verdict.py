@@ -1,26 +1,36 @@
 """Verdicts a candidate program cannot forge: `verify_program(program, tests, limits) -> Verdict`.
 
-The rule (spec §8.6): the verdict is computed on the HOST, after the sandbox has finished, by comparing
-the program's raw outputs with expected values that never enter the sandbox.
+The rule (spec §8.6): the verdict is decided OUTSIDE the candidate's process, from plain data. The
+sandbox only ever answers calls: the candidate (`/workspace/solution.py`) is loaded by a driver that
+calls its entry point with the arguments it is given and sends back, per call, the returned value as
+typed JSON (`wire.py`: exact builtin types, subclasses reduced to their base value, anything else
+"unsupported"), the builtin exception class it raised, or a timeout. What is done with those values
+happens on the host, where the candidate cannot reach:
 
-- The sandbox holds only the candidate (`/workspace/solution.py`, its own writable workspace) and a
-  read-only harness (`/harness/driver.py` plus the test *inputs*). Expected outputs stay in the host
-  process; no file, argument or environment variable inside carries them, so no amount of searching the
-  filesystem, /proc or memory can find them ("peeking").
-- For function tests the driver imports the candidate and calls `entry_point(*args)`; each returned
-  value is converted to plain JSON by exact type (int, float, str, bool, None, list/tuple, dict with str
-  keys; subclasses refused, so an object whose `__eq__` always returns True, or an int subclass lying
-  about equality, never reaches the comparison). For stdio tests the driver runs the candidate as a fresh
-  process per test, feeding stdin and keeping its stdout.
-- The driver writes one result line per test to the sandbox's original stdout, tagged with a per-call
-  nonce; the candidate's own prints go to stderr. The candidate shares the driver's process (or uid), so
-  it *can* write to that channel, monkeypatch the driver, exit early or kill it. None of that helps: a
-  forged line carries only an output value, which the host still compares with the hidden expected
-  value, and anything irregular (a missing, duplicated or malformed line, no end marker, a timeout, an
-  output over the cap) fails closed. Printing "PASSED", exit codes, sys.exit/os._exit/atexit tricks,
-  patching unittest/pytest/assert, rewriting test files (the harness is read-only and is never read
-  back), shadowing modules (`python -I`: the workspace is not on sys.path) all leave the verdict to
-  the host's comparison. To pass, the program must produce the right outputs.
+- `CallTest`s (literal calls, e.g. the procedural code tasks): the host compares each returned value
+  with an expected value that never enters the sandbox, by exact JSON type (True is not 1) with a float
+  tolerance.
+- `CheckTest` (test code, e.g. HumanEval's `check(candidate)` with tolerances, computed arguments,
+  loops over random cases): the test code runs in its own bounded host process (`harness.py`), where
+  `candidate` is a stand-in that answers from the sandbox's transcript of calls; the test's `==`, `abs()`
+  and `assert`s run there, on plain values. The calls go to the sandbox in batches (`run_calls`, one
+  sandbox run each; `harness.py` explains how the batches are learned); usually one round.
+- `StdioTest`s: the driver runs the program as a fresh process per test and sends back its stdout;
+  the host compares it with the expected text.
+
+The driver writes one line per call to the sandbox's original stdout, tagged with a per-run nonce; the
+candidate's own prints go to stderr. The candidate shares the driver's process, so it can write to that
+channel, patch the driver, exit early, or kill it; none of that helps. A forged line carries only a
+value (the host still judges it), and anything irregular (a missing, duplicated or malformed line, no
+end marker, a limit hit) fails closed. Exit codes, stdout text and sentinels play no part: printing
+"PASSED", sys.exit/os._exit/atexit, patching unittest/operator/builtins, always-equal objects and
+`__eq__` on subclasses (reduced to plain values), reading frames, `gc` or code objects (the test and its
+expected values are in another process, on another machine boundary), rewriting test files (there are
+none in the sandbox), shadowing modules (`python -I`: the workspace is not on sys.path) all leave the
+verdict to the host. tests/test_code_hacks.py runs a corpus of such programs on every code family.
+
+Not modelled: a test that relies on the candidate mutating its arguments in place sees its own,
+unchanged objects (the sandbox has copies); `Verdict.info["mutated"]` counts calls that mutated theirs.
 """
 
 from __future__ import annotations
@@ -28,73 +38,134 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import marshal
 import math
 import os
 import secrets
-import shutil
-import tempfile
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .api import PYTHON, run
 from .types import Limits, Result
+from .wire import WireError, decode, encode
 
 if TYPE_CHECKING:
     from .executor import Executor
 
 SOLUTION = "solution.py"
+CALLS = "harness/calls.bin"
 
-DRIVER = r'''
-import io, json, os, subprocess, sys
-NONCE = sys.argv[1] if len(sys.argv) > 1 else os.environ["RLVR_NONCE"]
+DRIVER_BODY = r'''
+import io, marshal, os, signal, sys
+NONCE = os.environ["RLVR_NONCE"]
 RESULT = os.fdopen(os.dup(1), "w", encoding="utf-8")  # the result channel: the sandbox's original stdout
 os.dup2(2, 1)  # the candidate's prints go to stderr
 sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", 0), encoding="utf-8", write_through=True)
-SPEC = json.load(open(os.environ.get("RLVR_HARNESS", "/harness") + "/tests.json", encoding="utf-8"))
-SCALARS = (int, float, str, bool, type(None))
+WORKDIR = os.getcwd()  # /workspace (the development backends: the workspace's host path)
+with open(os.path.join(WORKDIR, "harness", "calls.bin"), "rb") as f:
+    SPEC = marshal.loads(f.read())  # written by the host, read before the candidate is loaded
+ESCAPES = {'"': '\\"', "\\": "\\\\"}
+
+
+def escape(c):
+    n = ord(c)
+    if n < 0x10000:
+        return "\\u%04x" % n
+    n -= 0x10000
+    return "\\u%04x\\u%04x" % (0xD800 + (n >> 10), 0xDC00 + (n & 0x3FF))
+
+
+def dumps(value):
+    """JSON text of str, int, bool, None, list and dict with str keys (the json module costs an import)."""
+    if value is None or value is True or value is False:
+        return "null" if value is None else "true" if value else "false"
+    if type(value) is int:
+        return str(value)
+    if type(value) is str:
+        return '"' + "".join(ESCAPES.get(c) or (c if " " <= c < "\x7f" else escape(c)) for c in value) + '"'
+    if type(value) is list:
+        return "[" + ", ".join(dumps(v) for v in value) + "]"
+    return "{" + ", ".join(dumps(k) + ": " + dumps(v) for k, v in value.items()) + "}"
 
 
 def emit(entry):
-    RESULT.write(NONCE + " " + json.dumps(entry) + "\n")
+    RESULT.write(NONCE + " " + dumps(entry) + "\n")
     RESULT.flush()
 
 
-def plain(value, depth=0):
-    """JSON-ready copy by exact type: subclasses (always-equal objects, lying ints) are refused."""
-    if depth > 50:
-        raise TypeError("nested too deep")
-    kind = type(value)
-    if kind in SCALARS:
-        return value
-    if kind in (list, tuple):
-        return [plain(v, depth + 1) for v in value]
-    if kind is dict and all(type(k) is str for k in value):
-        return {k: plain(v, depth + 1) for k, v in value.items()}
-    raise TypeError(f"unsupported result type {kind.__name__}")
+class CallTimeout(BaseException):
+    pass
+
+
+def on_alarm(signum, frame):
+    raise CallTimeout
+
+
+def builtin_name(error):
+    """The nearest builtin class of the exception (a ValueError subclass is reported as ValueError)."""
+    import builtins
+    for cls in type(error).__mro__:
+        if getattr(builtins, cls.__name__, None) is cls:
+            return cls.__name__
+    return "BaseException"
+
+
+def one_call(fn, call):
+    args, kwargs = decode(call["args"]), decode(call["kwargs"])
+    try:
+        value = fn(*args, **kwargs)
+    except CallTimeout:
+        raise
+    except BaseException as e:
+        return {"raised": builtin_name(e)}
+    try:
+        entry = {"value": encode(value)}
+    except CallTimeout:
+        raise
+    except BaseException as e:
+        return {"unsupported": (type(e).__name__ + ": " + str(e))[:200]}
+    try:
+        if encode(args) != call["args"] or encode(kwargs) != call["kwargs"]:
+            entry["mutated"] = True
+    except CallTimeout:
+        raise
+    except BaseException:
+        entry["mutated"] = True
+    return entry
 
 
 def calls():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("solution", "/workspace/solution.py")
-    module = importlib.util.module_from_spec(spec)
+    path = os.path.join(WORKDIR, "solution.py")
+    module = type(sys)("solution")
+    module.__file__ = path
     sys.modules["solution"] = module
     try:
-        spec.loader.exec_module(module)
+        with open(path, "rb") as f:
+            exec(compile(f.read(), path, "exec"), module.__dict__)
         fn = getattr(module, SPEC["entry_point"])
     except BaseException as e:
         emit({"load_error": type(e).__name__})
         return
-    for i, test in enumerate(SPEC["tests"]):
+    signal.signal(signal.SIGALRM, on_alarm)
+    for i, call in enumerate(SPEC["calls"]):
+        signal.setitimer(signal.ITIMER_REAL, SPEC["call_s"])
         try:
-            emit({"i": i, "value": plain(fn(*test["args"], **test["kwargs"]))})
-        except BaseException as e:
-            emit({"i": i, "error": type(e).__name__})
+            entry = one_call(fn, call)
+        except CallTimeout:
+            emit({"i": i, "error": "timeout"})
+            for j in range(i + 1, len(SPEC["calls"])):
+                emit({"i": j, "error": "not_run"})
+            return
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        entry["i"] = i
+        emit(entry)
 
 
 def stdio():
+    import subprocess
     for i, test in enumerate(SPEC["tests"]):
         try:
-            done = subprocess.run([sys.executable, "-I", "-B", "/workspace/solution.py"], cwd="/workspace",
+            done = subprocess.run([sys.executable, "-I", "-B", os.path.join(WORKDIR, "solution.py")], cwd=WORKDIR,
                                   input=test["stdin"].encode(), capture_output=True, timeout=SPEC["timeout_s"])
             out = done.stdout[: SPEC["output_bytes"]].decode("utf-8", "replace")
             emit({"i": i, "stdout": out, "rc": done.returncode})
@@ -106,12 +177,14 @@ calls() if SPEC["kind"] == "calls" else stdio()
 emit({"end": True})
 os._exit(0)
 '''
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "wire.py"), encoding="utf-8") as _f:
+    DRIVER = _f.read() + DRIVER_BODY  # one script: the typed-JSON codec, then the driver
 
 
 @dataclasses.dataclass(frozen=True)
 class CallTest:
-    """`entry_point(*args, **kwargs)` must return `expected` (JSON values, compared by exact type on the host;
-    arguments travel as JSON, so a tuple arrives as a list)."""
+    """`entry_point(*args, **kwargs)` must return `expected` (JSON values, compared by exact JSON type on the
+    host: a returned tuple counts as a list, a set or bytes never match)."""
 
     args: tuple = ()
     expected: Any = None
@@ -126,9 +199,21 @@ class StdioTest:
     expected_stdout: str
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckTest:
+    """Test code judged on the host: `tests` defines `check(candidate)` and/or runs top-level asserts that
+    call the entry point by name; `prelude` holds trusted definitions the tests use (HumanEval's prompt:
+    helpers such as `poly`). Both run in a bounded host process (harness.py), never beside the candidate;
+    the entry point's name and `candidate` there both stand for the sandboxed function."""
+
+    tests: str
+    prelude: str = ""
+
+
 @dataclasses.dataclass
 class Verdict:
-    """passed iff every test's output matched; `reason` says why not (first failure), `outcomes` per test."""
+    """passed iff every test passed; `reason` says why not (first failure), `outcomes` per test; `result` is
+    the (last) sandbox run; `info`: rounds, calls and calls that mutated their arguments (CheckTest)."""
 
     passed: bool
     n_passed: int
@@ -136,36 +221,53 @@ class Verdict:
     reason: str
     outcomes: list[str]
     result: Result
+    info: dict = dataclasses.field(default_factory=dict)
 
 
-def verify_program(program: str, tests: Sequence[CallTest] | Sequence[StdioTest], limits: Limits | None = None,
-                   entry_point: str | None = None, backend: str = "runsc", float_tol: float = 1e-9,
-                   trace_path: str | None | bool = None, pool: Executor | None = None) -> Verdict:
-    """Run `program` against `tests` in one fresh sandbox (or one task of `pool`: a warm `Pool`, or any
-    `executor.Executor`, remote ones included) and judge its outputs on the host (see the module doc). The
-    expected values never travel to the executor: only the program, the test inputs and a nonce do."""
+def verify_program(program: str, tests: Sequence[CallTest] | Sequence[StdioTest] | CheckTest,
+                   limits: Limits | None = None, entry_point: str | None = None, backend: str = "runsc",
+                   float_tol: float = 1e-9, trace_path: str | None | bool = None, pool: Executor | None = None,
+                   call_timeout_s: float | None = None) -> Verdict:
+    """Judge `program` against `tests` (see the module doc). Each sandbox run is one task of `pool` (a warm
+    `Pool`, or any `executor.Executor`, remote ones included) or, without one, a fresh sandbox of
+    `backend`. `call_timeout_s` bounds each call (default: the run's whole `limits.wall_s`); a call that
+    runs out fails the verdict. Expected values and test code never travel to the executor: only the
+    program, the call arguments (or stdin texts) and a nonce do."""
+    from .executor import Local
+
     kind = _kind(tests, entry_point)
     limits = limits or Limits()
-    nonce = secrets.token_hex(16)
-    if pool is not None:
-        return judge(_on_pool(pool, program, kind, tests, entry_point, limits, nonce), nonce, tests, float_tol)
-    harness = _harness(kind, tests, entry_point, limits)
-    try:
-        result = run([PYTHON, "-I", "-B", "/harness/driver.py", nonce], files={SOLUTION: program},
-                     limits=limits, backend=backend, ro_binds={"/harness": harness}, trace_path=trace_path,
-                     tag="verify_program")
-    finally:
-        shutil.rmtree(os.path.dirname(harness), ignore_errors=True)
+    executor = pool if pool is not None else Local(backend, limits, trace_path)
+    if kind == "check":
+        from .checks import judge_check
+
+        return judge_check(program, tests, entry_point, executor, limits, call_timeout_s)
+    if kind == "calls":
+        spec = calls_spec(entry_point, [_call(t.args, t.kwargs) for t in tests], limits, call_timeout_s)
+    else:
+        spec = {"kind": "stdio", "tests": [{"stdin": t.stdin} for t in tests],
+                "timeout_s": max(limits.wall_s / len(tests), 0.5), "output_bytes": limits.output_bytes}
+    result, nonce = run_calls(executor, program, spec, limits)
     return judge(result, nonce, tests, float_tol)
 
 
-def _on_pool(pool: Executor, program: str, kind: str, tests: Sequence[Any], entry_point: str | None, limits: Limits,
-             nonce: str) -> Result:
-    """The same driver as one pool task: it runs as the task's main program (a fork, no interpreter start)
-    and the test inputs travel as a workspace file (inputs only: the expected values stay here)."""
-    spec = json.dumps(_spec(kind, tests, entry_point, limits))
-    return pool.run(python=DRIVER, files={SOLUTION: program, "harness/tests.json": spec}, limits=limits,
-                    env={"RLVR_NONCE": nonce, "RLVR_HARNESS": "/workspace/harness"}, tag="verify_program")
+def _call(args: Sequence[Any], kwargs: dict) -> dict[str, Any]:
+    return {"args": encode(tuple(args)), "kwargs": encode(dict(kwargs))}
+
+
+def calls_spec(entry_point: str, calls: list[dict], limits: Limits, call_timeout_s: float | None = None) -> dict:
+    """The driver's input for one round of calls (arguments in wire form; never an expected value)."""
+    return {"kind": "calls", "entry_point": entry_point, "calls": calls,
+            "call_s": float(call_timeout_s or limits.wall_s)}
+
+
+def run_calls(executor: Executor, program: str, spec: dict, limits: Limits) -> tuple[Result, str]:
+    """One sandbox run of the driver (as the run's Python program: a pool task is a fork, no interpreter
+    start) over the candidate and the round's inputs; (its Result, the nonce tagging its result lines)."""
+    nonce = secrets.token_hex(16)
+    result = executor.run(python=DRIVER, files={SOLUTION: program, CALLS: marshal.dumps(spec)}, limits=limits,
+                          env={"RLVR_NONCE": nonce}, tag="verify_program")
+    return result, nonce
 
 
 def calls_from_asserts(tests_source: str, entry_point: str) -> list[CallTest] | None:
@@ -205,7 +307,11 @@ def _literal_call_test(expr: ast.expr, names: set[str]) -> CallTest | None:
     return CallTest(args, expected, kwargs)
 
 
-def _kind(tests: Sequence[CallTest] | Sequence[StdioTest], entry_point: str | None) -> str:
+def _kind(tests: Sequence[CallTest] | Sequence[StdioTest] | CheckTest, entry_point: str | None) -> str:
+    if isinstance(tests, CheckTest):
+        if not entry_point:
+            raise ValueError("a CheckTest needs the entry_point (the function the tests call)")
+        return "check"
     if not tests:
         raise ValueError("verify_program needs at least one test")
     if all(isinstance(t, CallTest) for t in tests):
@@ -214,30 +320,7 @@ def _kind(tests: Sequence[CallTest] | Sequence[StdioTest], entry_point: str | No
         return "calls"
     if all(isinstance(t, StdioTest) for t in tests):
         return "stdio"
-    raise ValueError("tests must be all CallTest or all StdioTest")
-
-
-def _harness(kind: str, tests: Sequence[Any], entry_point: str | None, limits: Limits) -> str:
-    """A host directory with the driver and the test inputs only (never the expected outputs)."""
-    top = tempfile.mkdtemp(prefix="rlvr-harness-")
-    os.chmod(top, 0o755)
-    harness = os.path.join(top, "h")
-    os.mkdir(harness, 0o755)
-    for name, text in (("driver.py", DRIVER), ("tests.json", json.dumps(_spec(kind, tests, entry_point, limits)))):
-        with open(os.path.join(harness, name), "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(os.path.join(harness, name), 0o644)
-    return harness
-
-
-def _spec(kind: str, tests: Sequence[Any], entry_point: str | None, limits: Limits) -> dict[str, Any]:
-    """What the driver needs: the kind, the entry point and each test's *inputs* (no expected values)."""
-    if kind == "calls":
-        inputs = [{"args": list(t.args), "kwargs": dict(t.kwargs)} for t in tests]
-    else:
-        inputs = [{"stdin": t.stdin} for t in tests]
-    return {"kind": kind, "entry_point": entry_point, "tests": inputs,
-            "timeout_s": max(limits.wall_s / len(tests), 0.5), "output_bytes": limits.output_bytes}
+    raise ValueError("tests must be all CallTest, all StdioTest, or one CheckTest")
 
 
 def parse_results(stdout: bytes, nonce: str, n_tests: int) -> tuple[dict[int, dict], str | None]:
@@ -248,7 +331,7 @@ def parse_results(stdout: bytes, nonce: str, n_tests: int) -> tuple[dict[int, di
             continue
         try:
             entry = json.loads(line[len(prefix):])
-        except ValueError:
+        except (ValueError, RecursionError):
             return {}, "malformed_result"
         if ended or not isinstance(entry, dict):
             return {}, "malformed_result"
@@ -267,9 +350,9 @@ def parse_results(stdout: bytes, nonce: str, n_tests: int) -> tuple[dict[int, di
 
 def judge(result: Result, nonce: str, tests: Sequence[CallTest] | Sequence[StdioTest],
           float_tol: float = 1e-9) -> Verdict:
-    """The host-side verdict: run status first (any limit hit fails), then each output vs. its expected value."""
-    fail = result.limit_hit or ("sandbox_exit" if result.exit_code != 0 else None)
-    entries, reason = ({}, fail) if fail else parse_results(result.stdout, nonce, len(tests))
+    """The host-side verdict of CallTests / StdioTests: any limit hit fails, then each output vs. its expected
+    value (the exit code plays no part: only the result lines count, and they must all be there)."""
+    entries, reason = ({}, result.limit_hit) if result.limit_hit else parse_results(result.stdout, nonce, len(tests))
     if reason:
         return Verdict(False, 0, len(tests), reason, ["not_run"] * len(tests), result)
     outcomes = [_outcome(entries[i], t, float_tol) for i, t in enumerate(tests)]
@@ -284,8 +367,28 @@ def _outcome(entry: dict, test: CallTest | StdioTest, float_tol: float) -> str:
     if isinstance(test, StdioTest):
         same = _lines(entry.get("stdout", "")) == _lines(test.expected_stdout) and entry.get("rc") == 0
         return "pass" if same else "wrong_output"
-    expected = json.loads(json.dumps(test.expected))  # tuples -> lists, as the sandbox side sees them
-    return "pass" if same_value(entry.get("value"), expected, float_tol) else "wrong_output"
+    if "raised" in entry:
+        return f"error:{entry['raised']}"
+    if "value" not in entry:
+        return "error:unsupported"
+    try:
+        got = json_view(decode(entry["value"]))
+    except WireError:
+        return "wrong_output"  # malformed, or not a JSON value (a set, bytes, a dict with int keys)
+    expected = json.loads(json.dumps(test.expected))  # tuples -> lists, as json_view sees returned values
+    return "pass" if same_value(got, expected, float_tol) else "wrong_output"
+
+
+def json_view(value: Any) -> Any:
+    """A decoded value as JSON types (tuples as lists); WireError for anything JSON has no value for."""
+    kind = type(value)
+    if value is None or kind in (bool, int, float, str):
+        return value
+    if kind in (list, tuple):
+        return [json_view(v) for v in value]
+    if kind is dict and all(type(k) is str for k in value):
+        return {k: json_view(v) for k, v in value.items()}
+    raise WireError(f"{kind.__name__} is not a JSON value")
 
 
 def _lines(text: str) -> list[str]:

@@ -177,7 +177,7 @@ def test_code_function_rejects_wrong_programs():
     for level in range(4):
         task = family.task(0, level=level)
         name = task.metadata["problem"]
-        assert "def check(candidate):" in task.verifier["tests"] and task.verifier["entry_point"] == name
+        assert task.verifier["calls"] and "tests" not in task.verifier and task.verifier["entry_point"] == name
         assert family.score(task, f"<answer>{task.answer}</answer>", False)["correct"] == 1.0  # unfenced works too
         wrong = f"<answer>\n```python\ndef {name}(*args):\n    return None\n```\n</answer>"
         assert family.score(task, wrong, False)["correct"] == 0.0

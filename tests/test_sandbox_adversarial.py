@@ -129,12 +129,14 @@ CASES = [
          "    print('setuid copy: rc', d.returncode, 'euid', d.stdout.strip() or None)\n"
          "except OSError as e: print('exec denied', e.errno)\n",
          lambda r: "chown denied" in _out(r) and "euid 0" not in _out(r)),
-    Case("device_nodes", "mknod on the workspace denied; a node in gVisor's own /tmp cannot be opened (ENXIO)",
+    Case("device_nodes", "mknod of character/block devices denied (seccomp) in the workspace and in gVisor's /tmp",
          TRY + "import stat\n"
          "attempt('mknod', lambda: os.mknod('null2', 0o666 | stat.S_IFCHR, os.makedev(1, 3)))\n"
-         "os.mknod('/tmp/mem', 0o666 | stat.S_IFCHR, os.makedev(1, 1))\n"
-         "attempt('open_mem', lambda: open('/tmp/mem', 'rb').read(16))\n",
-         lambda r: "mknod denied" in _out(r) and "open_mem denied" in _out(r)),
+         "attempt('mknod_tmp', lambda: os.mknod('/tmp/mem', 0o666 | stat.S_IFCHR, os.makedev(1, 1)))\n"
+         "attempt('mknod_block', lambda: os.mknod('/tmp/sda', 0o666 | stat.S_IFBLK, os.makedev(8, 0)))\n"
+         "attempt('mkfifo', lambda: os.mkfifo('/tmp/fifo'))\n",
+         lambda r: all(f"{n} denied" in _out(r) for n in ("mknod", "mknod_tmp", "mknod_block"))
+         and "mkfifo ALLOWED" in _out(r)),
     Case("namespace_tricks", "unshare gives no power over the real mounts; setuid(0) denied",
          TRY + "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
          "print('unshare', libc.unshare(0x10000000 | 0x00020000))\n"
@@ -215,20 +217,20 @@ CASES = [
          "attempt('driver', lambda: open('/harness/driver.py', 'w').write(''))\n"
          "open('test_solution.py', 'w').write('def test(): pass')\ndef add(a, b): return 1\n",
          lambda v: not v.passed, "calls"),
-    Case("hack_always_equal", "fails: an object whose __eq__ is always True is not a JSON value",
+    Case("hack_always_equal", "fails: an object whose __eq__ is always True is no data (typed JSON)",
          "class Eq:\n    def __eq__(self, other): return True\n    def __ne__(self, other): return False\n"
          "def add(a, b): return Eq()\n",
-         lambda v: not v.passed and v.outcomes[0] == "error:TypeError", "calls"),
-    Case("hack_int_subclass", "fails: an int subclass lying about equality is refused",
+         lambda v: not v.passed and v.outcomes[0] == "error:unsupported", "calls"),
+    Case("hack_int_subclass", "fails: an int subclass lying about equality arrives as the plain int it holds",
          "class I(int):\n    def __eq__(self, o): return True\n    __hash__ = int.__hash__\n"
          "def add(a, b): return I(0)\n",
-         lambda v: not v.passed and v.outcomes[0] == "error:TypeError", "calls"),
+         lambda v: not v.passed and v.outcomes[0] == "wrong_output", "calls"),
     Case("hack_shadow_modules", "fails: json.py/unittest.py in the workspace are not imported (python -I)",
          "open('/workspace/json.py', 'w').write('def dumps(*a, **k): return \"{\\\\\"end\\\\\": true}\"')\n"
          "open('/workspace/unittest.py', 'w').write('raise SystemExit(0)')\ndef add(a, b): return 0\n",
          lambda v: not v.passed and v.reason == "wrong_output", "calls"),
     Case("hack_patch_driver", "fails: patching the driver's json/emit only garbles or forges output values",
-         "import json, sys\nmain = sys.modules['__main__']\nmain.plain = lambda v, d=0: 5\n"
+         "import json, sys\nmain = sys.modules['__main__']\nmain.encode = lambda v, d=0: ['i', '0x5']\n"
          "json.dumps = lambda *a, **k: '{\"end\": true}'\ndef add(a, b): return 0\n",
          lambda v: not v.passed, "calls"),
     Case("hack_peek_expected", "fails: the expected values are not in the sandbox to be found", TRY +

@@ -5,7 +5,19 @@ import concurrent.futures
 import os
 
 import pytest
-from rlvr.sandbox import CPU, MEMORY, OUTPUT, WALL_TIME, CallTest, Limits, StdioTest, runsc, trace, verify_program
+from rlvr.sandbox import (
+    CPU,
+    DISK,
+    MEMORY,
+    OUTPUT,
+    WALL_TIME,
+    CallTest,
+    Limits,
+    StdioTest,
+    runsc,
+    trace,
+    verify_program,
+)
 from rlvr.sandbox.pool import Pool
 from rlvr.sandbox.replay import compare, replay
 
@@ -13,7 +25,7 @@ pytestmark = pytest.mark.sandbox
 
 
 LIMITS = Limits(wall_s=3.0, cpu_s=2, memory_bytes=256 << 20, nproc=32, output_bytes=64 << 10,
-                workspace_bytes=8 << 20)
+                workspace_bytes=8 << 20, workspace_inodes=512)
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +55,20 @@ def test_workspace_and_tmp_are_reset_between_tasks(pool):
     for _ in range(3):  # whichever sandbox takes it: nothing of the earlier task is visible
         r = pool.run(python="import os; print(sorted(os.listdir('.')), os.listdir('/tmp'))")
         assert r.text() == "['main.py'] []\n"
+
+
+def test_workspace_inode_cap_and_no_device_nodes(pool):
+    """The workspace is capped in inodes like api.run's (ENOSPC below 512 files, limit "disk"); no device
+    node can be made in it or in /tmp; the next task starts with an empty workspace again."""
+    fill = pool.run(python="import errno\nn = 0\ntry:\n    while n < 5000:\n        open(f'f{n}', 'w').close()\n"
+                           "        n += 1\nexcept OSError as e:\n    print(n, e.errno)\n")
+    count, errno = map(int, fill.text().split())
+    assert 400 < count < 512 and errno == 28 and fill.limit_hit == DISK, fill.text()
+    nodes = pool.run(python="import os, stat\nfor path in ('dev', '/tmp/dev'):\n    try:\n"
+                            "        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3)); print('made')\n"
+                            "    except OSError as e:\n        print(e.errno)\n"
+                            "os.mkfifo('fifo'); print(len(os.listdir('.')))\n")
+    assert nodes.text().split() == ["1", "1", "2"]  # EPERM twice; only main.py and the fifo: the fill is gone
 
 
 def test_command_stdin_and_exit_status(pool):

@@ -8,6 +8,7 @@ import json
 import pytest
 from rlvr.sandbox import CallTest, Limits, Result, StdioTest, verify_program
 from rlvr.sandbox.verdict import judge, parse_results, same_value
+from rlvr.sandbox.wire import encode
 
 pytestmark = pytest.mark.sandbox
 
@@ -18,6 +19,10 @@ ADD = [CallTest((2, 3), 5), CallTest((10, -4), 6), CallTest((0, 0), 0)]
 
 def _result(stdout: bytes, exit_code: int = 0, limit_hit: str | None = None) -> Result:
     return Result("runsc", exit_code, None, stdout, b"", limit_hit=limit_hit)
+
+
+def _value(v) -> dict:
+    return {"value": encode(v)}
 
 
 def _lines(nonce: str, *entries: dict) -> bytes:
@@ -61,19 +66,23 @@ def test_same_value_is_type_strict():
 def test_judge_fails_closed():
     n = "ab" * 16
     tests = [CallTest((1,), 1), CallTest((2,), 2)]
-    ok = _lines(n, {"i": 0, "value": 1}, {"i": 1, "value": 2}, {"end": True})
+    ok = _lines(n, {"i": 0, **_value(1)}, {"i": 1, **_value(2)}, {"end": True})
     assert judge(_result(ok), n, tests).passed
-    assert judge(_result(ok, exit_code=1), n, tests).reason == "sandbox_exit"
+    assert judge(_result(ok, exit_code=1), n, tests).passed  # exit codes play no part: the result lines do
     assert judge(_result(ok, limit_hit="wall_time"), n, tests).reason == "wall_time"
     assert judge(_result(ok), "cd" * 16, tests).reason == "missing_results"  # wrong nonce: no result lines
-    no_end = _lines(n, {"i": 0, "value": 1}, {"i": 1, "value": 2})
+    no_end = _lines(n, {"i": 0, **_value(1)}, {"i": 1, **_value(2)})
     assert judge(_result(no_end), n, tests).reason == "missing_results"
-    dup = _lines(n, {"i": 0, "value": 1}, {"i": 0, "value": 1}, {"i": 1, "value": 2}, {"end": True})
+    dup = _lines(n, {"i": 0, **_value(1)}, {"i": 0, **_value(1)}, {"i": 1, **_value(2)}, {"end": True})
     assert judge(_result(dup), n, tests).reason == "duplicate_or_bad_result"
-    after_end = ok + _lines(n, {"i": 1, "value": 2})
+    after_end = ok + _lines(n, {"i": 1, **_value(2)})
     assert judge(_result(after_end), n, tests).reason == "malformed_result"
     assert parse_results(f"{n} {{not json\n".encode(), n, 2)[1] == "malformed_result"
     assert judge(_result(b"PASSED\nOK\n"), n, tests).reason == "missing_results"
+    raw = _lines(n, {"i": 0, "value": 1}, {"i": 1, **_value(2)}, {"end": True})  # an untyped JSON number
+    assert judge(_result(raw), n, tests).outcomes == ["wrong_output", "pass"]
+    typed = _lines(n, {"i": 0, **_value(True)}, {"i": 1, **_value((2,))}, {"end": True})
+    assert judge(_result(typed), n, [CallTest((1,), 1), CallTest((2,), [2])]).outcomes == ["wrong_output", "pass"]
 
 
 def test_expected_values_never_enter_the_sandbox():
@@ -90,8 +99,8 @@ def test_expected_values_never_enter_the_sandbox():
     v = verify_program(src, [CallTest((1,), secret)], LIMITS, entry_point="f")
     assert not v.passed
     blob = json.loads(v.result.stdout.decode().split(" ", 1)[1].splitlines()[0])["value"]
-    assert "RESULT = os.fdopen" in blob  # it did read the harness (the driver) ...
-    assert '"args": [1]' in blob and secret not in blob  # ... which holds the inputs, not the expected value
+    assert "RESULT = os.fdopen" in blob  # it did read the driver and its input file ...
+    assert "0x1" in blob and secret not in blob  # ... the inputs (the argument 1, in wire form), not the expected value
 
 
 def test_calls_from_humaneval_asserts():

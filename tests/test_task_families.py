@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -21,7 +22,9 @@ import pytest
 from rlvr.tasks import audit
 from rlvr.tasks import reasoning_gym as rg
 from rlvr.tasks.base import HELD_OUT, TRAIN, Family, Task, extract_answer
+from rlvr.tasks.procedural import CodeFunction
 from rlvr.tasks.registry import FAMILIES
+from rlvr.tasks.verifiers import strip_fences
 
 # Families whose reference_completion may be None, and why (any family returning None must be here).
 NO_REFERENCE: dict[str, str] = {}
@@ -180,6 +183,32 @@ def test_audit_flags_a_verifier_that_accepts_anything(tmp_path, capsys):
 def test_audit_flags_code_execution():
     report = audit.audit_family("test/eval", _Evaluates, samples=1)
     assert report.false_positives.get("code") == 1 and not hasattr(__import__("builtins"), audit.CANARY)
+
+
+class _ForgeableCode(CodeFunction):
+    """A planted bug: the verdict is "exit 0 and a marker printed" by the candidate's own process."""
+
+    name = "test/forgeable_code"
+
+    def verify(self, task: Task, completion: str, truncated: bool) -> dict[str, float]:
+        from rlvr.sandbox import run
+
+        program = strip_fences(extract_answer(completion) or "")
+        entry = task.verifier["entry_point"]
+        asserts = "".join(f"assert {entry}(*{args!r}) == {want!r}\n" for args, want in task.verifier["calls"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            done = run(python=f"{program}\n{asserts}print('DONE')\n", backend="process", trace_path=False)
+        return {"terminal": float(done.ok and b"DONE" in done.stdout), "format": 1.0}
+
+
+@pytest.mark.sandbox
+def test_audit_hack_probes_flag_a_forgeable_code_verifier():
+    """The code families' hack probes (rlvr.tasks.code_hacks; task 0's slice: the always-equal and subclass
+    hacks) catch a verifier that trusts the candidate's process (the real one: test_code_hacks.py)."""
+    bad = audit.audit_family("test/forgeable_code", _ForgeableCode, samples=1, levels="first")
+    assert bad.status == "FAIL" and bad.false_negatives == 0
+    assert {"hack:always_equal/object", "hack:subclass_eq/int"} <= set(bad.false_positives), bad.false_positives
 
 
 def test_audit_time_box():

@@ -162,8 +162,9 @@ def backend(request, monkeypatch):
     return request.param
 
 
-def code(answer, tests=ADD_TESTS, entry_point=None, timeout_s=10):
-    return run_verifier({"kind": "code", "tests": tests, "entry_point": entry_point, "timeout_s": timeout_s}, answer)
+def code(answer, tests=ADD_TESTS, entry_point="add", timeout_s=10, **spec):
+    return run_verifier({"kind": "code", "tests": tests, "entry_point": entry_point, "timeout_s": timeout_s,
+                         **spec}, answer)
 
 
 def test_code_correct_and_wrong(backend):
@@ -176,8 +177,24 @@ def test_code_correct_and_wrong(backend):
 
 
 def test_code_check_entry_point_convention(backend):
-    assert code(GOOD, CHECK_TESTS, "add") == 1.0
-    assert code("def add(a, b):\n    return a * b\n", CHECK_TESTS, "add") == 0.0
+    assert code(GOOD, CHECK_TESTS) == 1.0
+    assert code("def add(a, b):\n    return a * b\n", CHECK_TESTS) == 0.0
+
+
+def test_code_prelude_is_the_tests_trusted_context(backend):
+    """Helpers the tests use come from the trusted prelude (HumanEval's prompt), never from the candidate:
+    a program that redefines the helper to make a wrong answer pass still fails."""
+    prelude = "def scale(x):\n    return 10 * x\n\ndef add(a, b):\n    \"\"\"a + b\"\"\"\n"
+    tests = "def check(candidate):\n    assert scale(candidate(2, 3)) == 50\n"
+    assert code(GOOD, tests, prelude=prelude) == 1.0
+    assert code("def scale(x):\n    return 50\n\ndef add(a, b):\n    return 0\n", tests, prelude=prelude) == 0.0
+
+
+def test_code_spec_errors_name_the_field():
+    with pytest.raises(ValueError, match="entry_point"):
+        run_verifier({"kind": "code", "tests": ADD_TESTS}, GOOD)
+    with pytest.raises(ValueError, match="'calls'.*'tests'"):
+        run_verifier({"kind": "code", "entry_point": "add"}, GOOD)
 
 
 @pytest.mark.parametrize("cheat", [
@@ -195,30 +212,8 @@ def test_code_infinite_loop_scores_zero(backend):
     """A candidate that runs out of time is a wrong answer (0), not a verifier failure (no raise)."""
     start = time.perf_counter()
     assert code("while True:\n    pass\n", timeout_s=1) == 0.0
+    assert code("def add(a, b):\n    while True:\n        pass\n", timeout_s=1) == 0.0
     assert time.perf_counter() - start < 10
-
-
-def test_execute_python_result(backend, monkeypatch):
-    monkeypatch.setenv("RLVR_TEST_SECRET", "1")
-    result = verifiers.execute_python("import os, sys\nprint(sorted(os.environ)); print('err', file=sys.stderr)", 10)
-    assert result.backend == backend and result.returncode == 0 and not result.timed_out
-    assert "err" in result.stderr and "RLVR_TEST_SECRET" not in result.stdout  # env cleared
-    slow = verifiers.execute_python("import time\ntime.sleep(30)", 1)
-    assert slow.timed_out and slow.returncode != 0
-    big = verifiers.execute_python("x = bytearray(4 << 30)", 10)  # over the address-space limit
-    assert big.returncode != 0 and "MemoryError" in big.stderr
-
-
-def test_runsc_has_no_network_and_a_private_filesystem(monkeypatch, tmp_path):
-    if shutil.which("runsc") is None:
-        pytest.fail("runsc (gVisor) is not installed: apt-get install -y runsc")
-    target = tmp_path / "host.txt"
-    source = (f"import socket\ntry:\n    open({str(target)!r}, 'w').write('x')\nexcept OSError:\n    pass\n"
-              "try:\n    socket.create_connection(('1.1.1.1', 80), timeout=2)\n    print('network')\n"
-              "except OSError:\n    print('no network')\n")
-    result = verifiers.execute_python(source, 10, backend="runsc")
-    assert result.returncode == 0 and result.stdout.strip() == "no network", result
-    assert not target.exists()  # the host's directories are not even visible in the sandbox
 
 
 def test_executor_selection(monkeypatch):
@@ -231,33 +226,16 @@ def test_executor_selection(monkeypatch):
     assert verifiers.executor_backend() == "runsc"  # the default; never a silent fall back to weaker ones
 
 
-def test_process_backend_warns_once():
+def test_process_backend_warns_once(monkeypatch):
     import rlvr.sandbox.api as sandbox_api
 
+    monkeypatch.setenv("RLVR_CODE_EXECUTOR", "process")
     sandbox_api._warned.discard("process")
     with pytest.warns(RuntimeWarning, match="development only"):
-        verifiers.execute_python("pass", 5, backend="process")
+        assert code(GOOD) == 1.0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        verifiers.execute_python("pass", 5, backend="process")
-
-
-@pytest.mark.parametrize("forgery", [
-    # an object equal to everything: `assert candidate(x) == y` would pass it
-    "class Any:\n    def __eq__(self, other):\n        return True\n\ndef add(a, b):\n    return Any()\n",
-    # an int that lies about equality
-    "class Int(int):\n    def __eq__(self, other):\n        return True\n\ndef add(a, b):\n    return Int(0)\n",
-    # patching the assert machinery / unittest does not reach the host's comparison
-    "import builtins\nbuiltins.AssertionError = type('E', (Exception,), {})\ndef add(a, b):\n    return 0\n",
-])
-def test_code_verdict_cannot_be_forged_for_literal_asserts(forgery, monkeypatch):
-    """HumanEval-style literal asserts are judged on the host by rlvr.sandbox.verify_program."""
-    monkeypatch.setenv("RLVR_CODE_EXECUTOR", "runsc")
-    assert verifiers.call_tests({"tests": CHECK_TESTS, "entry_point": "add"}) is not None
-    assert code(forgery, CHECK_TESTS, "add") == 0.0
-    assert code(GOOD, CHECK_TESTS, "add") == 1.0
-    calls = {"kind": "code", "calls": [[[2, 3], 5], [[0, 0], 0]], "entry_point": "add", "tests": ""}
-    assert run_verifier(calls, GOOD) == 1.0 and run_verifier(calls, forgery) == 0.0
+        assert code(GOOD) == 1.0
 
 
 # ----------------------------------------------------------------------------------------- tool_state

@@ -50,20 +50,14 @@ def render(table: dict[str, list[list]]) -> str:
 
 def _fails(pool, program: str, problem: dict, calls) -> int | None:
     """Visible tests failing on `program` (>= 1), 0 when it passes, None when a limit was hit."""
-    from rlvr.sandbox import Limits, verify_program
+    from rlvr.sandbox import CheckTest, Limits, verify_program
 
-    limits = Limits(wall_s=10.0, cpu_s=10)
-    if calls:
-        verdict = verify_program(program, calls, limits, entry_point=problem["entry_point"], pool=pool,
-                                 trace_path=False)
-        if verdict.result.limit_hit:
-            return None
-        return 0 if verdict.passed else verdict.n_tests - verdict.n_passed
-    source = f"{program}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\nprint('RLVR-CHECK-DONE')\n"
-    result = pool.run(python=source, limits=limits, tag="humaneval bug check")
-    if result.limit_hit:
+    tests = calls or CheckTest(problem["test"], problem["prompt"])
+    verdict = verify_program(program, tests, Limits(wall_s=10.0, cpu_s=10), entry_point=problem["entry_point"],
+                             pool=pool, trace_path=False)
+    if verdict.result.limit_hit or "error:timeout" in verdict.outcomes:
         return None
-    return 0 if result.ok and "RLVR-CHECK-DONE" in result.text() else 1
+    return 0 if verdict.passed else verdict.n_tests - verdict.n_passed
 
 
 def bugs_for(pool, problem: dict, per_problem: int) -> list[list]:

@@ -22,9 +22,10 @@ the python tool always, steps run as `Episode` steps over the workspace itself (
 
 The episode ends with `<answer>...</answer>` (its content is not judged: the repository is) or a turn
 without tool calls, or at the turn / time limit. The terminal verdict (`judge`) never trusts the
-workspace's tests or anything printed in the sandbox: the current module sources are run against the
-task's calls (visible and hidden) by `rlvr.sandbox.verify_program`, and the outputs are compared on
-the host (rlvr.envs.repos). Process credit (each at most once, `Shaping`): every module compiles after
+workspace's tests or anything printed in the sandbox: the current module sources answer the task's
+calls (visible and hidden) in the sandbox (`rlvr.sandbox.verify_program`), and the returned values are
+compared on the host, or, for HumanEval tests that are not literal calls, checked by the problem's test
+code in a host process (rlvr.envs.repos). Process credit (each at most once, `Shaping`): every module compiles after
 an edit; an edit touched the faulty file; the tests were run after an edit; fewer visible calls fail
 than at the start (host-judged after each test run, in proportion to the fraction fixed).
 

@@ -131,6 +131,7 @@ class CodeRepairFamily(EnvFamily):
 
     def verify(self, task: Task, completion: str, truncated: bool) -> dict[str, float]:
         from rlvr.envs.sandboxes import SandboxOptions
+        from rlvr.tasks.verifiers import active_code_executor
 
         answer = self.answer_text(completion)
         if answer is None or truncated:
@@ -141,11 +142,16 @@ class CodeRepairFamily(EnvFamily):
         spec = task.metadata
         sources = {name: spec["files"][f"{name}.py"] for name in spec["modules"]}
         sources[spec["faulty"][:-3]] = program + "\n"
-        verdict = repos.judge_sources(task.verifier["judge"], sources, SandboxOptions())
+        verdict = repos.judge_sources(task.verifier["judge"], sources, SandboxOptions(pool=active_code_executor()))
         return {"terminal": float(verdict["passed"]), "format": 1.0}
 
     def reference_completion(self, task: Task) -> str | None:
         return f"<answer>\n```python\n{task.answer.rstrip()}\n```\n</answer>"
+
+    def audit_probes(self, task: Task) -> list[tuple[str, str]]:
+        from rlvr.tasks.code_hacks import audit_hack_probes, fenced_answer
+
+        return audit_hack_probes(task.index, task.metadata["function"], fenced_answer)
 
     def reference_turns(self, task: Task) -> list[str]:
         return code_repair.reference_turns(task)

@@ -14,8 +14,10 @@ A repository spec (a JSON dict, stored as the task's metadata) holds:
                and the returned values are compared on the host with expected values that never
                enter the sandbox; `visible` calls are the ones in the workspace's test files, the
                others are hidden (a fix that hard-codes the visible cases fails them);
-             {"kind": "check", "tests": ..., "entry_point": ...}: HumanEval tests that are not literal
-               call asserts run through rlvr.tasks.verifiers.verify_code (a sentinel after the tests).
+             {"kind": "check", "tests": ..., "prelude": ..., "entry_point": ...}: HumanEval tests that
+               are not literal call asserts: the test code runs on the host (rlvr.sandbox.CheckTest, with
+               the problem's prompt as its trusted prelude) against the module's answers to its calls,
+               the same path as the humaneval task family's verifier.
   initial_failing   visible calls failing before any edit (the baseline of the "fewer failing" credit)
 
 Procedural repositories (`procedural_repo(rng, level)`): functions from a bank (the code_function
@@ -400,7 +402,7 @@ def humaneval_repo(problem: Mapping[str, Any], bug: Sequence[Any] | None) -> dic
     if calls is not None:
         judge = {"kind": "calls", "calls": [["solution", entry, args, expected, True] for args, expected in calls]}
     else:
-        judge = {"kind": "check", "tests": problem["test"], "entry_point": entry}
+        judge = {"kind": "check", "tests": problem["test"], "prelude": problem["prompt"], "entry_point": entry}
     return {"files": {"solution.py": buggy_text, "test_solution.py": tests}, "modules": ["solution"],
             "tests": ["test_solution.py"], "faulty": "solution.py", "function": entry, "bug": kind,
             "mutation": mutation.to_json() if mutation else None, "fix": {"path": "solution.py", **fix},
@@ -446,18 +448,20 @@ def judge_program(sources: Mapping[str, str | None]) -> str:
 def judge_sources(judge: Mapping[str, Any], sources: Mapping[str, str | None], sandbox: Any) -> dict[str, Any]:
     """The verdict on module sources ({module: text or None when missing}): {"passed", "visible_failing",
     "hidden_failing", "n_tests", "reason", "outcomes", "run"} (see the module doc)."""
-    if judge["kind"] == "check":
-        from rlvr.tasks.verifiers import verify_code
-
-        source = sources.get("solution")
-        spec = {"kind": "code", "tests": judge["tests"], "entry_point": judge["entry_point"],
-                "timeout_s": sandbox.limits.wall_s}
-        passed = bool(source) and verify_code(spec, source) == 1.0
-        return {"passed": passed, "visible_failing": int(not passed), "hidden_failing": 0, "n_tests": 1,
-                "reason": "passed" if passed else "check failed", "outcomes": ["pass" if passed else "fail"],
-                "run": None}
     from rlvr.envs.sandboxes import record
-    from rlvr.sandbox import CallTest, verify_program
+    from rlvr.sandbox import CallTest, CheckTest, verify_program
+
+    if judge["kind"] == "check":
+        source = sources.get("solution")
+        if source is None:
+            return {"passed": False, "visible_failing": 1, "hidden_failing": 0, "n_tests": 1,
+                    "reason": "solution.py is missing", "outcomes": ["not_run"], "run": None}
+        verdict = verify_program(source, CheckTest(judge["tests"], judge.get("prelude", "")), sandbox.limits,
+                                 entry_point=judge["entry_point"], backend=sandbox.backend,
+                                 trace_path=sandbox.trace_path, pool=sandbox.executor())
+        return {"passed": verdict.passed, "visible_failing": int(not verdict.passed), "hidden_failing": 0,
+                "n_tests": 1, "reason": verdict.reason, "outcomes": verdict.outcomes,
+                "run": record(verdict.result, "judge", 1000)}
 
     calls = judge["calls"]
     tests = [CallTest((module, function, *args), expected) for module, function, args, expected, _ in calls]

@@ -19,7 +19,11 @@ task, `family.score(task, text, truncated=False)` is computed for probe completi
                    when the answers differ: a verifier must check *this* task)
   code             Python that sets a canary if a verifier `eval`s the answer: flagged when the canary
                    is set, whatever the score
-  hack             family-specific known exploits, when the family defines `audit_probes(task)`
+  hack:<name>      family-specific known exploits, when the family defines `audit_probes(task)`; the code
+                   families (code_function, humaneval, code_repair, code_repair_humaneval) each take a
+                   slice of the reward-hack corpus rlvr.tasks.code_hacks (always-equal objects, frame and
+                   gc inspection, forged sentinels, monkeypatching, early exits, ...), so that the tasks of
+                   one run go round the whole corpus
 
 A false negative is a reference that is not correct (or not at full reward); a false positive is
 a non-reference probe that is correct or gets reward >= 0.5. Partial credit (0 < reward, not a
@@ -298,6 +302,25 @@ class _Auditor:
         self.example(f"FP {kind} level {task.level}: {text[:120]!r} -> {what} (reference {task.answer!r:.60})")
 
 
+@contextlib.contextmanager
+def code_pool(family: Family, size: int = 2) -> Iterator[None]:
+    """For a code family: its verdicts run on a warm sandbox pool of its own while it is audited (the same
+    verdicts as fresh sandboxes, several times cheaper); other families, or no runsc: nothing changes."""
+    if family.domain != "code":
+        yield
+        return
+    from rlvr.sandbox import Pool, SandboxError
+    from rlvr.tasks.verifiers import code_executor, code_limits
+
+    try:
+        pool = Pool(size, code_limits(10.0), trace_path=False)
+    except SandboxError:  # fresh sandboxes then (they report the same error per verdict)
+        yield
+        return
+    with pool, code_executor(pool):
+        yield
+
+
 def audit_family(name: str, make: Callable[..., Family], samples: int = 5, levels: str = "ends",
                  budget: float = 20.0, seed: int = 0) -> FamilyReport:
     """Audit one family: `samples` tasks at each selected level, every probe scored, within `budget`
@@ -309,8 +332,9 @@ def audit_family(name: str, make: Callable[..., Family], samples: int = 5, level
             auditor.family = make(seed=seed)
             auditor.allowed = report.allowances = dict(getattr(auditor.family, "audit_allowed", dict)())
             report.levels = select_levels(auditor.family.levels(), levels)
-            for level in report.levels:
-                auditor.check_tasks(auditor.generate(level, samples))
+            with code_pool(auditor.family):
+                for level in report.levels:
+                    auditor.check_tasks(auditor.generate(level, samples))
     except AuditTimeout as error:
         report.slow = True
         if report.samples == 0:

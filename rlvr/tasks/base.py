@@ -167,8 +167,9 @@ class Family:
         allowed, not as false positives). Default: none."""
         return {}
 
-    def audit_probes(self, task: Task) -> list[str]:
-        """Family-specific known exploits (completions) the audit checks score below full."""
+    def audit_probes(self, task: Task) -> list[tuple[str, str]]:
+        """Family-specific known exploits, as (probe kind, completion), that the audit checks score below
+        full (the code families: a slice of rlvr.tasks.code_hacks per task)."""
         return []
 
     def demonstration(self, task: Task, off_format: bool = False) -> dict[str, str]:

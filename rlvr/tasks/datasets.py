@@ -285,7 +285,8 @@ def humaneval_items() -> tuple[Item, ...]:
     return tuple(
         Item(id=p["task_id"], question=HUMANEVAL_QUESTION.format(prompt=p["prompt"]),
              answer=p["prompt"] + p["canonical_solution"],
-             verifier={"kind": "code", "tests": p["test"], "entry_point": p["entry_point"], "timeout_s": 10},
+             verifier={"kind": "code", "tests": p["test"], "prelude": p["prompt"], "entry_point": p["entry_point"],
+                       "timeout_s": 10},
              level=level, metadata={"task_id": p["task_id"], "entry_point": p["entry_point"],
                                     "solution_lines": n})
         for p, n, level in zip(problems, lengths, quantile_levels(lengths), strict=True))
@@ -307,6 +308,11 @@ class HumanEvalFamily(DatasetFamily):
 
     def __init__(self, seed: int = 0, weights: RewardWeights | None = None):
         super().__init__(humaneval_items(), seed, weights)
+
+    def audit_probes(self, task: Task) -> list[tuple[str, str]]:
+        from rlvr.tasks.code_hacks import audit_hack_probes, fenced_answer
+
+        return audit_hack_probes(task.index, task.metadata["entry_point"], fenced_answer)
 
     def reference_completion(self, task: Task) -> str | None:
         """The canonical program, fenced, inside the answer tag: what the prompt asks for."""

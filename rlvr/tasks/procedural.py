@@ -16,7 +16,7 @@ with `base.ANSWER_INSTRUCTION`, and the reference completion is the reference an
   list_dedupe         drop repeated integers, first occurrences kept             regex
   list_max_k          the k largest integers, descending                         regex
   json_person         a JSON object meeting a generated schema and given values  json_schema
-  code_function       write a small Python function                              code (tests with check())
+  code_function       write a small Python function                              code (calls judged on the host)
   tool_bank           bank operations as tool calls                              tool_state ("bank")
   tool_files          file operations as tool calls                              tool_state ("files")
 
@@ -578,26 +578,12 @@ CODE_PROBLEMS: tuple[tuple[Callable[[np.random.Generator], dict], ...], ...] = (
     (_problem_merge_intervals, _problem_lis),
 )
 
-CHECK_HELPER = """\
-def _same(got, want):
-    import json
-    assert json.dumps(got) == json.dumps(want), f"got {got!r}, want {want!r}"
-"""
-
-
 def code_calls(problem: dict) -> list[list]:
     """The tests as [[args, expected], ...] in JSON form: judged on the host by rlvr.sandbox."""
     namespace: dict[str, Any] = {}
     exec(problem["code"], namespace)  # our own reference implementation
     function = namespace[problem["name"]]
     return json.loads(json.dumps([[list(args), function(*args)] for args in problem["cases"]]))
-
-
-def code_tests(calls: list[list]) -> str:
-    """The same calls as HumanEval-style tests: `check(candidate)` (compared as JSON text, so an object
-    that claims equality with everything does not pass), for runs that cannot judge on the host."""
-    lines = [f"    _same(candidate(*{args!r}), {expected!r})" for args, expected in calls]
-    return CHECK_HELPER + "\n\ndef check(candidate):\n" + "\n".join(lines) + "\n"
 
 
 class CodeFunction(Family):
@@ -612,6 +598,11 @@ class CodeFunction(Family):
                   "fence do not change what runs")
         return {"multi": reason, "overlong_filler": reason, "overlong_repeat": reason}
 
+    def audit_probes(self, task: Task) -> list[tuple[str, str]]:
+        from rlvr.tasks.code_hacks import audit_hack_probes, fenced_answer
+
+        return audit_hack_probes(task.index, task.verifier["entry_point"], fenced_answer)
+
     def levels(self) -> list[int]:
         return uniform_levels(4)
 
@@ -621,8 +612,7 @@ class CodeFunction(Family):
         question = (f"Write a Python function `{signature}` that {problem['spec']}.\n\nPut the complete program "
                     "in a ```python code block inside the answer tags.")
         calls = code_calls(problem)
-        verifier = {"kind": "code", "tests": code_tests(calls), "calls": calls,
-                    "entry_point": problem["name"], "timeout_s": 10}
+        verifier = {"kind": "code", "calls": calls, "entry_point": problem["name"], "timeout_s": 10}
         return _task(question, problem["code"], verifier, problem=problem["name"])
 
     def reference_completion(self, task: Task) -> str | None:
