@@ -141,24 +141,23 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
-    from absl import flags
+def main(argv: list[str] | None = None) -> int:
+    import argparse
 
     from rlvr import config_lib
 
-    grep = flags.DEFINE_string("grep", "", "Only keys whose name or meaning contains this text.")
-    rest = flags.FLAGS(argv)
-    if len(rest) > 2:
-        print("usage: python -m rlvr.config [configs/NAME.py[:arg]] [--grep=TEXT]", file=sys.stderr)
-        return 2
+    parser = argparse.ArgumentParser(prog="python -m rlvr.config", description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", nargs="?", default="", help="configs/NAME.py[:arg] (default: the schema's defaults)")
+    parser.add_argument("--grep", default="", help="Only keys whose name or meaning contains this text.")
+    args = parser.parse_args(argv)
     try:
-        config = config_lib.load_config(rest[1]) if len(rest) == 2 else config_lib.base_config()
+        config = config_lib.load_config(args.config) if args.config else config_lib.base_config()
     except (config_lib.ConfigError, ValueError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    print(format_rows(describe(config, grep.value)))
+    print(format_rows(describe(config, args.grep)))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(main())

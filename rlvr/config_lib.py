@@ -207,8 +207,15 @@ def rl_config() -> ml_collections.ConfigDict:
         # the mean round degrades lower priorities: max_new_tokens x budget_fraction, then cut groups
         # at min_group_size finished samples, then skip the lowest-priority domain (0/0 = never)
         "schedule": ml_collections.ConfigDict({
-            "priorities": "", "capacity": 0, "preempt": True, "max_preemptions": 2, "lag_factor": 0.0,
-            "deadline_s": 0.0, "budget_fraction": 0.5, "min_group_size": 2, "skip": True}),
+            "priorities": "",  # "family_or_domain=weight,..." (default 1): higher runs first
+            "capacity": 0,  # in-flight sequences at most (0 = the backend's limit)
+            "preempt": True,  # a waiting higher-priority group aborts lower ones and takes their place
+            "max_preemptions": 2,  # times one group may be preempted
+            "lag_factor": 0.0,  # degrade a round lagging past this x the mean round (0 = never)
+            "deadline_s": 0.0,  # degrade a round running past this many seconds (0 = never)
+            "budget_fraction": 0.5,  # degradation 1: max_new_tokens x this for lower priorities
+            "min_group_size": 2,  # degradation 2: cut groups at this many finished samples
+            "skip": True}),  # degradation 3: skip the lowest-priority domain
         "pack": False,  # several rollouts per train row
         "updates_per_batch": 1,  # PPO mini-batches: optimizer steps per rollout batch (proximal = weights before)
         # evaluation (held-out greedy) and the SFT warm start

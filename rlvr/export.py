@@ -69,25 +69,25 @@ def verify(model: api.Model, out: str, prompts=VERIFY_PROMPTS, max_new_tokens: i
             "same_tokens": [list(e) for e in engine_out] == hf_out, "engine": engine_out, "transformers": hf_out}
 
 
-def main(argv: list[str]) -> int:
-    from absl import flags
+def main(argv: list[str] | None = None) -> int:
+    import argparse
 
-    out = flags.DEFINE_string("out", None, "The Hugging Face directory to write.")
-    step = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
-    check = flags.DEFINE_bool("verify", False, "Reload with transformers; compare greedy tokens with the engine's.")
-    rest = flags.FLAGS(argv)
-    if len(rest) != 2 or not out.value:
-        print("usage: python -m rlvr.export WORKDIR --out=DIR [--step=N] [--verify]", file=sys.stderr)
-        return 2
+    parser = argparse.ArgumentParser(prog="python -m rlvr.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("workdir", help="An rlvr workdir (a job's --workdir).")
+    parser.add_argument("--out", required=True, help="The Hugging Face directory to write.")
+    parser.add_argument("--step", type=int, default=None, help="Checkpoint step (default: the latest).")
+    parser.add_argument("--verify", action="store_true",
+                        help="Reload with transformers; compare chat-template ids and greedy tokens with the engine's.")
+    args = parser.parse_args(argv)
     try:
-        model = export(rest[1], out.value, step.value)
+        model = export(args.workdir, args.out, args.step)
     except (api.ConfigError, FileNotFoundError) as e:
         print(f"export error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {out.value} ({model.cfg.family}, {model.cfg.num_params():,} parameters, vocabulary "
+    print(f"wrote {args.out} ({model.cfg.family}, {model.cfg.num_params():,} parameters, vocabulary "
           f"{model.cfg.vocab_size})")
-    if check.value:
-        report = verify(model, out.value)
+    if args.verify:
+        report = verify(model, args.out)
         print(f"verify: chat template ids equal: {report['same_prompt_ids']}; greedy tokens equal (transformers vs "
               f"engine, {report['prompts']} prompts): {report['same_tokens']}")
         if not (report["same_prompt_ids"] and report["same_tokens"]):
@@ -97,4 +97,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(main())

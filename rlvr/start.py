@@ -79,7 +79,8 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
     """The resolved config a job wrote to `workdir/config.json`."""
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
-        raise ConfigError(f"init.workdir={workdir!r} has no config.json: is it an rlvr workdir?")
+        raise ConfigError(f"{workdir!r} has no config.json: it is not an rlvr workdir (the --workdir of a finished "
+                          "job).")
     with open(path) as f:
         return ml_collections.ConfigDict(json.load(f))
 

@@ -77,48 +77,52 @@ def family_table(measured: Sequence[Measured]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
-    from absl import flags
+def main(argv: list[str] | None = None) -> int:
+    import argparse
 
     from rlvr import config_lib, start
     from rlvr.rl.producer import prompt_ids
     from rlvr.tasks import build_tasks
 
-    task = flags.DEFINE_string("task", "add", "rl.task spec: a family, or a weighted mixture with globs.")
-    tokenizer_dir = flags.DEFINE_string("tokenizer", "", "Hugging Face tokenizer directory ('' = byte-level).")
-    prompt_format = flags.DEFINE_enum("prompt_format", "raw", ["raw", "chat"], "raw text or chat messages.")
-    template = flags.DEFINE_string("chat_template", "", "A template, a .jinja file or 'chatml' ('' = the tokenizer's).")
-    system = flags.DEFINE_string("system_prompt", "", "A system prompt put first (chat).")
-    count = flags.DEFINE_integer("count", 2, "Rendered prompts printed per family.")
-    per_level = flags.DEFINE_integer("per_level", PER_LEVEL, "Procedural families: tasks measured per level/split.")
-    max_new = flags.DEFINE_integer("max_new_tokens", 0, "With a response budget: the budgets a run derives.")
-    flags.FLAGS(argv)
+    parser = argparse.ArgumentParser(prog="python -m rlvr.tasks.preview", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--task", default="add", help="rl.task spec: a family, or a weighted mixture with globs.")
+    parser.add_argument("--tokenizer", default="", help="A Hugging Face tokenizer directory ('' = byte-level).")
+    parser.add_argument("--prompt_format", default="raw", choices=["raw", "chat"], help="Raw text or chat messages.")
+    parser.add_argument("--chat_template", default="", help="A template, a .jinja file or 'chatml' ('' = the "
+                        "tokenizer's).")
+    parser.add_argument("--system_prompt", default="", help="A system prompt put first (chat).")
+    parser.add_argument("--count", type=int, default=2, help="Rendered prompts printed per family.")
+    parser.add_argument("--per_level", type=int, default=PER_LEVEL, help="Procedural families: tasks measured per "
+                        "level and split.")
+    parser.add_argument("--max_new_tokens", type=int, default=0, help="With a response budget: the budgets a run "
+                        "derives.")
+    args = parser.parse_args(argv)
     try:
-        tokenizer = start.build_tokenizer({"path": tokenizer_dir.value, "chat_template": template.value,
-                                           "system_prompt": system.value})
+        tokenizer = start.build_tokenizer({"path": args.tokenizer, "chat_template": args.chat_template,
+                                           "system_prompt": args.system_prompt})
         rl = config_lib.rl_config()
-        rl.task = task.value
+        rl.task = args.task
         tasks = build_tasks(rl, 0)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for family in tasks.families.values():
-        for t in family.tasks(0, count.value):
-            ids = prompt_ids(tokenizer, t, prompt_format.value) if not t.metadata.get("env") else []
+        for t in family.tasks(0, args.count):
+            ids = prompt_ids(tokenizer, t, args.prompt_format) if not t.metadata.get("env") else []
             print(f"--- {t.family} level {t.level} #{t.index}: {len(ids)} tokens ---")
             print(tokenizer.decode(ids) if ids else "(multi-turn: the prompt comes from its environment)")
-    measured = measure(sample_tasks(tasks, per_level.value), tokenizer, prompt_format.value)
+    measured = measure(sample_tasks(tasks, args.per_level), tokenizer, args.prompt_format)
     if measured:
         print(family_table(measured))
         print(f"longest prompts: {longest(measured)}")
-    if max_new.value and measured:
+    if args.max_new_tokens and measured:
         from rlvr.budgets import derive
 
-        seq_len, max_len = derive(max(m.tokens for m in measured), max_new.value, page_size=16)
-        print(f"with rl.max_new_tokens={max_new.value}: rl.seq_len={seq_len}, rl.engine.max_len={max_len} "
+        seq_len, max_len = derive(max(m.tokens for m in measured), args.max_new_tokens, page_size=16)
+        print(f"with rl.max_new_tokens={args.max_new_tokens}: rl.seq_len={seq_len}, rl.engine.max_len={max_len} "
               "(page size 16)")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(main())
