@@ -64,4 +64,5 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
         c.data.batch_size, c.data.seq_len = 8, 256
         c.train.num_steps, c.train.log_every, c.checkpoint.every_steps = 2, 1, 2
         c.optimizer.warmup_steps = 0
+        c.preference.reference = "online"  # two steps: no pass over all pairs for reference log-probs
     return c

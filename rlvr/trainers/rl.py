@@ -2,13 +2,16 @@
 
 Read top to bottom:
 
-  initial policy   SFT warm start on demonstrations (rl.sft_steps), an rlvr workdir, an HF
-                   checkpoint, or random init; its copy is the frozen reference policy
+  initial policy   an HF checkpoint, an rlvr workdir or random init (rlvr.start), optionally after
+                   an SFT warm start on demonstrations (rl.sft_steps); its copy is the frozen
+                   reference policy
   each step        producer: sample tasks → rollout (embedded engine or SGLang servers) →
                    verify → advantages (→ drop zero-variance groups and refill)
                    trainer:  batch (pad or pack) → jitted sharded step → weight sync →
                    metrics → checkpoint
   at the end       held-out greedy accuracy before and after RL, summary.json, rl_curve.png
+  throughout       samples.jsonl: a few completions per step (and every evaluation's) with their
+                   reward components, some printed
 
 rl.mode = "sync" generates each batch with the current weights. rl.mode = "async" generates
 on a background thread up to rl.max_staleness versions ahead, overlapping rollout with
