@@ -231,7 +231,8 @@ def rl_config() -> ml_collections.ConfigDict:
 
 def _validate_rl(config: ml_collections.ConfigDict) -> None:
     from rlvr.rl.advantages import ADVANTAGE_FNS
-    from rlvr.rl.policy_loss import AGGREGATIONS, KL_ESTIMATORS
+    from rlvr.rl.batching import AGGREGATIONS
+    from rlvr.rl.policy_loss import KL_ESTIMATORS
     from rlvr.tasks.mixture import expand
 
     rl = config.rl
@@ -265,7 +266,8 @@ def _validate_rl(config: ml_collections.ConfigDict) -> None:
     for path in ("rl.max_new_tokens", "rl.max_prompt_len", "rl.seq_len", "rl.engine.max_len", "rl.samples_per_step",
                  "rl.print_samples_every"):
         if _get(config, path) < 0:
-            raise ConfigError(f"{path}={_get(config, path)}: must be >= 0 (0 = derived or inherited, see rlvr.budgets).")
+            raise ConfigError(f"{path}={_get(config, path)}: must be >= 0 (0 = derived or inherited: "
+                              "rlvr.budgets).")
     if rl.curriculum and not 0 <= rl.curriculum_band_low < rl.curriculum_band_high <= 1:
         raise ConfigError(f"rl.curriculum_band_low={rl.curriculum_band_low}, rl.curriculum_band_high="
                           f"{rl.curriculum_band_high}: need 0 <= low < high <= 1.")
@@ -352,9 +354,10 @@ def _existing_path(c, path: str, what: str) -> None:
 def validate(config: ml_collections.ConfigDict, num_devices: int,
              jobs: dict[str, Callable] | None = None) -> None:
     """Checks values before any compile. Raises ConfigError naming the field."""
-    from rlvr import sharding  # local: keeps config files importable without jax set-up
-
-    from rlvr import start
+    from rlvr import (
+        sharding,  # local: keeps config files importable without jax set-up
+        start,
+    )
 
     if jobs is not None:
         _one_of(config, "job", jobs)

@@ -131,8 +131,9 @@ def describe_sample(record: dict[str, Any], width: int = 300) -> str:
     cut = " (truncated)" if record["truncated"] else ""
     completion = record["completion"]
     shown = repr(completion[:width]) + ("..." if len(completion) > width else "")
-    return (f"[{record['tag']} step {record['step']}] {record['family']} level {record['level']} #{record['task_index']}: "
-            f"reward={_fmt(rewards.get('reward'))} ({parts}), {record['response_tokens']} tokens{cut}\n    {shown}")
+    where = f"{record['family']} level {record['level']} #{record['task_index']}"
+    return (f"[{record['tag']} step {record['step']}] {where}: reward={_fmt(rewards.get('reward'))} ({parts}), "
+            f"{record['response_tokens']} tokens{cut}\n    {shown}")
 
 
 def drop_metrics_after(workdir: str, step: int, filename: str = "metrics.jsonl") -> None:

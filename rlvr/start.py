@@ -33,8 +33,13 @@ import ml_collections
 from rlvr.config_lib import ConfigError
 from rlvr.data.chat import check_tool_calls
 from rlvr.models.config import RUNTIME_FIELDS, ModelConfig
-from rlvr.models.tokenizer import (BUILTIN_TEMPLATES, TOKENIZER_FILES, Tokenizer, byte_level_tokenizer,
-                                   write_chat_template)
+from rlvr.models.tokenizer import (
+    BUILTIN_TEMPLATES,
+    TOKENIZER_FILES,
+    Tokenizer,
+    byte_level_tokenizer,
+    write_chat_template,
+)
 
 TOKENIZER_DIR = "tokenizer"  # inside a workdir
 

@@ -17,7 +17,6 @@ import sys
 import time
 
 import pytest
-
 from hf_fixtures import REPO, write_random_hf
 
 pytestmark = [pytest.mark.slow, pytest.mark.hf]

@@ -10,8 +10,8 @@ import subprocess
 
 import jax
 import pytest
-
 from hf_fixtures import write_random_hf
+
 from rlvr import config_lib, start
 from rlvr.main import TRAINERS
 

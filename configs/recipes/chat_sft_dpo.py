@@ -49,7 +49,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.optimizer.warmup_steps, c.optimizer.schedule, c.optimizer.weight_decay = 50, "cosine", 0.0
     c.checkpoint.every_steps = 200
     if c.job == "sft":
-        c.data.path, c.data.eval_path = os.path.join(DATA, "sft_chat_train.jsonl"), os.path.join(DATA, "sft_chat_eval.jsonl")
+        c.data.path = os.path.join(DATA, "sft_chat_train.jsonl")
+        c.data.eval_path = os.path.join(DATA, "sft_chat_eval.jsonl")
         c.data.batch_size, c.data.seq_len, c.data.pack = 64, 2048, True
         c.train.micro_batches, c.train.num_steps, c.optimizer.learning_rate = 4, 1000, 1e-5
     else:

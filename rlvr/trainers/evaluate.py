@@ -50,10 +50,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     try:
         task_list = eval_task_list(tasks, config.eval)
         result = evaluation.evaluate_tasks(backend, tokenizer, tasks, task_list,
-                                           max_new_tokens=config.rl.max_new_tokens, samples=config.eval.samples,
-                                           temperature=config.eval.temperature,
-                                           prompt_format=config.rl.prompt_format, seed=config.seed,
-                                           max_len=config.rl.seq_len, records=records)
+                                           evaluation.EvalSettings.for_eval_job(config), seed=config.seed,
+                                           records=records)
     finally:
         backend.close()
     result["policy"] = source
@@ -64,6 +62,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     print(evaluation.table(result, "by_level"))
     if result["skipped_too_long"]:
         print(f"WARNING: {result['skipped_too_long']} of {len(task_list)} tasks have prompts longer than "
-              f"rl.max_prompt_len={config.rl.max_prompt_len} and were not evaluated (rl.max_prompt_len=0 fits them all)")
+              f"rl.max_prompt_len={config.rl.max_prompt_len} and were not evaluated (rl.max_prompt_len=0 fits "
+              "them all)")
     print(f"wrote {json_path}, {md_path} and samples.jsonl")
     return result
