@@ -8,9 +8,13 @@ import time
 from rlvr.models.config import ModelConfig
 from rlvr.train import flops
 
-# Tunix 0.1.7 on the same fixed config and a 2-core CPU (../shared/peers/tunix/results_qwen3_r5.json).
-# The yardstick-scaled ratio is only an estimate (it read ~1.3x optimistic on 2026-11-30); the real
-# comparison is side by side in one window (benchmarks/rollout_vs_tunix.py).
+# Our own measurement of Tunix 0.1.7 with the peer script on the same fixed config and a 2-core CPU
+# (benchmarks/results/tunix_peer.json; the script is benchmarks/peers/bench_tunix.py). The
+# yardstick-scaled ratio is only an estimate (it read ~1.3x optimistic on 2026-11-30); the real
+# comparison is side by side in one window (benchmarks/rollout_vs_tunix.py for the sampler):
+#   python3 -m venv /tmp/venv-tunix && /tmp/venv-tunix/bin/pip install google-tunix
+#   /tmp/venv-tunix/bin/python benchmarks/peers/bench_tunix.py --only sft,sampler
+# then this repo's benchmarks immediately after.
 TUNIX = {"sft_step_s": 0.7185, "sampler_tokens_per_s": 4047.6, "grpo_step_s": 2.0358,
          "calib_matmul_gflops": 285.15}
 
@@ -52,7 +56,7 @@ def _unique_prompt_ranges(prompts: list[list[int]]) -> list[tuple[int, int]]:
     ranges, previous = [], ()
     for p in ordered:
         common = 0
-        for a, b in zip(p, previous):
+        for a, b in zip(p, previous, strict=False):
             if a != b:
                 break
             common += 1

@@ -9,7 +9,8 @@ template (`common.chat_bpe_tokenizer`, trained on the Python standard library, c
 --tokenizer_dir); chat prompts from five reasoning-gym families that share its system prompt
 (gsm_symbolic, knights_knaves, basic_arithmetic, string_manipulation, zebra_puzzles: 110 to 900
 tokens); 4 prompts x groups of 8 per step, 128 new tokens (temperature 1), rows packed into 1,024-token
-train rows (8 micro-batches: the RL loss holds full logits), one AdamW update per step, no reference model. `rl.mode="sync"`: a step is rollout
+train rows (8 micro-batches: the RL loss holds full logits), one AdamW update per step, no reference
+model. `rl.mode="sync"`: a step is rollout
 (generate + verify + advantages) then the train step then the weight sync.
 
 Roofline (same process): `common.decode_roofline` for the step's generation (its mean prompt and

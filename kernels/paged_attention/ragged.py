@@ -22,7 +22,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from rlvr.kernels.paged_attention.reference import MASK_VALUE
 
 

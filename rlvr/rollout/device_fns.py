@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from rlvr.models.config import ModelConfig
 from rlvr.models.transformer import forward, forward_last
-from rlvr.rollout.sampling import sample
+from rlvr.rollout.sampling import sample_tokens
 
 
 def init_state(slots: int) -> dict[str, jax.Array]:
@@ -49,13 +49,11 @@ def _mask_stops(logits, sampling, count):
 
 
 def _sample(logits, sampling, count, positions, filters):
-    """(token, raw policy log-prob) with the row's sampling parameters; stop tokens masked
-    before min_new_tokens. The raw log-prob (temperature 1, unfiltered) is the trainer's."""
-    token, _ = sample(_mask_stops(logits, sampling, count), sampling["temperature"], sampling["top_k"],
-                      sampling["top_p"], sampling["min_p"], sampling["seed"], positions, filters)
-    logits = logits.astype(jnp.float32)
-    raw = jnp.take_along_axis(logits, token[:, None], -1)[:, 0] - jax.nn.logsumexp(logits, axis=-1)
-    return token, raw
+    """(tokens, their log-probs under the distribution sampled from: temperature, top-k, top-p,
+    min-p; see rlvr.rollout.sampling). Stop tokens forbidden by min_new_tokens are outside that
+    distribution too (the trainer does not model min_new_tokens: RL requests leave it at 0)."""
+    return sample_tokens(_mask_stops(logits, sampling, count), sampling["temperature"], sampling["top_k"],
+                         sampling["top_p"], sampling["min_p"], sampling["seed"], positions, filters)
 
 
 def _finished(token, count, sampling):
@@ -69,16 +67,16 @@ def prefill(cfg: ModelConfig, filters: bool, params, pool, page_table, tokens, p
     """Writes a chunk of prompt tokens [R, C] (valid tokens first in each row) into the pages.
     For rows with `completes` the chunk ends the prompt: the first output token is sampled from
     its last position and the row's slot (`slots`) gets its decode state. Returns the pool, the
-    state, and the sampled tokens and raw log-probs [R]. `filters`: see `sampling.sample`."""
+    state, and the sampled tokens and log-probs [R]. `filters`: see `sampling.sample_tokens`."""
     last = jnp.maximum(jnp.sum(segment_ids != 0, axis=1) - 1, 0)
     logits, cache = forward_last(cfg, params, tokens, positions, segment_ids, _cache(pool, page_table), last)
     next_pos = jnp.take_along_axis(positions, last[:, None], axis=1)[:, 0] + 1
     one = jnp.ones_like(next_pos)
-    token, raw = _sample(logits, sampling, one - 1, next_pos, filters)
+    token, logprob = _sample(logits, sampling, one - 1, next_pos, filters)
     target = jnp.where(completes, slots, state["token"].shape[0])  # out of range: dropped
     updates = {"token": token, "position": next_pos, "count": one, "done": _finished(token, one, sampling)}
     state = {name: state[name].at[target].set(value, mode="drop") for name, value in updates.items()}
-    return {"k": cache["k"], "v": cache["v"]}, state, token, raw
+    return {"k": cache["k"], "v": cache["v"]}, state, token, logprob
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 7))
@@ -86,8 +84,8 @@ def decode(cfg: ModelConfig, steps: int, filters: bool, params, pool, page_table
     """Up to `steps` decode steps for every slot [S]; rows not `active` are treated as done. A
     row stops (and writes nothing more) after a stop token (past min_new_tokens) or at
     max_new_tokens; the loop ends when all rows have. Returns the pool, the new state, the
-    sampled tokens and raw log-probs [S, steps], and how many tokens each row emitted.
-    `filters`: see `sampling.sample`."""
+    sampled tokens and log-probs [S, steps], and how many tokens each row emitted.
+    `filters`: see `sampling.sample_tokens`."""
     slots = state["token"].shape[0]
     start = jnp.where(active, state["count"], 0)
 
@@ -100,10 +98,10 @@ def decode(cfg: ModelConfig, steps: int, filters: bool, params, pool, page_table
         segment = (~done).astype(jnp.int32)[:, None]
         logits, cache = forward(cfg, params, token[:, None], pos[:, None], segment,
                                 _cache(pool, page_table, ragged))
-        nxt, raw = _sample(logits[:, 0], sampling, count, pos + 1, filters)
+        nxt, logprob = _sample(logits[:, 0], sampling, count, pos + 1, filters)
         count = count + (~done).astype(jnp.int32)
         toks = jax.lax.dynamic_update_slice(toks, nxt[:, None], (0, i))
-        logprobs = jax.lax.dynamic_update_slice(logprobs, raw[:, None], (0, i))
+        logprobs = jax.lax.dynamic_update_slice(logprobs, logprob[:, None], (0, i))
         pool = {"k": cache["k"], "v": cache["v"]}
         return (i + 1, pool, jnp.where(done, token, nxt), pos + (~done).astype(jnp.int32), count,
                 done | _finished(nxt, count, sampling), toks, logprobs)

@@ -16,7 +16,9 @@ Single-threaded: call it from one thread (`rlvr.rollout.driver.EngineDriver` doe
 
 Compiled shapes are a bounded set (`warmup()` compiles them all up front): prefill [1 or
 prefill_rows, prefill_chunk/4 or prefill_chunk] and one decode program (its attention loops over
-the pages held, `kernels/paged_attention/ragged.py`); each x2 when a request uses top-k/top-p/min-p. `metrics()` reports compile counts, the prefix-cache hit rate and host vs device time.
+the pages held, `kernels/paged_attention/ragged.py`); each x2 when a request uses
+top-k/top-p/min-p. `metrics()` reports compile counts, the prefix-cache hit rate and host vs
+device time.
 """
 
 from __future__ import annotations
@@ -128,8 +130,8 @@ class Engine:
         sp = request.sampling
         eos = set() if sp.ignore_eos or self._eos_id() is None else {self._eos_id()}
         stops = StopStrings(self.tokenizer, list(sp.stop)) if sp.stop and self.tokenizer is not None else None
-        self.waiting.append(Sequence(request, seed % 2**31, min(sp.max_new_tokens, self.max_len - len(request.input_ids)),
-                                     frozenset(sp.stop_token_ids) | eos, stops))
+        budget = min(sp.max_new_tokens, self.max_len - len(request.input_ids))
+        self.waiting.append(Sequence(request, seed % 2**31, budget, frozenset(sp.stop_token_ids) | eos, stops))
 
     def step(self) -> list[Completion]:
         """One scheduling iteration; returns the completions finished in it."""
@@ -395,8 +397,8 @@ class Engine:
             (table, tokens, positions, segments, slots, completes, sampling))  # one transfer
         start = time.perf_counter()
         self.pool, self.state, tok, logprob = device_fns.prefill(
-            self.decode_cfg, self._filters(host_slots) if filters is None else filters, self.params, self.pool, table, tokens, positions, segments,
-            self.state, slots, completes, sampling)
+            self.decode_cfg, self._filters(host_slots) if filters is None else filters, self.params, self.pool,
+            table, tokens, positions, segments, self.state, slots, completes, sampling)
         self._times["prefill_calls"] += 1
         self._time_call("prefill", rows * chunk, start, tok)
         if any(finishing):
