@@ -31,7 +31,7 @@ def model_config_dict(preset: str = "", **overrides) -> ml_collections.ConfigDic
     one field per `ModelConfig` field. A field left None is not set: it comes from the checkpoint the
     job starts from (init.*), else the preset, else ModelConfig's default. A field that is set is a
     choice: a checkpoint that contradicts it is an error (rlvr.start)."""
-    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig) if f.name != "lora"}  # lora: the `lora.*` section
     if preset and preset not in PRESETS:
         raise ConfigError(f"model preset {preset!r} is unknown; presets: {sorted(PRESETS)}")
     unknown = set(overrides) - set(fields)
@@ -57,6 +57,19 @@ def base_config() -> ml_collections.ConfigDict:
     c.init = ml_collections.ConfigDict({
         "hf_checkpoint": "",  # a Hugging Face directory: its architecture, weights and tokenizer
         "workdir": "",  # an rlvr workdir's latest checkpoint, with the architecture and tokenizer it recorded
+    })
+    # Low-rank adapters (rlvr.models.lora) on the starting policy: only they (and a value head) train, the
+    # optimizer holds state for them alone, checkpoints hold them plus a pointer to the frozen base
+    c.lora = ml_collections.ConfigDict({
+        "rank": 0,  # adapter rank; 0 = full fine-tuning (every weight trains)
+        "alpha": 16.0,  # the adapter's update is scaled by alpha / rank (PEFT's lora_alpha)
+        # projections that get adapters: comma-separated q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,
+        # or a group: all | attention | mlp
+        "targets": "all",
+        "dropout": 0.0,  # dropout on the adapters' input while training
+        # QLoRA: the frozen base's projection weights stored as int8 | int4 (blockwise absmax scales); none = as is
+        "quantize": "none",
+        "quant_block": 64,  # quantisation block: input-dimension weights sharing one scale
     })
     c.tokenizer = ml_collections.ConfigDict({
         "path": "",  # a Hugging Face tokenizer dir; "" = the checkpoint's own (random init: byte-level)

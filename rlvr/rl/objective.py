@@ -69,19 +69,19 @@ class Objective:
 
 def rl_loss(cfg, obj: Objective, params, batch: dict[str, jax.Array], rng, frozen):
     """(Σ weighted per-token loss, aux sums); see the module docstring. `frozen` is None or
-    {"ref": reference params}."""
-    del rng
+    {"ref": reference params}; `rng` drives adapter dropout (`lora.dropout`)."""
     tokens = batch["tokens"]
     logits = entropy = None
     if obj.logprob_chunk_size:
         logp, entropy, values = losses.model_token_logprobs(
             cfg, params, tokens, batch["positions"], batch["segment_ids"], chunk_size=obj.logprob_chunk_size,
-            entropy=True, values=bool(obj.value_coef))
+            entropy=True, values=bool(obj.value_coef), rng=rng)
     else:
         if obj.value_coef:
-            logits, values, _ = forward_with_values(cfg, params, tokens, batch["positions"], batch["segment_ids"])
+            logits, values, _ = forward_with_values(cfg, params, tokens, batch["positions"], batch["segment_ids"],
+                                                    rng=rng)
         else:
-            logits, _ = forward(cfg, params, tokens, batch["positions"], batch["segment_ids"])
+            logits, _ = forward(cfg, params, tokens, batch["positions"], batch["segment_ids"], rng=rng)
         logp = losses.next_token_logprobs(logits, tokens)
     mask = losses.target_mask(batch["loss_mask"], batch["segment_ids"]).astype(jnp.float32)
     shift = lambda name: batch[name][:, 1:]

@@ -49,6 +49,7 @@ from rlvr.train import step as step_lib
 from rlvr.train.checkpoint import Checkpointer
 from rlvr.train.optimizer import build_optimizer, learning_rate_schedule
 from rlvr.train.preemption import Preempted, PreemptionGuard
+from rlvr.trainers.loop import policy_params, split_trained
 
 # --- the initial policy ------------------------------------------------------------------------
 
@@ -117,7 +118,7 @@ def initial_model(config: ml_collections.ConfigDict, workdir: str, tasks) -> tup
     """(the policy RL starts from, a pointer to it for the record and for resuming)."""
     if config.rl.sft_steps:
         sft_dir = warm_start(config, workdir, tasks)
-        return api.load_trained(sft_dir), f"rlvr-workdir:{sft_dir}"
+        return api.build_model(config, src=start.Source("workdir", sft_dir)), f"rlvr-workdir:{sft_dir}"
     return api.build_model(config), policy_pointer(config)
 
 
@@ -270,6 +271,7 @@ class Run:
     tasks: Any
     model: api.Model
     reference_pointer: str  # the initial policy, for the record and for resuming
+    base: Any = None  # a LoRA policy's frozen base (the state trains its adapters); None otherwise
     optimizer: Any = None
     checkpoints: Checkpointer | None = None
     state: Any = None
@@ -297,9 +299,14 @@ class Run:
         self.evals.append(_eval_point(step, result))
         self.eval_details.append({"step": step, **result})
 
+    def policy_params(self):
+        """The whole policy: the state's params, with a LoRA policy's frozen base."""
+        return policy_params(self.state["params"], self.base)
+
     def extra_state(self) -> dict[str, Any]:
+        record = {"lora_base": self.reference_pointer} if self.base is not None else {}
         return {"producer": self.producer.state(), "reference": self.reference_pointer, "history": self.history,
-                "evals": self.evals, "eval_details": self.eval_details}
+                "evals": self.evals, "eval_details": self.eval_details, **record}
 
     def row_multiple(self) -> int:
         """Train rows are a multiple of this: data shards × micro-batches × mini-batches."""
@@ -359,26 +366,30 @@ def start_run(config: ml_collections.ConfigDict, workdir: str) -> Run:
     run = Run(config, workdir, tokenizer, tasks, model, reference_pointer)
     run.samples_log = observe.SampleLog(workdir, tokenizer)
     ref_params = restore_or_init_state(run)
-    run.backend = build_backend(config, model, run.state["params"], tokenizer, workdir, version=run.start)
+    run.backend = build_backend(config, model, run.policy_params(), tokenizer, workdir, version=run.start)
     run.producer = build_producer(run, ref_params)
     rl, steps = config.rl, config.train.num_steps * config.rl.updates_per_batch
     # The reference runs inside the step for a KL loss term, or (rl.reference_model) to report the KL.
     in_step = ref_params is not None and (rl.kl_mode == "loss" or rl.reference_model)
     shardings = step_lib.state_shardings(model.cfg, run.optimizer, model.mesh)
     run.update = PolicyUpdate(config, model, run.optimizer, shardings, {"ref": ref_params} if in_step else None,
-                              learning_rate_schedule(config.optimizer, steps))
+                              learning_rate_schedule(config.optimizer, steps), base=run.base)
     return run
 
 
 def restore_or_init_state(run: Run):
     """Sets the run's optimizer, checkpointer and train state (restored when resuming, with the
-    record so far); returns the frozen reference params (None when no KL is used or reported)."""
+    record so far); returns the frozen reference params (None when no KL is used or reported): a copy
+    of the initial policy, or a LoRA policy's frozen base (no copy)."""
     config, model, rl = run.config, run.model, run.config.rl
     updates = rl.updates_per_batch
     run.optimizer = build_optimizer(config.optimizer, config.train.num_steps * updates)  # a step per mini-batch
     shardings = step_lib.state_shardings(model.cfg, run.optimizer, model.mesh)
     use_ref = rl.reference_model or rl.kl_coef > 0
-    ref_params = jax.tree.map(jnp.copy, model.params) if use_ref else None
+    trained, run.base = split_trained(model)
+    ref_params = None
+    if use_ref:
+        ref_params = run.base if run.base is not None else jax.tree.map(jnp.copy, model.params)
     run.checkpoints = Checkpointer(os.path.join(run.workdir, "checkpoints"), config.checkpoint.keep,
                                    config.checkpoint.async_save)
     if config.checkpoint.resume and run.checkpoints.latest_step() is not None:
@@ -387,8 +398,8 @@ def restore_or_init_state(run: Run):
         for log in ("metrics.jsonl", "samples.jsonl"):
             observe.drop_metrics_after(run.workdir, int(run.state["step"]) // updates, log)
     else:
-        run.state = step_lib.init_state(model.params, run.optimizer, shardings)
-    model.params = None  # owned (and donated) by `state`
+        run.state = step_lib.init_state(trained, run.optimizer, shardings)
+    model.params = trained = None  # owned (and donated) by `state`
     run.start = int(run.state["step"]) // updates
     run.history = run.extra.get("history", [])
     # (checkpoints from before per-domain evaluation have no domain dict)
@@ -496,7 +507,7 @@ def one_step(run: Run, step: int) -> tuple[dict[str, float], ScoredBatch]:
                          rl.pack, run.row_multiple(), min_rows=rl.prompts_per_step * rl.group_size)
     run.state, metrics = run.update(run.state, arrays, batch.samples, step)
     t2 = time.perf_counter()
-    run.backend.update_weights(run.state["params"], step + 1)
+    run.backend.update_weights(run.policy_params(), step + 1)
     run.producer.set_version(step + 1)
     t3 = time.perf_counter()
     record = {**rollout_metrics(batch, step), **token_means(metrics)}

@@ -30,12 +30,12 @@ from rlvr.trainers.loop import train_loop
 def sft_loss(cfg, params, batch, rng, frozen, *, logprob_chunk_size: int = 0):
     """Sum of target-token NLL; weight = number of target tokens. `logprob_chunk_size` > 0
     (`train.logprob_chunk_size`): log-probs in chunks of that many positions, never the full logits."""
-    del rng, frozen
+    del frozen
     if logprob_chunk_size:
         logp, _, _ = losses.model_token_logprobs(cfg, params, batch["tokens"], batch["positions"],
-                                                 batch["segment_ids"], chunk_size=logprob_chunk_size)
+                                                 batch["segment_ids"], chunk_size=logprob_chunk_size, rng=rng)
     else:
-        logits, _ = forward(cfg, params, batch["tokens"], batch["positions"], batch["segment_ids"])
+        logits, _ = forward(cfg, params, batch["tokens"], batch["positions"], batch["segment_ids"], rng=rng)
         logp = losses.next_token_logprobs(logits, batch["tokens"])
     mask = losses.target_mask(batch["loss_mask"], batch["segment_ids"])
     return -jnp.sum(logp * mask), {"weight": mask.sum(), "target_tokens": mask.sum()}
@@ -93,7 +93,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     data = build_data(config, tokenizer)
     tokens_per_batch = config.data.batch_size * config.data.seq_len
     result = train_loop(config, workdir, model, configured_loss(config, model.cfg), data, tokens_per_batch)
-    final = api.Model(model.cfg, result.state["params"], model.mesh)
+    final = api.Model(model.cfg, result.params, model.mesh)
     summary: dict[str, Any] = {"job": "sft", "final_step": config.train.num_steps,
                                "final_loss": result.last_metrics.get("loss"),
                                "tokens_per_s": result.last_metrics.get("tokens_per_s"),
