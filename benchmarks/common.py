@@ -7,11 +7,12 @@ import time
 
 from rlvr.train.flops import measure_matmul_peak
 
-# Tunix 0.1.7 on the same fixed config and a 2-core CPU (../shared/peers/tunix/results_qwen3_r5.json).
-# The yardstick-scaled ratio is only an estimate (it read ~1.3x optimistic on 2026-11-30); the real
+# Our own measurement of Tunix 0.1.7 with the peer script on the same fixed config and a 2-core CPU
+# (benchmarks/results/tunix_peer.json; the script is benchmarks/peers/bench_tunix.py). The
+# yardstick-scaled ratio is only an estimate (it read ~1.3x optimistic on 2026-11-30); the real
 # comparison is side by side in one window:
 #   python3 -m venv /tmp/venv-tunix && /tmp/venv-tunix/bin/pip install google-tunix
-#   cp ../shared/peers/tunix/bench_tunix.py /tmp && /tmp/venv-tunix/bin/python /tmp/bench_tunix.py --only sft,sampler
+#   /tmp/venv-tunix/bin/python benchmarks/peers/bench_tunix.py --only sft,sampler
 # then this repo's benchmarks immediately after.
 TUNIX = {"sft_step_s": 0.7185, "sampler_tokens_per_s": 4047.6, "grpo_step_s": 2.0358,
          "calib_matmul_gflops": 285.15}

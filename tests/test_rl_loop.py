@@ -355,7 +355,7 @@ def test_sglang_backend_against_embedded_server(mode, sync_run, sglang_server, t
 @pytest.mark.parametrize("algorithm", [
     {"rl.advantage": "gae", "rl.updates_per_batch": 2},
     {"rl.advantage": "rloo", "rl.policy_loss": "gspo", "rl.aggregation": "seq_mean_token_mean", "rl.pack": True,
-     "rl.dynamic_sampling": True, "rl.kl_coef": 0.1, "rl.kl_mode": "reward"},
+     "rl.dynamic_sampling": True, "rl.kl_coef": 0.1, "rl.kl_mode": "reward", "rl.kl_estimator": "k1"},
 ], ids=["ppo_gae_minibatches", "rloo_gspo_packed_dynamic_kl_reward"])
 def test_other_algorithms_train(algorithm, sync_run, tmp_path):
     """PPO with a learned value head (GAE, 2 mini-batches) and an RLOO/GSPO/packed/dynamic-sampling/

@@ -14,10 +14,9 @@ from rlvr.models.params import init_params
 from rlvr.models.tokenizer import byte_level_tokenizer
 from rlvr.rollout.client import SGLangClient
 from rlvr.rollout.driver import EngineDriver
+from rlvr.rollout.engine import Engine
 from rlvr.rollout.server import serve
 from rlvr.rollout.types import Request, SamplingParams
-
-engine_module = pytest.importorskip("rlvr.rollout.engine")
 
 CFG = ModelConfig(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
                   vocab_size=300, rope_theta=10000.0)
@@ -33,7 +32,7 @@ def make_params(seed):
 def stack():
     """(direct greedy completions, driver, server) for one engine: direct runs come first, on
     the engine itself, before the driver thread owns it."""
-    engine = engine_module.Engine(CFG, make_params(0), tokenizer=byte_level_tokenizer(), max_len=128, max_slots=8)
+    engine = Engine(CFG, make_params(0), tokenizer=byte_level_tokenizer(), max_len=128, max_slots=8)
     direct = engine.generate([Request(f"d{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])
     driver = EngineDriver(engine)
     server, _ = serve(driver)

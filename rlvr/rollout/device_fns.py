@@ -29,8 +29,8 @@ def prefill(cfg: ModelConfig, params, pool, page_table, tokens, positions, segme
     last = jnp.maximum(jnp.sum(segment_ids != 0, axis=1) - 1, 0)
     last_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
     next_pos = jnp.take_along_axis(positions, last[:, None], axis=1)[:, 0] + 1
-    tok, raw_lp = _sample_with_raw_logprob(last_logits, sampling, jnp.zeros_like(next_pos), next_pos)
-    return {"k": cache["k"], "v": cache["v"]}, tok, raw_lp
+    tok, logprob = _sample(last_logits, sampling, jnp.zeros_like(next_pos), next_pos)
+    return {"k": cache["k"], "v": cache["v"]}, tok, logprob
 
 
 def _mask_stops(logits, sampling, generated):
@@ -47,27 +47,26 @@ def _is_stop(tokens, sampling):
     return jnp.any(tokens[:, None] == sampling["stop_ids"], axis=1)
 
 
-def _sample_with_raw_logprob(raw_logits, sampling, generated, positions):
-    """Sample from the processed distribution; report the raw policy log-prob."""
-    masked = _mask_stops(raw_logits, sampling, generated)
-    tokens = sample_tokens(masked, sampling["temperature"], sampling["top_k"], sampling["top_p"],
-                              sampling["min_p"], sampling["seed"], positions)
-    raw = jnp.take_along_axis(jax.nn.log_softmax(raw_logits.astype(jnp.float32), axis=-1), tokens[:, None],
-                              axis=-1)[:, 0]
-    return tokens, raw
+def _sample(logits, sampling, generated, positions):
+    """(tokens, their log-probs under the distribution sampled from: temperature, top-k, top-p,
+    min-p; see rlvr.rollout.sampling). Stop tokens forbidden by min_new_tokens are outside that
+    distribution too (the trainer does not model min_new_tokens: RL requests leave it at 0)."""
+    masked = _mask_stops(logits, sampling, generated)
+    return sample_tokens(masked, sampling["temperature"], sampling["top_k"], sampling["top_p"], sampling["min_p"],
+                         sampling["seed"], positions)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
 def decode(cfg: ModelConfig, steps: int, params, pool, page_table, tokens, positions, active, generated, sampling):
     """Up to `steps` decode steps for every slot [S]. A row stops (and writes nothing more)
     after a stop token (past min_new_tokens) or at max_new_tokens. Returns the pool, the
-    sampled tokens and raw log-probs [S, steps], and how many tokens each row emitted."""
+    sampled tokens and their log-probs [S, steps], and how many tokens each row emitted."""
 
     def one(carry, _):
         pool, token, pos, done, count = carry
         seg = (~done).astype(jnp.int32)[:, None]
         logits, cache = forward(cfg, params, token[:, None], pos[:, None], seg, _cache(pool, page_table))
-        nxt, logprob = _sample_with_raw_logprob(logits[:, 0], sampling, count, pos + 1)
+        nxt, logprob = _sample(logits[:, 0], sampling, count, pos + 1)
         emitted = ~done
         count = count + emitted.astype(jnp.int32)
         finished = (_is_stop(nxt, sampling) & (count >= sampling["min_new"])) | (count >= sampling["max_new"])
