@@ -206,6 +206,10 @@ def rl_config() -> ml_collections.ConfigDict:
         "gspo_clip_low": 3e-4, "gspo_clip_high": 4e-4,  # gspo: clip range of the sequence-level ratio
         "kl_coef": 0.0, "kl_estimator": "k3", "kl_mode": "loss",  # loss (term) | reward (penalty)
         "reference_model": False,  # keep the frozen reference even at kl_coef=0 (KL is still reported)
+        # on-policy distillation (rlvr.rl.distill): a teacher (HF directory or rlvr workdir, the student's
+        # tokenizer) scores every sampled token; advantage += -distill_coef · (log π_student - log π_teacher);
+        # distill_task_advantage=False drops the task reward's advantage (distillation alone)
+        "teacher": "", "distill_coef": 1.0, "distill_task_advantage": True,
         "entropy_coef": 0.0,  # entropy bonus weight in the loss
         "tis_cap": 2.0,  # truncated importance sampling cap on π_trainer/π_sampler; 0 = off
         "tis_level": "token",  # token | sequence
@@ -326,6 +330,11 @@ def _validate_objective(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"rl.advantage={rl.advantage!r} compares samples within a group: set rl.group_size >= 2.")
     if rl.policy_loss == "gspo" and rl.aggregation != "seq_mean_token_mean":
         raise ConfigError("rl.policy_loss='gspo' is a sequence-level loss: set rl.aggregation='seq_mean_token_mean'.")
+    if rl.teacher and rl.advantage == "gae":
+        raise ConfigError(f"rl.teacher={rl.teacher!r} gives per-token advantages, which GAE would replace: use a "
+                          "group advantage (rl.advantage='grpo', 'rloo', ...) for on-policy distillation.")
+    if rl.teacher and not rl.distill_coef > 0:
+        raise ConfigError(f"rl.distill_coef={rl.distill_coef}: must be > 0 with rl.teacher set (or set rl.teacher='').")
     if rl.dual_clip and rl.dual_clip <= 1:
         raise ConfigError(f"rl.dual_clip={rl.dual_clip}: must be > 1 (or 0 to turn it off).")
     if rl.kl_mode == "reward" and rl.kl_coef and rl.kl_estimator != "k1":

@@ -36,7 +36,7 @@ import numpy as np
 from rlvr import api, evaluation, observe, start
 from rlvr.envs.sandboxes import pool_counters
 from rlvr.launch.ray_workers import make_verifier_workers
-from rlvr.rl import backends
+from rlvr.rl import backends, distill
 from rlvr.rl.batching import build_batch
 from rlvr.rl.objective import sampling_of, token_means
 from rlvr.rl.producer import Producer, ProducerSettings, ScoredBatch, load_moments, passed
@@ -86,7 +86,8 @@ def demonstrations(tasks, count: int, seed: int, off_format_fraction: float, pro
 
 def warm_start(config: ml_collections.ConfigDict, workdir: str, tasks) -> str:
     """SFT on `rl.sft_demos` demonstrations into `workdir/sft` (resumable; skipped when done).
-    Returns the SFT workdir."""
+    Returns the SFT workdir. From a random init it trains every weight even for a LoRA run (whose
+    frozen base is then this SFT model); from a checkpoint it trains what the RL run will."""
     from rlvr.trainers import sft
 
     rl = config.rl
@@ -108,6 +109,8 @@ def warm_start(config: ml_collections.ConfigDict, workdir: str, tasks) -> str:
     c.train.num_steps = rl.sft_steps
     c.train.log_every = max(rl.sft_steps // 4, 1)
     c.checkpoint.every_steps = rl.sft_steps
+    if start.source(config).kind == "random":  # adapters on a random base learn nothing: SFT trains every weight
+        c.lora.rank, c.lora.quantize = 0, "none"
     print(f"warm start: SFT on {rl.sft_demos} demonstrations for {rl.sft_steps} steps -> {sft_dir}")
     start.write_workdir(c, sft_dir)
     sft.train(c, sft_dir)
@@ -425,6 +428,11 @@ def build_producer(run: Run, ref_params) -> Producer:
     if rl.kl_mode == "reward" and ref_params is not None:
         ref_fn = reference_logprobs_fn(run.model.cfg, ref_params, rl.seq_len, run.tokenizer.pad_id, sampling_of(rl),
                                        config.train.logprob_chunk_size)
+    teacher_fn = None
+    if rl.teacher:
+        teacher_cfg, teacher_params = distill.load_teacher(rl.teacher, run.model.mesh, run.tokenizer.vocab_size)
+        teacher_fn = reference_logprobs_fn(teacher_cfg, teacher_params, rl.seq_len, run.tokenizer.pad_id,
+                                           sampling_of(rl), config.train.logprob_chunk_size)
     if rl.curriculum:
         run.curriculum = Curriculum(run.tasks.levels(), mixture=run.tasks.weights,
                                     band=(rl.curriculum_band_low, rl.curriculum_band_high), floor=rl.curriculum_floor,
@@ -450,7 +458,7 @@ def build_producer(run: Run, ref_params) -> Producer:
                     buffered=[ScoredBatch.from_json(b) for b in producer_state["buffered"]], ref_logprobs=ref_fn,
                     curriculum=run.curriculum, replay=replay, reward_model=reward_model,
                     episode_log=os.path.join(run.workdir, "episodes.jsonl"), make_env=env_factory(rl),
-                    agent=run.agent, verifiers=verifiers)
+                    agent=run.agent, verifiers=verifiers, teacher_logprobs=teacher_fn)
 
 
 def run_steps(run: Run) -> int | None:

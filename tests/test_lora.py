@@ -1,0 +1,148 @@
+"""LoRA and QLoRA (rlvr.models.lora): parity with the base model, with the merged weights, and with
+`peft` on top of transformers for an adapter trained by a real job on a Hugging Face checkpoint."""
+
+import ast
+import dataclasses
+import glob
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlvr import sharding
+from rlvr.models import lora
+from rlvr.models import params as params_lib
+from rlvr.models.config import PRESETS, LoraConfig, ModelConfig
+from rlvr.models.transformer import forward
+
+
+def _trained_adapters(params, seed=3, scale=0.05):
+    """The params with every lora_b drawn at random (a fresh adapter's B is zero)."""
+    keys = iter(jax.random.split(jax.random.key(seed), 64))
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: scale * jax.random.normal(next(keys), x.shape, x.dtype) if p[-1].key == "lora_b" else x, params)
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8", "int4"])
+def test_fresh_adapter_is_the_base_and_merging_is_exact(quantize):
+    mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    cfg = dataclasses.replace(ModelConfig(**PRESETS["tiny"]),
+                              lora=LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "o_proj", "down_proj"),
+                                              quantize=quantize, quant_block=32))
+    base = params_lib.init_params(lora.without_lora(cfg), jax.random.key(0), mesh)
+    params = lora.attach(cfg, base, jax.random.key(1), mesh)
+    tokens = jax.random.randint(jax.random.key(2), (2, 24), 0, cfg.vocab_size)
+    plain = lora.without_lora(cfg)
+
+    # a fresh adapter (B = 0) is its base exactly: the base itself, or its dequantised weights
+    reference = base if quantize == "none" else lora.merge(cfg, lora.frozen(params))
+    fresh = forward(cfg, params, tokens)[0]
+    np.testing.assert_array_equal(np.asarray(fresh), np.asarray(forward(plain, reference, tokens)[0]))
+    if quantize != "none":  # the quantised base is close to, not equal to, the float one
+        bits = {"int8": 8, "int4": 4}[quantize]
+        err = np.max(np.abs(np.asarray(reference["layers"]["mlp"]["down_proj"]["kernel"])
+                            - np.asarray(base["layers"]["mlp"]["down_proj"]["kernel"])))
+        bound = np.max(np.abs(np.asarray(base["layers"]["mlp"]["down_proj"]["kernel"]))) / (2 ** (bits - 1) - 1)
+        assert 0 < err <= bound / 2 + 1e-7  # half a quantisation step at most
+
+    # a trained adapter: the unmerged forward equals the merged weights' forward
+    trained = _trained_adapters(params)
+    unmerged = np.asarray(forward(cfg, trained, tokens)[0])
+    merged = np.asarray(forward(plain, lora.merge(cfg, trained), tokens)[0])
+    assert np.max(np.abs(unmerged - np.asarray(fresh))) > 1e-3  # the adapter changes the output
+    np.testing.assert_allclose(unmerged, merged, atol=1e-5, rtol=0)
+
+    # what trains: the adapters alone
+    names = {p[-1].key for p, _ in jax.tree_util.tree_leaves_with_path(lora.trainable(trained))}
+    assert names == {"lora_a", "lora_b"}
+    assert sum(x.size for x in jax.tree.leaves(lora.trainable(trained))) == lora.adapter_count(cfg)
+
+
+def test_lora_sft_on_an_hf_checkpoint_exports_a_peft_adapter_and_a_merged_model(tmp_path):
+    """A LoRA SFT job (2 steps) on a random Qwen3 HF checkpoint with a BPE tokenizer: the checkpoint
+    holds the adapters and their optimizer state only; the PEFT export loaded by `peft` on the
+    transformers model and the merged export loaded by transformers give our logits within 1e-4."""
+    import torch
+    from hf_fixtures import write_random_hf
+
+    from rlvr import api, config_lib, export
+    from rlvr.main import run
+
+    model_dir = write_random_hf(str(tmp_path / "qwen3"), "qwen3")
+    workdir = str(tmp_path / "run")
+    config = config_lib.load_config(f"configs/recipes/chat_sft_dpo.py:{model_dir},sft,smoke",
+                                    {"lora.rank": 4, "lora.alpha": 8.0, "lora.targets": "attention,down_proj",
+                                     "optimizer.learning_rate": 1e-2})
+    run(config, workdir)
+
+    trained = api.load_trained(workdir)
+    adapters = lora.trainable(trained.params)
+    assert float(jnp.max(jnp.abs(adapters["layers"]["mlp"]["down_proj"]["lora_b"]))) > 0  # it trained
+    (metadata,) = glob.glob(os.path.join(workdir, "checkpoints", "*", "state", "_METADATA"))
+    with open(metadata) as f:  # orbax's tree: every saved leaf's path
+        saved = [ast.literal_eval(k) for k in json.load(f)["tree_metadata"]]
+    leaves = {p[-1] for p in saved if p[0] in ("params", "opt_state") and len(p) > 3}
+    assert leaves == {"lora_a", "lora_b"}, leaves  # params and Adam moments: adapters only, no base weight
+    with open(os.path.join(os.path.dirname(os.path.dirname(metadata)), "extra", "metadata")) as f:
+        assert json.load(f)["lora_base"] == f"init.hf_checkpoint={model_dir}"  # the pointer to the base
+
+    out = str(tmp_path / "adapter")
+    _, base_dir = export.export_adapter(workdir, out)
+    assert base_dir == model_dir  # the adapter points at the HF checkpoint it was trained on
+    merged_dir = str(tmp_path / "merged")
+    export.export(workdir, merged_dir)
+
+    tokens = np.asarray(trained.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 12 + 30?"}], add_generation_prompt=True))[None]
+    ours = np.asarray(forward(trained.cfg, trained.params, jnp.asarray(tokens))[0])
+    base_logits = np.asarray(forward(lora.without_lora(trained.cfg), lora.frozen(trained.params),
+                                     jnp.asarray(tokens))[0])
+    assert np.max(np.abs(ours - base_logits)) > 1e-3  # the adapter is not a no-op
+    for out_dir, base in ((out, base_dir), (merged_dir, None)):
+        _, theirs = export.load_transformers(out_dir, base)
+        with torch.no_grad():
+            logits = theirs(torch.tensor(tokens)).logits.float().numpy()
+        np.testing.assert_allclose(logits, ours, atol=1e-4, rtol=0)
+
+
+def test_teacher_token_advantages_by_hand():
+    from rlvr.rl.batching import Sample, build_batch
+    from rlvr.rl.distill import teacher_token_advantages
+
+    adv, kls = teacher_token_advantages([[-1.0, -2.0, -0.5]], [[-1.5, -1.0, -3.0]], [[1, 0, 1]], 2.0)
+    np.testing.assert_allclose(adv[0], [-1.0, 0.0, -5.0])  # -2·(student - teacher), 0 on the observation
+    assert kls == [pytest.approx((0.5 + 2.5) / 2)]
+    sample = Sample(0, 0, [5, 6], [7, 8, 9], [-1.0, -2.0, -0.5], [0, 0, 0], False, {"reward": 1.0}, advantage=0.25,
+                    token_advantage=adv[0].tolist())
+    batch = build_batch([sample], 8, 0)
+    np.testing.assert_allclose(batch["advantages"][0, :5], [0, 0, -0.75, 0.25, -4.75])
+
+
+def test_lora_grpo_distills_from_a_teacher_and_serves_updated_adapters(tmp_path):
+    """On-policy distillation in a LoRA GRPO run on a random Qwen3 HF checkpoint (BPE, chat prompts),
+    the teacher being that checkpoint: before any update the student's sampled log-probs are the
+    teacher's (reverse KL 0: same tokens, aligned), after one update the engine samples from the
+    updated adapters (KL > 0) with log-probs equal to the trainer's."""
+    import json as json_lib
+
+    from hf_fixtures import write_random_hf
+
+    from rlvr import config_lib
+    from rlvr.main import run
+
+    model_dir = write_random_hf(str(tmp_path / "qwen3"), "qwen3")
+    config = config_lib.load_config(f"configs/recipes/grpo_math.py:{model_dir},smoke",
+                                    {"lora.rank": 4, "lora.alpha": 8.0, "rl.teacher": model_dir,
+                                     "rl.distill_task_advantage": False, "optimizer.learning_rate": 1e-1,
+                                     "optimizer.warmup_steps": 0})
+    workdir = str(tmp_path / "rl")
+    run(config, workdir)
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        steps = [m for m in map(json_lib.loads, f) if "reward/teacher_kl" in m]
+    assert len(steps) == 2
+    assert abs(steps[0]["reward/teacher_kl"]) < 1e-4, steps[0]["reward/teacher_kl"]
+    assert abs(steps[1]["reward/teacher_kl"]) > 1e-3, steps[1]["reward/teacher_kl"]
+    assert steps[1]["logprob_mismatch"] < 1e-4
