@@ -71,6 +71,12 @@ def base_config() -> ml_collections.ConfigDict:
         "quantize": "none",
         "quant_block": 64,  # quantisation block: input-dimension weights sharing one scale
     })
+    # Logit distillation in SFT (job=sft; rlvr.losses.distill): loss per target token = (1 - weight)·NLL +
+    # weight·KL(teacher's top_k distribution ‖ student), both models' logits in chunks of chunk_size positions
+    c.distill = ml_collections.ConfigDict({
+        "teacher": "",  # an HF directory or rlvr workdir with the student's tokenizer; "" = plain SFT
+        "top_k": 32, "weight": 1.0, "chunk_size": 256,
+    })
     c.tokenizer = ml_collections.ConfigDict({
         "path": "",  # a Hugging Face tokenizer dir; "" = the checkpoint's own (random init: byte-level)
         # the chat template: a jinja template, a .jinja file or "chatml"; "" = the tokenizer's own
@@ -405,6 +411,19 @@ def _existing_path(c, path: str, what: str) -> None:
         raise ConfigError(f"{path}={value!r}: no such {what}; give an existing path or ''.")
 
 
+def _validate_distill(config: ml_collections.ConfigDict) -> None:
+    d = config.get("distill")
+    if not d or not d.teacher:
+        return
+    _existing_path(config, "distill.teacher", "teacher directory")
+    if config.job != "sft":
+        raise ConfigError(f"distill.teacher={d.teacher!r} is logit distillation in SFT (job='sft'); for RL use "
+                          "rl.teacher (on-policy distillation).")
+    if d.top_k < 1 or not 0 < d.weight <= 1 or d.chunk_size < 1:
+        raise ConfigError(f"distill.top_k={d.top_k}, distill.weight={d.weight}, distill.chunk_size={d.chunk_size}: "
+                          "need top_k >= 1, 0 < weight <= 1 (1 = the teacher alone), chunk_size >= 1.")
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int,
              jobs: dict[str, Callable] | None = None) -> None:
     """Checks values before any compile. Raises ConfigError naming the field."""
@@ -417,6 +436,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
         _one_of(config, "job", jobs)
     _existing_path(config, "init.hf_checkpoint", "checkpoint directory")
     _existing_path(config, "init.workdir", "workdir")
+    _validate_distill(config)
     model = start.model_config(config)  # the checkpoint's architecture when there is one
     try:
         mesh = sharding.mesh_shape_from_config(dict(config.mesh), num_devices)

@@ -75,8 +75,13 @@ def test_lora_sft_on_an_hf_checkpoint_exports_a_peft_adapter_and_a_merged_model(
     workdir = str(tmp_path / "run")
     config = config_lib.load_config(f"configs/recipes/chat_sft_dpo.py:{model_dir},sft,smoke",
                                     {"lora.rank": 4, "lora.alpha": 8.0, "lora.targets": "attention,down_proj",
-                                     "optimizer.learning_rate": 1e-2})
+                                     "optimizer.learning_rate": 1e-2, "distill.teacher": model_dir,
+                                     "distill.weight": 0.5, "distill.top_k": 1024, "distill.chunk_size": 64})
     run(config, workdir)
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:  # logit distillation from the base itself (top_k = the vocabulary: the whole distribution)
+        first = next(m for m in map(json.loads, f) if "distill_kl" in m)
+    assert abs(first["distill_kl"]) < 1e-5 and first["nll"] > 1  # a fresh adapter is its teacher
+    assert first["loss"] == pytest.approx(0.5 * first["nll"] + 0.5 * first["distill_kl"], rel=1e-4)
 
     trained = api.load_trained(workdir)
     adapters = lora.trainable(trained.params)
@@ -106,6 +111,36 @@ def test_lora_sft_on_an_hf_checkpoint_exports_a_peft_adapter_and_a_merged_model(
         with torch.no_grad():
             logits = theirs(torch.tensor(tokens)).logits.float().numpy()
         np.testing.assert_allclose(logits, ours, atol=1e-4, rtol=0)
+
+
+def test_topk_forward_kl_matches_full_logits():
+    from rlvr.losses.distill import topk_forward_kl
+
+    rng = np.random.default_rng(0)
+    b, t, e, v, vt, k = 2, 7, 8, 11, 13, 4  # the teacher's vocabulary padded beyond the student's
+    hs, ht = rng.normal(size=(b, t, e)).astype(np.float32), rng.normal(size=(b, t, e)).astype(np.float32)
+    ws, wt = rng.normal(size=(e, v)).astype(np.float32), rng.normal(size=(vt, e)).astype(np.float32)
+    targets = rng.integers(0, v, (b, t))
+    logp, kl = topk_forward_kl(jnp.asarray(hs), jnp.asarray(ws), jnp.asarray(ht), jnp.asarray(wt), jnp.asarray(targets),
+                               top_k=k, chunk_size=3, teacher_vocab_major=True)
+
+    def log_softmax(z):
+        z = z - z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+    ls, lt = log_softmax(hs @ ws), log_softmax((ht @ wt.T)[..., :v])
+    top = np.argsort(-lt, axis=-1)[..., :k]
+    pt = np.take_along_axis(lt, top, -1)
+    pt = pt - np.log(np.exp(pt).sum(-1, keepdims=True))
+    want = (np.exp(pt) * (pt - np.take_along_axis(ls, top, -1))).sum(-1)
+    np.testing.assert_allclose(np.asarray(kl), want, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(logp), np.take_along_axis(ls, targets[..., None], -1)[..., 0], atol=1e-5)
+    # the gradient reaches the student only: against the full-logits formula's
+    full = lambda h: jnp.sum(jnp.exp(pt) * (pt - jnp.take_along_axis(jax.nn.log_softmax(h @ ws), top, -1)))
+    got = jax.grad(lambda h: jnp.sum(topk_forward_kl(h, jnp.asarray(ws), jnp.asarray(ht), jnp.asarray(wt),
+                                                     jnp.asarray(targets), top_k=k, chunk_size=3,
+                                                     teacher_vocab_major=True)[1]))(jnp.asarray(hs))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jax.grad(full)(jnp.asarray(hs))), atol=1e-5)
 
 
 def test_teacher_token_advantages_by_hand():

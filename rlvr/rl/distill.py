@@ -26,10 +26,11 @@ from jax.sharding import Mesh
 from rlvr.config_lib import ConfigError
 
 
-def load_teacher(path: str, mesh: Mesh, vocab: int):
+def load_teacher(path: str, mesh: Mesh, vocab: int, field: str = "rl.teacher"):
     """(ModelConfig, plain params) of the teacher at `path` (an HF directory or an rlvr workdir: a LoRA
-    run's adapters merged), without a value head. `vocab`: the student tokenizer's size, which the
-    teacher's vocabulary must cover."""
+    run's adapters merged), without a value head; also the SFT job's logit-distillation teacher
+    (`distill.teacher`, rlvr.losses.distill). `vocab`: the student tokenizer's size, which the teacher's
+    vocabulary must cover; `field`: the config key named in errors."""
     from rlvr import api, start
     from rlvr.models import hf, lora
 
@@ -42,7 +43,7 @@ def load_teacher(path: str, mesh: Mesh, vocab: int):
     params = {k: v for k, v in params.items() if k != "value_proj"}
     cfg = dataclasses.replace(cfg, value_head=False)
     if cfg.vocab_size < vocab:
-        raise ConfigError(f"rl.teacher={path!r}: its vocabulary ({cfg.vocab_size}) is smaller than the student "
+        raise ConfigError(f"{field}={path!r}: its vocabulary ({cfg.vocab_size}) is smaller than the student "
                           f"tokenizer's ({vocab}); the teacher must share the student's tokenizer.")
     return cfg, params
 
