@@ -78,7 +78,8 @@ def test_lora_sft_on_an_hf_checkpoint_exports_a_peft_adapter_and_a_merged_model(
                                      "optimizer.learning_rate": 1e-2, "distill.teacher": model_dir,
                                      "distill.weight": 0.5, "distill.top_k": 1024, "distill.chunk_size": 64})
     run(config, workdir)
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:  # logit distillation from the base itself (top_k = the vocabulary: the whole distribution)
+    # logit distillation from the base itself (top_k = the vocabulary: the whole distribution)
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
         first = next(m for m in map(json.loads, f) if "distill_kl" in m)
     assert abs(first["distill_kl"]) < 1e-5 and first["nll"] > 1  # a fresh adapter is its teacher
     assert first["loss"] == pytest.approx(0.5 * first["nll"] + 0.5 * first["distill_kl"], rel=1e-4)
