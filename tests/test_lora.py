@@ -61,6 +61,31 @@ def test_fresh_adapter_is_the_base_and_merging_is_exact(quantize):
     assert sum(x.size for x in jax.tree.leaves(lora.trainable(trained))) == lora.adapter_count(cfg)
 
 
+def test_sglang_weight_sync_of_a_qlora_policy_is_the_merged_model(tmp_path):
+    """The SGLang backend's weight sync writes a LoRA policy merged (plain weights SGLang loads)."""
+    import types
+
+    from rlvr.models import hf
+    from rlvr.rl.backends import SGLangBackend
+
+    mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    cfg = dataclasses.replace(ModelConfig(**PRESETS["tiny"]), lora=LoraConfig(rank=4, quantize="int8", quant_block=32))
+    base = params_lib.init_params(lora.without_lora(cfg), jax.random.key(0), mesh)
+    params = _trained_adapters(lora.attach(cfg, base, jax.random.key(1), mesh))
+
+    async def loaded(path, version, pause_mode):
+        return None
+
+    fake = types.SimpleNamespace(cfg=cfg, export_dir=str(tmp_path), tokenizer_dir=None, keep_exports=2, _exports=[],
+                                 _run=lambda coro: coro.close(), client=types.SimpleNamespace(
+                                     update_weights_from_disk=loaded))
+    SGLangBackend.update_weights(fake, params, 1)
+    _, written = hf.load_hf_checkpoint(str(tmp_path / "weights_v1"), mesh=mesh)
+    want = lora.merge(cfg, params)
+    for (path, got), expected in zip(jax.tree_util.tree_leaves_with_path(written), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-6, err_msg=str(path))
+
+
 def test_lora_sft_on_an_hf_checkpoint_exports_a_peft_adapter_and_a_merged_model(tmp_path):
     """A LoRA SFT job (2 steps) on a random Qwen3 HF checkpoint with a BPE tokenizer: the checkpoint
     holds the adapters and their optimizer state only; the PEFT export loaded by `peft` on the
