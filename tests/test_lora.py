@@ -101,18 +101,20 @@ def test_lora_sft_on_an_hf_checkpoint_exports_a_peft_adapter_and_a_merged_model(
     config = config_lib.load_config(f"configs/recipes/chat_sft_dpo.py:{model_dir},sft,smoke",
                                     {"lora.rank": 4, "lora.alpha": 8.0, "lora.targets": "attention,down_proj",
                                      "optimizer.learning_rate": 1e-2, "distill.teacher": model_dir,
-                                     "distill.weight": 0.5, "distill.top_k": 1024, "distill.chunk_size": 64})
+                                     "distill.weight": 0.5, "distill.top_k": 1024, "distill.chunk_size": 64,
+                                     "optimizer.warmup_steps": 1, "train.num_steps": 3})
     run(config, workdir)
     # logit distillation from the base itself (top_k = the vocabulary: the whole distribution)
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         first = next(m for m in map(json.loads, f) if "distill_kl" in m)
-    assert abs(first["distill_kl"]) < 1e-5 and first["nll"] > 1  # a fresh adapter is its teacher
+    # step 2 follows step 1's update at learning rate 0 (warm-up): the adapters are still fresh
+    assert first["step"] == 2 and abs(first["distill_kl"]) < 1e-5 and first["nll"] > 1  # a fresh adapter is its teacher
     assert first["loss"] == pytest.approx(0.5 * first["nll"] + 0.5 * first["distill_kl"], rel=1e-4)
 
     trained = api.load_trained(workdir)
     adapters = lora.trainable(trained.params)
     assert float(jnp.max(jnp.abs(adapters["layers"]["mlp"]["down_proj"]["lora_b"]))) > 0  # it trained
-    (metadata,) = glob.glob(os.path.join(workdir, "checkpoints", "*", "state", "_METADATA"))
+    metadata = max(glob.glob(os.path.join(workdir, "checkpoints", "*", "state", "_METADATA")))  # the last step's
     with open(metadata) as f:  # orbax's tree: every saved leaf's path
         saved = [ast.literal_eval(k) for k in json.load(f)["tree_metadata"]]
     leaves = {p[-1] for p in saved if p[0] in ("params", "opt_state") and len(p) > 3}
@@ -207,3 +209,22 @@ def test_lora_grpo_distills_from_a_teacher_and_serves_updated_adapters(tmp_path)
     assert abs(steps[0]["reward/teacher_kl"]) < 1e-4, steps[0]["reward/teacher_kl"]
     assert abs(steps[1]["reward/teacher_kl"]) > 1e-3, steps[1]["reward/teacher_kl"]
     assert steps[1]["logprob_mismatch"] < 1e-4
+
+
+def test_lora_dpo_against_its_base_starts_at_log_2(tmp_path):
+    """LoRA DPO with the online reference: the reference is the frozen base (no copy), so while the
+    adapters are fresh the DPO loss is log 2 (label smoothing 0); then the adapters learn."""
+    from rlvr import config_lib
+    from rlvr.main import run
+
+    config = config_lib.load_config("configs/dpo_tiny.py:dpo,online,smoke",
+                                    {"lora.rank": 4, "preference.label_smoothing": 0.0,
+                                     "optimizer.learning_rate": 1e-2, "optimizer.warmup_steps": 1,
+                                     "train.num_steps": 3})
+    run(config, str(tmp_path))
+    with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
+        steps = [m for m in map(json.loads, f) if "loss" in m]
+    # step 2's loss follows step 1's update at learning rate 0 (warm-up): the policy is still the base
+    assert [m["step"] for m in steps] == [2, 3]
+    assert steps[0]["loss"] == pytest.approx(np.log(2), abs=1e-6)
+    assert steps[-1]["loss"] != pytest.approx(np.log(2), abs=1e-4)
