@@ -117,8 +117,9 @@ def test_lora_sft_on_an_hf_checkpoint_exports_a_peft_adapter_and_a_merged_model(
     metadata = max(glob.glob(os.path.join(workdir, "checkpoints", "*", "state", "_METADATA")))  # the last step's
     with open(metadata) as f:  # orbax's tree: every saved leaf's path
         saved = [ast.literal_eval(k) for k in json.load(f)["tree_metadata"]]
-    leaves = {p[-1] for p in saved if p[0] in ("params", "opt_state") and len(p) > 3}
-    assert leaves == {"lora_a", "lora_b"}, leaves  # params and Adam moments: adapters only, no base weight
+    weights = {p[-1] for p in saved if p[0] in ("params", "opt_state") and "layers" in p or "embed_tokens" in p
+               or "lm_head" in p or "norm" in p}
+    assert weights == {"lora_a", "lora_b"}, weights  # params and Adam moments: adapters only, no base weight
     with open(os.path.join(os.path.dirname(os.path.dirname(metadata)), "extra", "metadata")) as f:
         assert json.load(f)["lora_base"] == f"init.hf_checkpoint={model_dir}"  # the pointer to the base
 
@@ -199,15 +200,16 @@ def test_lora_grpo_distills_from_a_teacher_and_serves_updated_adapters(tmp_path)
     model_dir = write_random_hf(str(tmp_path / "qwen3"), "qwen3")
     config = config_lib.load_config(f"configs/recipes/grpo_math.py:{model_dir},smoke",
                                     {"lora.rank": 4, "lora.alpha": 8.0, "rl.teacher": model_dir,
-                                     "rl.distill_task_advantage": False, "optimizer.learning_rate": 1e-1,
+                                     "rl.distill_task_advantage": False, "optimizer.learning_rate": 3e-2,
                                      "optimizer.warmup_steps": 0})
     workdir = str(tmp_path / "rl")
     run(config, workdir)
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         steps = [m for m in map(json_lib.loads, f) if "reward/teacher_kl" in m]
     assert len(steps) == 2
-    assert abs(steps[0]["reward/teacher_kl"]) < 1e-4, steps[0]["reward/teacher_kl"]
-    assert abs(steps[1]["reward/teacher_kl"]) > 1e-3, steps[1]["reward/teacher_kl"]
+    # (a one-sample KL estimate: it may be negative; before the update only float noise, ~1e-8)
+    assert abs(steps[0]["reward/teacher_kl"]) < 1e-6, steps[0]["reward/teacher_kl"]
+    assert abs(steps[1]["reward/teacher_kl"]) > 1e-5, steps[1]["reward/teacher_kl"]
     assert steps[1]["logprob_mismatch"] < 1e-4
 
 
