@@ -11,6 +11,8 @@ Environments (`ENVIRONMENTS`):
   tool_calc     ToolUseEnv     arithmetic with a calculator (compact mode for tiny byte-level models)
   code_repair   CodeRepairEnv  fix a bug in a sandboxed repository until its tests pass
   tool_state    ToolStateEnv   bank / file-store goals that need queries, judged by the final state
+  finance_docs  FinanceDocsEnv a generated filing behind search / PDF-table / calculator tools
+                               (the finance domain kit, rlvr.domains.finance)
 
 Their task families (rlvr.envs.families, registered in rlvr.tasks.registry): tool_calc,
 tool_calc_compact, code_repair, code_repair_humaneval, tool_state.
@@ -44,13 +46,15 @@ from rlvr.envs.tool_env import ENV_WEIGHTS, Shaping, ToolEnv
 from rlvr.envs.tool_state import ToolStateEnv
 from rlvr.envs.tool_use import ToolUseEnv
 from rlvr.envs.tools import Refused, Tool, ToolError, parse_turn, tool
+from rlvr.domains.finance.env import FinanceDocsEnv  # noqa: E402 (a domain kit's environment, built on ToolEnv)
 
 ENVIRONMENTS: dict[str, type[ToolEnv]] = {
     "tool_calc": ToolUseEnv,
     "code_repair": CodeRepairEnv,
     "tool_state": ToolStateEnv,
+    "finance_docs": FinanceDocsEnv,
 }
-_SANDBOXED = (ToolUseEnv, CodeRepairEnv)
+_SANDBOXED = (ToolUseEnv, CodeRepairEnv, FinanceDocsEnv)
 
 
 def make_env(task: Any, *, max_turns: int | None = None, time_budget_s: float | None = None, weights: Any = None,
