@@ -46,15 +46,26 @@ from rlvr.envs.tool_env import ENV_WEIGHTS, Shaping, ToolEnv
 from rlvr.envs.tool_state import ToolStateEnv
 from rlvr.envs.tool_use import ToolUseEnv
 from rlvr.envs.tools import Refused, Tool, ToolError, parse_turn, tool
-from rlvr.domains.finance.env import FinanceDocsEnv  # noqa: E402 (a domain kit's environment, built on ToolEnv)
 
 ENVIRONMENTS: dict[str, type[ToolEnv]] = {
     "tool_calc": ToolUseEnv,
     "code_repair": CodeRepairEnv,
     "tool_state": ToolStateEnv,
-    "finance_docs": FinanceDocsEnv,
 }
-_SANDBOXED = (ToolUseEnv, CodeRepairEnv, FinanceDocsEnv)
+# the domain kits' environments (rlvr.domains), imported when first used: a kit builds on rlvr.envs, so
+# importing it here would be circular
+DOMAIN_ENVIRONMENTS = {"finance_docs": ("rlvr.domains.finance.env", "FinanceDocsEnv")}
+_SANDBOXED = (ToolUseEnv, CodeRepairEnv)
+
+
+def environment_class(name: str) -> type[ToolEnv]:
+    """The environment class called `name` (ENVIRONMENTS, then DOMAIN_ENVIRONMENTS)."""
+    if name in DOMAIN_ENVIRONMENTS:
+        import importlib
+
+        module, attribute = DOMAIN_ENVIRONMENTS[name]
+        return getattr(importlib.import_module(module), attribute)
+    return ENVIRONMENTS[name]
 
 
 def make_env(task: Any, *, max_turns: int | None = None, time_budget_s: float | None = None, weights: Any = None,
@@ -62,13 +73,13 @@ def make_env(task: Any, *, max_turns: int | None = None, time_budget_s: float | 
              pool: Any = None, sandbox_trace: str | bool | None = False, **env_options: Any) -> Environment:
     """The environment of `task` (see the module doc for the options)."""
     name = task.metadata.get("env") if isinstance(task.metadata, Mapping) else None
-    if name not in ENVIRONMENTS:
+    if name not in ENVIRONMENTS and name not in DOMAIN_ENVIRONMENTS:
         raise ValueError(f"task {task.family!r}/{task.index}: metadata['env'] is {name!r}; known environments: "
-                         f"{sorted(ENVIRONMENTS)}")
-    cls = ENVIRONMENTS[name]
+                         f"{sorted([*ENVIRONMENTS, *DOMAIN_ENVIRONMENTS])}")
+    cls = environment_class(name)
     options: dict[str, Any] = {"max_turns": max_turns or None, "time_budget_s": time_budget_s or None,
                                "weights": weights, "shaping": shaping, **env_options}
-    if issubclass(cls, _SANDBOXED):
+    if issubclass(cls, _SANDBOXED) or getattr(cls, "uses_sandbox", False):
         from rlvr.envs.sandboxes import SandboxOptions
 
         if isinstance(limits, Mapping):
@@ -92,5 +103,6 @@ def play(env: Environment, turns: Sequence[str]) -> list[dict[str, Any]]:
     return messages
 
 
-__all__ = ["ENVIRONMENTS", "ENV_WEIGHTS", "CodeRepairEnv", "Environment", "Refused", "Shaping", "StepResult", "Tool",
-           "ToolEnv", "ToolError", "ToolStateEnv", "ToolUseEnv", "Trajectory", "make_env", "parse_turn", "play", "tool"]
+__all__ = ["DOMAIN_ENVIRONMENTS", "ENVIRONMENTS", "ENV_WEIGHTS", "CodeRepairEnv", "Environment", "Refused", "Shaping",
+           "StepResult", "Tool", "ToolEnv", "ToolError", "ToolStateEnv", "ToolUseEnv", "Trajectory",
+           "environment_class", "make_env", "parse_turn", "play", "tool"]

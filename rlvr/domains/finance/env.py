@@ -10,13 +10,17 @@ Tools (declared to the chat template):
   calculator(expression)   exact arithmetic (rlvr.envs.calculator: an AST walk, never eval)
   python(code)             with `python=True`: a program run in the sandbox (rlvr.envs.sandboxes)
 
+`compact=True` (tiny byte-level models, the RL smoke run): the question alone as the opening message, no
+tool declarations, observations cut to 300 characters.
+
 Rewards (rlvr.envs.tool_env): terminal = the family's verdict on the answer (rlvr.domains.finance.families
 `score_answer`: the same check as the single-turn family, against the raw data); process
 `cell_located` (Shaping.cell_located x the fraction of the cells the answer rests on that a tool output
 showed: item and amount on one line) and `tool_result_in_answer` (a number a tool returned appears in
 the answer); format and safety penalties as in every tool environment.
 
-    user       You are analysing the annual report of Lumen Technologies ... What was Inventories at the end of 2018? ...
+    user       You are analysing the annual report of Lumen Technologies ... What was Inventories at the
+               end of 2018? ...
     assistant  <tool_call>{"name": "read_table", "arguments": {"statement": "balance sheet"}}</tool_call>
     tool       Line item | 2017 | 2018 | 2019 ...  Inventories | 2,773 | 3,485 | 4,468 ...
     assistant  <answer>3,485</answer>
@@ -56,7 +60,7 @@ def pdf_tables(pdf: bytes) -> dict[str, list[list[str]]]:
         raise ImportError("read_table needs pdfplumber: pip install -e '.[docs]'") from e
     out = {}
     with pdfplumber.open(io.BytesIO(pdf)) as document:
-        for statement, page in zip(gen.STATEMENTS, document.pages):
+        for statement, page in zip(gen.STATEMENTS, document.pages, strict=False):
             tables = page.extract_tables()
             out[statement] = [[cell or "" for cell in row] for row in tables[0]] if tables else []
     return out
@@ -75,19 +79,29 @@ class FinanceDocsEnv(ToolEnv):
     """See the module doc. Options: python (offer the sandboxed python tool) and the sandbox options of make_env."""
 
     name = "finance_docs"
+    uses_sandbox = True  # make_env passes `sandbox` (the python tool's)
     default_max_turns = 6
     default_time_budget_s = 60.0
 
-    def __init__(self, task: Task, *, python: bool = False, sandbox: Any = None, **options: Any):
+    def __init__(self, task: Task, *, python: bool = False, compact: bool = False, sandbox: Any = None,
+                 **options: Any):
         from rlvr.domains.finance.families import shown_values
 
         self.filing = gen.Filing.from_json(task.metadata["filing"])
         self.check = task.metadata["check"]
         self.values = shown_values(self.filing, self.check)
         self.lines = [ln for ln in gen.to_markdown(self.filing, self.values).splitlines() if ln.strip()]
-        self.python, self.sandbox = python, sandbox
+        self.python, self.sandbox, self.compact = python, sandbox, compact
         self.outputs: list[str] = []  # successful tool outputs
+        if compact:  # tiny byte-level models: no tool declarations, the question alone, short observations
+            options.setdefault("declare_tools", False)
+            options.setdefault("output_chars", 300)
         super().__init__(task, **options)
+
+    def opening(self) -> list[dict[str, Any]]:
+        if self.compact:
+            return [{"role": "user", "content": f"{self.task.metadata['question']}\n\n{ANSWER_INSTRUCTION}"}]
+        return self.task.chat()
 
     def make_tools(self) -> dict[str, Tool]:
         def obj(name: str, description: str, **extra: Any) -> dict[str, Any]:
@@ -165,7 +179,7 @@ class FinanceDocsEnv(ToolEnv):
         return float(score_answer(self.answer, self.filing, self.check)["terminal"])
 
     def options(self) -> dict[str, Any]:
-        return {**super().options(), "python": self.python}
+        return {**super().options(), "python": self.python, "compact": self.compact}
 
 
 def _statement_of(item: str) -> str:

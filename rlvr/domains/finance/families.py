@@ -14,8 +14,9 @@ Families (rlvr.tasks.registry merges `FAMILIES`):
   finance_docs_html      the same as HTML
   finance_docs_tools     an episode of `FinanceDocsEnv`: the filing is behind tools (search, read a
                          table from the PDF, calculator); the answer-only form scores like finance_docs
-  finance_lookup_compact level 0 only, raw format for tiny byte-level models ("ni24=" -> "60"; the
-                         easiest level's learning check, benchmarks/finance_learning.py)
+  finance_lookup_compact level 0 only, raw format for tiny byte-level models ("net23=041 net24=060" then
+                         "net24=" -> "060": the
+                         easiest level's learning check, configs/finance_docs.py:tiny)
 
 The task keeps the raw filing (`metadata["filing"]`) and what the check needs (`metadata["check"]`), so a
 task re-poses and re-verifies from its JSON alone. Audit probes (`audit_probes`): the right number in the
@@ -27,7 +28,6 @@ wrong-unit and fabricated citations, and a right conclusion without support.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import numpy as np
 
@@ -141,13 +141,17 @@ def conclusion(rng: np.random.Generator, filing: gen.Filing) -> tuple[str, str, 
     return question, json.dumps(reference), {"type": "conclusion", "truth": truth}
 
 
+def question_at(rng: np.random.Generator, filing: gen.Filing, level: int) -> tuple[str, str, dict] | None:
+    if level in (1, 2):
+        return ratio(rng, filing, fv.SINGLE_STATEMENT if level == 1 else fv.MULTI_STATEMENT)
+    return {0: lookup, 3: inconsistency, 4: conclusion}[level](rng, filing)
+
+
 def make_question(rng: np.random.Generator, level: int) -> tuple[gen.Filing, str, str, dict]:
     """A filing and a question at `level` (redrawn until the level's question is unambiguous)."""
     for _ in range(50):
         filing = gen.make_filing(rng, years=3)
-        made = {0: lambda: lookup(rng, filing), 1: lambda: ratio(rng, filing, fv.SINGLE_STATEMENT),
-                2: lambda: ratio(rng, filing, fv.MULTI_STATEMENT), 3: lambda: inconsistency(rng, filing),
-                4: lambda: conclusion(rng, filing)}[level]()
+        made = question_at(rng, filing, level)
         if made is not None:
             return (filing, *made)
     raise RuntimeError(f"finance level {level}: no unambiguous question in 50 filings")
@@ -299,22 +303,29 @@ class FinanceDocsTools(EnvFamily, FinanceDocs):
         return env.reference_turns(task)
 
 
-# compact items for the tiny model: short keys, two years, two-digit years
-COMPACT_ITEMS = {"rev": "Revenue", "gp": "Gross profit", "ni": "Net income", "cash": "Cash and cash equivalents"}
+# the compact form's line items: three-letter keys, always in this order
+COMPACT_ITEMS = {"rev": "Revenue", "gro": "Gross profit", "net": "Net income", "csh": "Cash and cash equivalents"}
 
 
 class FinanceLookupCompact(Family):
-    """Level 0 in a form a 2-layer byte model can read: "rev23=412 rev24=530 ni23=41 ni24=60\\nni24=" -> "60".
-    The numbers are a generated filing's (rescaled to 1-3 digits); the verifier is exact."""
+    """Level 0 in a form a 2-layer byte model can read: one line item of a generated filing over two years,
+    in a fixed layout (amounts rescaled to a 3-digit field), and the year asked:
+
+        net23=041 net24=060
+        net24=                                           -> "060"
+
+    The verifier is exact (the field as shown); the other year's figure, or the right field with a trailing
+    ".", is wrong. (Four cells, two items by two years, were not learnt by the 2-layer model in 400 SFT
+    steps: held-out accuracy 0 at the start of RL, seed 0.)"""
 
     name, domain, answer_format = "finance_lookup_compact", "finance", "raw"
 
     def sample(self, rng: np.random.Generator, level: int) -> Task:
         filing = gen.make_filing(rng, years=2)
-        keys = [str(k) for k in rng.choice(list(COMPACT_ITEMS), size=2, replace=False)]
+        keys = [str(pick(rng, list(COMPACT_ITEMS)))]
         top = int(rng.integers(100, 1000))  # the largest figure shown
         scale = max(abs(filing.value(COMPACT_ITEMS[k], y)) for k in keys for y in filing.years) / top
-        cells = {f"{k}{y % 100:02d}": str(round(abs(filing.value(COMPACT_ITEMS[k], y)) / scale))
+        cells = {f"{k}{y % 100:02d}": f"{round(abs(filing.value(COMPACT_ITEMS[k], y)) / scale):03d}"
                  for k in keys for y in filing.years}
         asked = pick(rng, list(cells))
         prompt = " ".join(f"{k}={v}" for k, v in cells.items()) + f"\n{asked}="
@@ -322,17 +333,19 @@ class FinanceLookupCompact(Family):
                     metadata={"cells": cells, "asked": asked})
 
     def score(self, task: Task, completion: str, truncated: bool) -> dict[str, float]:
+        """{"reward", "correct", "format", "value"}: correct is exactly the field; value: the field whatever
+        the format (a diagnostic that separates reading the right cell from the answer format)."""
         correct = float(not truncated and completion == task.answer)
         value = float(completion.rstrip(".") == task.answer)
         return {"reward": correct, "correct": correct, "format": float(completion.isdigit()), "value": value}
 
     def demonstration(self, task: Task, off_format: bool = False) -> dict[str, str]:
-        """Off-format: the right number with a trailing "." the verifier rejects (as the quickstart's)."""
+        """Off-format: the right field with a trailing "." the verifier rejects (as the quickstart's)."""
         return {"prompt": task.prompt, "completion": task.answer + ("." if off_format else "")}
 
     def audit_probes(self, task: Task) -> list[tuple[str, str]]:
         others = [v for k, v in task.metadata["cells"].items() if k != task.metadata["asked"] and v != task.answer]
-        return [("hack:wrong_cell", v) for v in others[:2]] + [("hack:off_format", task.answer + ".")]
+        return [("hack:wrong_year", v) for v in others] + [("hack:off_format", task.answer + ".")]
 
 
 FAMILIES: dict[str, type[Family]] = {

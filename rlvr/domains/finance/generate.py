@@ -228,12 +228,12 @@ def check_identities(filing: Filing, values: dict[str, dict[int, int]] | None = 
         for total, parts in (*SUMS, ("Revenue", tuple((segment_item(s), 1) for s in filing.segments))):
             if v[total][year] != sum(sign * v[item][year] for item, sign in parts):
                 broken.append(f"{total} {year}")
-        prev = (lambda k: v[k][year - 1] if year - 1 in v[k] else filing.opening[k])  # noqa: E731
-        rolls = {"Property, plant and equipment, net": prev("Property, plant and equipment, net")
+        prev = {k: v[k][year - 1] if year - 1 in v[k] else filing.opening[k] for k in filing.opening}
+        rolls = {"Property, plant and equipment, net": prev["Property, plant and equipment, net"]
                  - v["Capital expenditures"][year] - v["Depreciation"][year],
-                 "Retained earnings": prev("Retained earnings") + v["Net income"][year] + v["Dividends paid"][year],
-                 "Long-term debt": prev("Long-term debt") + v["Debt issued (repaid), net"][year],
-                 "Cash at beginning of year": prev("Cash and cash equivalents")}
+                 "Retained earnings": prev["Retained earnings"] + v["Net income"][year] + v["Dividends paid"][year],
+                 "Long-term debt": prev["Long-term debt"] + v["Debt issued (repaid), net"][year],
+                 "Cash at beginning of year": prev["Cash and cash equivalents"]}
         if visible and year == filing.years[0]:
             continue
         broken += [f"{item} {year} (roll-forward)" for item, want in rolls.items() if v[item][year] != want]

@@ -126,7 +126,10 @@ def parse_ratio(text: str) -> F | None:
     return F(found.group(1)) if found else None
 
 
-def check_ratio(text: str, exact: F, tolerance: F = F(1, 20)) -> bool:
+TOLERANCE = F(1, 20)  # answers to one decimal
+
+
+def check_ratio(text: str, exact: F, tolerance: F = TOLERANCE) -> bool:
     got = parse_ratio(text)
     return got is not None and abs(got - exact) <= tolerance
 
