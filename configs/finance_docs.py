@@ -9,16 +9,22 @@ single-turn variant puts a generated filing (three statements over three years, 
 prompt and asks a question at one of five levels (lookup, ratio, multi-statement ratio, the altered
 cell, a conclusion with cited cells), with the band-seeking curriculum moving the levels; `tools` runs
 multi-turn episodes instead (`finance_docs_tools`: the filing behind search, PDF-table and calculator
-tools; the PDF path needs the `docs` extra). Prompts run to ~1,500 tokens with a BPE tokenizer
-(`python -m rlvr.tasks.preview --task=finance_docs --tokenizer=MODEL --prompt_format=chat`).
+tools; the PDF path needs the `docs` extra). Prompts are up to ~3,600 characters (1,493-2,240 tokens with
+the 1,024-id BPE tokenizer of tests/hf_fixtures; measure yours with `python -m rlvr.tasks.preview
+--task=finance_docs --tokenizer=MODEL --prompt_format=chat`). `MODEL,smoke` ran 2 steps with a random
+2-layer Qwen3 of that fixture (chat template, BPE) on the CPU.
 
 `tiny` is the easiest level in a form a 2-layer byte-level model can read (`finance_lookup_compact`:
 "net23=041 net24=060\\nnet24=" -> "060"), trained like the quickstart: an SFT warm start on
 demonstrations of which `rl.sft_off_format` end in a "." the verifier rejects, then GRPO. The learning
-check over seeds (2-core CPU, a few minutes a seed):
+check over seeds (2-core CPU, 5-7 minutes a seed):
 
-    .venv/bin/python benchmarks/quickstart_seeds.py --config=configs/finance_docs.py:tiny \\
+    .venv/bin/python benchmarks/quickstart_seeds.py --config=configs/finance_docs.py:tiny --seeds 0,1,2 \\
         --out=benchmarks/results/finance_learning.json
+
+Measured (benchmarks/results/finance_learning.json): held-out greedy accuracy 0.00 -> 0.56 / 0.51 / 0.14
+on seeds 0 / 1 / 2; most of it is the answer format (the "value" accuracy, the right cell in any format,
+went 0.09 -> 0.56, 0.39 -> 0.51, 0.15 -> 0.14).
 
 Variants (comma-separated after MODEL or tiny): `tools`, `smoke` (a few steps on a CPU: tests; with
 `tiny,tools,smoke` the tiny model plays finance_docs_tools episodes at level 0).
@@ -85,6 +91,6 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
         if path == "tiny" and "tools" in variants:  # compact episodes (the question alone, no declarations)
             c.rl.task, c.rl.prompt_format, c.rl.env.compact = "finance_docs_tools", "chat", True
             c.rl.eval_examples = 2
-            c.rl.max_turns, c.rl.max_new_tokens, c.rl.seq_len, c.rl.engine.max_len = 2, 24, 1280, 1280
+            c.rl.max_turns, c.rl.max_new_tokens, c.rl.seq_len, c.rl.engine.max_len = 2, 24, 1600, 1600
             c.rl.engine.page_size, c.rl.engine.max_slots = 64, 4
     return c

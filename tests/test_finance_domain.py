@@ -133,6 +133,21 @@ def test_scripted_episodes_score_one_with_process_credit(level):
         assert env.final_rewards()["process"] == 0.0
 
 
+@pytest.mark.sandbox
+def test_python_calculator_runs_in_the_sandbox():
+    """The python tool (python=True) computes a ratio from the filing's cells in gVisor."""
+    family = FAMILIES["finance_docs_tools"](seed=0)
+    task = family.task(0, level=1)
+    filing = gen.Filing.from_json(task.metadata["filing"])
+    check = task.metadata["check"]
+    (item_a, year_a), (item_b, year_b) = fv.metric_cells(check["metric"], check["year"])[:2]
+    a, b = filing.value(item_a, year_a), filing.value(item_b, year_b)
+    call = json.dumps({"name": "python", "arguments": {"code": f"print({a} * 7 + {b})"}})
+    with make_env(task, python=True, backend="runsc") as env:
+        step = env.step(f"<tool_call>{call}</tool_call>")
+    assert step.info["calls"][0]["status"] == "ok" and step.observation[0]["content"].strip() == str(a * 7 + b)
+
+
 def test_rl_smoke_tiny_model_plays_finance_tool_episodes(tmp_path):
     from rlvr import config_lib
     from rlvr.main import run
