@@ -5,6 +5,7 @@
   level 2  reconciliation  return on average equity, cash conversion, days      a percent or days, one decimal
            (multi-statement: the inputs come from two statements)
   level 3  inconsistency   one figure was altered so a total breaks: "item; year; corrected value"
+                           (kept only when exactly one cell's correction makes every checkable identity hold)
   level 4  conclusion      did the operating margin expand, and which cost line drove it: JSON claims
                            citing cells, every cited number checked, the arithmetic recomputed
 
@@ -15,8 +16,7 @@ Families (rlvr.tasks.registry merges `FAMILIES`):
   finance_docs_tools     an episode of `FinanceDocsEnv`: the filing is behind tools (search, read a
                          table from the PDF, calculator); the answer-only form scores like finance_docs
   finance_lookup_compact level 0 only, raw format for tiny byte-level models ("net23=041 net24=060" then
-                         "net24=" -> "060": the
-                         easiest level's learning check, configs/finance_docs.py:tiny)
+                         "net24=" -> "060"): the easiest level's learning check, configs/finance_docs.py:tiny
 
 The task keeps the raw filing (`metadata["filing"]`) and what the check needs (`metadata["check"]`), so a
 task re-poses and re-verifies from its JSON alone. Audit probes (`audit_probes`): the right number in the
