@@ -88,6 +88,8 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
         if path != "tiny":  # a small HF model on a CPU (the real-shape check: BPE tokenizer, chat template)
             c.model.dtype, c.model.remat_policy = "float32", "none"
             c.rl.max_new_tokens, c.rl.engine.max_slots, c.rl.engine.page_size = 16, 8, 64
+            if "tools" in variants:  # 4,096-token rows ran out of host memory on a shared 24 GiB machine
+                c.rl.max_turns, c.rl.seq_len, c.rl.engine.max_len = 2, 2048, 2048
         if path == "tiny" and "tools" in variants:  # compact episodes (the question alone, no declarations)
             c.rl.task, c.rl.prompt_format, c.rl.env.compact = "finance_docs_tools", "chat", True
             c.rl.eval_examples = 2
