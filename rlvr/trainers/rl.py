@@ -212,7 +212,9 @@ def _spread(samples, count: int) -> list[dict[str, Any]]:
     rounds = max((len(g) for g in groups.values()), default=0)
     chosen = [g[i] for i in range(rounds) for g in groups.values() if i < len(g)][:count]
     return [{"family": s.family, "level": s.level, "task_index": s.task_index, "prompt_ids": s.prompt_ids,
-             "output_ids": s.output_ids, "rewards": s.rewards, "truncated": s.truncated} for s in chosen]
+             "output_ids": s.output_ids, "rewards": s.rewards, "truncated": s.truncated,
+             "behaviour_logp": s.behaviour_logp, "versions": s.versions, "loss_mask": s.loss_mask,
+             "advantage": s.advantage} for s in chosen]
 
 
 def write_plot(workdir: str, history: list[dict[str, float]], evals: list[list]) -> str | None:
