@@ -55,6 +55,38 @@ def test_index_pages_a_growing_file_and_starts_again_when_rewritten(tmp_path):
     assert index.refresh() == 1 and len(index.summaries()) == 1
 
 
+def test_failures_classify_and_link_and_list_sandbox_limit_hits(tmp_path):
+    runs = [{"what": "run_tests", "limit_hit": None}, {"what": "run_tests", "limit_hit": "wall_time"}]
+    episodes = [{"step": 0, "task": {"index": i, "family": "code_repair", "level": 1}, "rewards": {"reward": 0.0},
+                 "trace": {"rid": f"s0-t{i}-k0", "env": {"sandbox": runs[:i + 1]}}} for i in range(3)]
+    episodes[2]["trace"]["error"] = "SandboxError: the sandbox died"
+    failures = [{"step": 0, "task_index": 2, "family": "code_repair", "rid": "s0-t2-k0", "error": "SandboxError: died"},
+                {"step": 1, "task_index": 5, "family": "add", "rid": "s1-t5-k0",
+                 "error": "RuntimeError: rollout aborted: x"},
+                {"step": 1, "task_index": 6, "family": "add", "rid": "s1-t6-k0", "error": "ValueError: bad answer"}]
+    for name, rows in (("episodes.jsonl", episodes), ("failures.jsonl", failures)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = views.failures(views.RunDir(str(tmp_path), "run"))
+    assert [(r["kind"], r["episode"]) for r in out["recorded"]] == [
+        ("environment error", 2), ("aborted rollout", None), ("verifier error", None)]
+    assert [(e["i"], [h["limit_hit"] for h in e["limit_hits"]], e["error"]) for e in out["episodes"]] == [
+        (1, ["wall_time"], None), (2, ["wall_time"], "SandboxError: the sandbox died")]
+
+
+def test_train_samples_record_their_tokens_compactly():
+    from rlvr.models.tokenizer import byte_level_tokenizer
+    from rlvr.observe import token_fields
+
+    tokenizer = byte_level_tokenizer()
+    ids = tokenizer.encode("42.")
+    sample = {"output_ids": ids, "behaviour_logp": [-0.12345, -2.0, -0.0004], "versions": [3, 3, 2],
+              "loss_mask": None, "advantage": 0.707106}
+    assert token_fields(tokenizer, sample) == {"tokens": ["4", "2", "."], "logprobs": [-0.123, -2.0, -0.0],
+                                               "versions": [3, 3, 2], "advantage": 0.7071}
+    assert token_fields(tokenizer, {**sample, "loss_mask": [1, 0, 1]})["loss_mask"] == [1, 0, 1]
+    assert token_fields(tokenizer, {"output_ids": ids}) == {}  # evaluation records: text only
+
+
 # --- the browser tests ----------------------------------------------------------------------------
 
 
