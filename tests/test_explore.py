@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -24,7 +26,8 @@ from rlvr.explore.jsonl import JsonlIndex
 from rlvr.explore.server import serve_in_background
 from rlvr.main import run
 
-ARTIFACTS = os.path.join(os.path.dirname(__file__), "artifacts", "explore")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARTIFACTS = os.path.join(REPO, "tests", "artifacts", "explore")
 QUICKSTART = {"rl.sft_steps": 2, "train.num_steps": 2, "checkpoint.every_steps": 2}
 AGENTIC = {"rl.sft_steps": 1, "train.num_steps": 1, "checkpoint.every_steps": 1, "rl.prompts_per_step": 2,
            "rl.eval_examples": 4, "rl.max_new_tokens": 48}
@@ -127,8 +130,13 @@ def workdirs(tmp_path_factory):
 
 def _make_workdirs(root: str) -> dict:
     quick, agentic, edited = (os.path.join(root, name) for name in ("quickstart", "agentic", "quickstart_edited"))
+    # the agentic run in a second process while this one runs the quickstart (compiles take most of both)
+    command = [sys.executable, "-m", "rlvr.main", "--config=configs/agentic_tools.py:smoke", f"--workdir={agentic}",
+               *(f"--config.{k}={v}" for k, v in AGENTIC.items())]
+    other = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run(config_lib.load_config("configs/quickstart.py:smoke", QUICKSTART), quick)
-    run(config_lib.load_config("configs/agentic_tools.py:smoke", AGENTIC), agentic)
+    output = other.communicate(timeout=1800)[0]
+    assert other.returncode == 0, output[-3000:]
     _scripted_episodes(agentic)
     shutil.copytree(quick, edited, ignore=shutil.ignore_patterns("checkpoints", "sft", "tensorboard"))
     samples = _lines(os.path.join(edited, "samples.jsonl"))
