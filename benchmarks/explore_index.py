@@ -11,6 +11,7 @@ rewards, trace with turns, tool calls and sandbox runs, ~3 KB each), then measur
   episode_ms         GET /api/episode?i=N (one full record), median
   first_filter_s     the first filtered page (parses every line once into summaries)
   filter_ms          later filtered pages, median
+  browser_*_s        (--browser) headless Chromium on a fresh server: page up, episodes listed
 Ratios: index_s / read_s (how close the index is to the read bound) and parse_all_s / index_s.
 Prints one JSON line.
 """
@@ -81,6 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--episodes", type=int, default=100_000)
     parser.add_argument("--out", default=None, help="the run's directory (default: a temporary one)")
+    parser.add_argument("--browser", action="store_true", help="also time opening the page in headless Chromium")
     args = parser.parse_args()
     workdir = args.out or tempfile.mkdtemp(prefix="explore-bench-")
     path = os.path.join(workdir, "episodes.jsonl")
@@ -115,13 +117,40 @@ def main() -> None:
     assert filtered["total"] == expected, (filtered["total"], expected)
     filter_ms = median_ms(lambda: get(f"{base}/api/episodes?run=0&family=fam2&reward_min=1&offset=100&limit=50"), 5)
     server.shutdown()
+    browser = browser_open_s(workdir) if args.browser else {}
     emit({"benchmark": "explore_index", "episodes": args.episodes, "file_mb": round(size / 2**20, 1),
           "write_s": round(write_s, 2), "read_s": round(read_s, 3), "index_s": round(index_s, 3),
           "parse_all_s": round(parse_all_s, 2), "index_over_read": round(index_s / read_s, 2),
           "parse_all_over_index": round(parse_all_s / index_s, 1), "first_page_ms": first_page_ms,
           "last_page_ms": last_page_ms, "episode_ms": episode_ms, "first_filter_s": round(first_filter_s, 2),
           "filter_ms": filter_ms, "cpus": os.cpu_count(), "python": platform.python_version(),
-          "load_average": [round(x, 1) for x in os.getloadavg()]})
+          "load_average": [round(x, 1) for x in os.getloadavg()], **browser})
+
+
+def browser_open_s(workdir: str) -> dict:
+    """A fresh server (nothing parsed yet) and headless Chromium: seconds until the page is up, and
+    until the episodes view lists its first page (the filters' choices still loading)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(options=options, service=Service("/usr/bin/chromedriver"))
+    server = serve_in_background([workdir])
+    try:
+        t0 = time.perf_counter()
+        driver.get(f"http://127.0.0.1:{server.server_address[1]}/#episodes")
+        while not driver.execute_script("return document.body.dataset.ready === '1'"):
+            time.sleep(0.01)
+        ready = time.perf_counter() - t0
+        while not driver.execute_script("return document.querySelectorAll('#episodes-table tr[data-i]').length"):
+            time.sleep(0.01)
+        listed = time.perf_counter() - t0
+    finally:
+        driver.quit()
+        server.shutdown()
+    return {"browser_ready_s": round(ready, 2), "browser_episodes_listed_s": round(listed, 2)}
 
 
 if __name__ == "__main__":

@@ -131,13 +131,15 @@ class SampleLog:
 def token_fields(tokenizer, sample: dict[str, Any]) -> dict[str, Any]:
     """The per-token record of a sample that has one (train samples: `behaviour_logp`, `versions`,
     optional `loss_mask`, `advantage`): `tokens` (each output token decoded alone), `logprobs`
-    (3 decimals), `versions`, `loss_mask` (multi-turn: 0 marks observation tokens) and `advantage`.
-    Empty for samples without (evaluation records)."""
+    (3 decimals), `versions`, `loss_mask` (multi-turn: 0 marks observation tokens) and `advantage`
+    (when the sample has one: not with GAE). Empty for samples without (evaluation records)."""
     if "behaviour_logp" not in sample:
         return {}
     out = {"tokens": [tokenizer.decode([t]) for t in sample["output_ids"]],
            "logprobs": [round(float(v), 3) for v in sample["behaviour_logp"]],
-           "versions": [int(v) for v in sample["versions"]], "advantage": round(float(sample["advantage"]), 4)}
+           "versions": [int(v) for v in sample["versions"]]}
+    if sample.get("advantage") is not None:
+        out["advantage"] = round(float(sample["advantage"]), 4)
     if sample.get("loss_mask") is not None:
         out["loss_mask"] = [int(v) for v in sample["loss_mask"]]
     return out

@@ -87,7 +87,29 @@ def test_train_samples_record_their_tokens_compactly():
     assert token_fields(tokenizer, sample) == {"tokens": ["4", "2", "."], "logprobs": [-0.123, -2.0, -0.0],
                                                "versions": [3, 3, 2], "advantage": 0.7071}
     assert token_fields(tokenizer, {**sample, "loss_mask": [1, 0, 1]})["loss_mask"] == [1, 0, 1]
+    assert "advantage" not in token_fields(tokenizer, {**sample, "advantage": None})  # GAE: per token, not kept
     assert token_fields(tokenizer, {"output_ids": ids}) == {}  # evaluation records: text only
+
+
+def test_command_line_serves_the_api_and_refuses_a_missing_workdir(tmp_path):
+    import urllib.request
+
+    (tmp_path / "config.json").write_text(json.dumps({"job": "rl", "seed": 3}))
+    bad = subprocess.run([sys.executable, "-m", "rlvr.explore", str(tmp_path / "nope")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "not a directory" in bad.stderr
+    server = subprocess.Popen([sys.executable, "-m", "rlvr.explore", str(tmp_path), "--port=0"], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        url = server.stdout.readline().split()[3]  # "run explorer on http://127.0.0.1:PORT/ over 1 run(s)"
+        overview = json.loads(urllib.request.urlopen(url + "api/overview").read())
+        assert overview["runs"][0]["path"] == str(tmp_path) and overview["runs"][0]["job"] == "rl"
+        assert {"key": "seed", "values": [3]} in overview["config_diff"]
+        with pytest.raises(urllib.error.HTTPError) as error:
+            urllib.request.urlopen(url + "api/episode?run=0&i=5")
+        assert error.value.code == 400 and "i=5" in json.loads(error.value.read())["error"]
+    finally:
+        server.terminate()
+        server.wait()
 
 
 # --- the browser tests ----------------------------------------------------------------------------

@@ -28,7 +28,8 @@ class JsonlIndex:
         self.ends = np.zeros(0, np.int64)
         self.scanned = 0  # bytes of the file indexed (up to the last newline)
         self.summary_rows: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the offsets (held briefly: a page never waits for a summary pass)
+        self._summary_lock = threading.Lock()  # one summary pass at a time
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -81,24 +82,25 @@ class JsonlIndex:
     def summaries(self) -> list[dict[str, Any]]:
         """One summary per indexed line (parsed on first use, then only the new lines)."""
         self.refresh()
-        with self._lock:
-            done, total = len(self.summary_rows), len(self.starts)
-            if done < total:
-                self.summary_rows.extend(self._summarize_range(done, total))
-            return self.summary_rows
+        with self._summary_lock:
+            with self._lock:
+                starts, ends, rows = self.starts, self.ends, self.summary_rows
+            if len(rows) < len(starts):
+                rows.extend(self._summarize_range(starts, ends, len(rows), len(starts)))
+            return rows
 
-    def _summarize_range(self, first: int, stop: int) -> list[dict[str, Any]]:
+    def _summarize_range(self, starts: np.ndarray, ends: np.ndarray, first: int, stop: int) -> list[dict[str, Any]]:
         out = []
         with open(self.path, "rb") as f:
             i = first
             while i < stop:
-                j = int(np.searchsorted(self.ends, self.starts[i] + CHUNK, side="right"))
+                j = int(np.searchsorted(ends, starts[i] + CHUNK, side="right"))
                 j = min(max(j, i + 1), stop)
-                base = int(self.starts[i])
+                base = int(starts[i])
                 f.seek(base)
-                block = f.read(int(self.ends[j - 1]) - base)
+                block = f.read(int(ends[j - 1]) - base)
                 for k in range(i, j):
-                    raw = block[int(self.starts[k]) - base:int(self.ends[k]) - base]
+                    raw = block[int(starts[k]) - base:int(ends[k]) - base]
                     try:
                         out.append(self.summarize(json.loads(raw)))
                     except (json.JSONDecodeError, KeyError, TypeError, AttributeError):

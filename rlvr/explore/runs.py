@@ -220,23 +220,15 @@ def failures(run: RunDir) -> dict[str, Any]:
     """Recorded failures (failures.jsonl: verifier errors, aborted rollouts, environment errors)
     and episodes whose environment errored or whose sandbox hit a limit, each with where to look."""
     recorded = []
+    episode_of = {row.get("rid"): i for i, row in enumerate(run.episodes.summaries()) if row.get("rid")}
     for i, row in enumerate(run.failures.summaries()):
-        episode = _episode_of(run, row.get("rid"))
+        episode = episode_of.get(row.get("rid"))
         kind = ("aborted rollout" if "rollout aborted" in str(row.get("error"))
                 else "environment error" if episode is not None else "verifier error")
         recorded.append({"i": i, "kind": kind, **row, "episode": episode})
     episodes = [{"i": i, **row} for i, row in enumerate(run.episodes.summaries())
                 if row.get("error") or row.get("limit_hits")]
     return {"recorded": recorded, "episodes": episodes}
-
-
-def _episode_of(run: RunDir, rid: str | None) -> int | None:
-    if not rid:
-        return None
-    for i, row in enumerate(run.episodes.summaries()):
-        if row.get("rid") == rid:
-            return i
-    return None
 
 
 def replay_episode(run: RunDir, i: int, replay: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> dict:

@@ -114,7 +114,8 @@ async function loadOverview() {
 // ---- samples -----------------------------------------------------------------------------------
 const COLOURINGS = {
   logprob: { label: "log-prob (white = likely, red = unlikely)", colour: (t) => t.logprob === undefined ? "" : `rgba(229,57,53,${Math.min(1, -t.logprob / 6).toFixed(2)})` },
-  advantage: { label: "advantage (green +, red -), sampled tokens", colour: (t) => !t.mask ? "#e0e0e0" : t.advantage >= 0 ? `rgba(67,160,71,${Math.min(1, t.advantage / 2).toFixed(2)})` : `rgba(229,57,53,${Math.min(1, -t.advantage / 2).toFixed(2)})` },
+  advantage: { label: "advantage (green +, red -), sampled tokens; not recorded with GAE (per token, in the trainer)",
+    colour: (t) => !t.mask || t.advantage === undefined ? "#e0e0e0" : t.advantage >= 0 ? `rgba(67,160,71,${Math.min(1, t.advantage / 2).toFixed(2)})` : `rgba(229,57,53,${Math.min(1, -t.advantage / 2).toFixed(2)})` },
   loss_mask: { label: "loss mask (grey = observation, not trained on)", colour: (t) => t.mask ? "rgba(0,137,123,0.25)" : "#bdbdbd" },
   staleness: { label: "staleness = step's version − token's weight version (blue = staler)", colour: (t) => t.staleness === undefined ? "" : `rgba(57,73,171,${Math.min(1, t.staleness / 3).toFixed(2)})` },
 };
@@ -325,7 +326,8 @@ function pager(prefix, kind, load) {
 
 async function start() {
   await loadOverview();
-  await Promise.all([loadFacets("samples", "s"), loadFacets("episodes", "e")]);
+  // the filters' choices parse each file once (seconds for 100k episodes): not awaited, the page is usable meanwhile
+  Promise.all([loadFacets("samples", "s"), loadFacets("episodes", "e")]).catch((e) => showError($("sample-detail"), e));
   pager("s", "samples", loadSamples);
   pager("e", "episodes", loadEpisodes);
   $("cmp-go").addEventListener("click", loadCompare);
