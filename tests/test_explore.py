@@ -170,7 +170,26 @@ def _make_workdirs(root: str) -> dict:
         failed = samples[changed]
         f.write(json.dumps({"step": 1, "task_index": failed["task_index"], "family": failed["family"],
                             "rid": "s1-t0-k0", "error": "TimeoutError: verifier took longer than 10 s"}) + "\n")
+    _write_sandbox_episode(edited)
     return {"quick": quick, "agentic": agentic, "edited": edited, "changed": changed}
+
+
+def _write_sandbox_episode(workdir: str) -> None:
+    """A code-repair episode record (the shape rlvr.envs writes: a `run_tests` call backed by sandbox
+    run 0, then the judge's run 1, stopped by the wall-time limit), for the sandbox parts of the page."""
+    sandbox = [{"what": "run_tests", "backend": "runsc", "exit_code": 1, "signal": None, "limit_hit": None,
+                "stdout": "FAILED test_clamp (2 of 6)\n", "stderr": "AssertionError: 5 != 3\n"},
+               {"what": "judge", "backend": "runsc", "exit_code": None, "signal": "SIGKILL", "limit_hit": "wall_time",
+                "stdout": "", "stderr": "killed after 10 s\n"}]
+    call = {"name": "run_tests", "arguments": {}, "status": "ok", "output": "2 of 6 tests fail", "sandbox": [0]}
+    turns = [{"turn": 0, "tokens": 9, "text": '<tool_call>{"name":"run_tests"}</tool_call>', "observation": [],
+              "rewards": {}, "info": {"calls": [call]}}]
+    record = {"step": 1, "task": {"index": 4, "family": "code_repair", "level": 2}, "turns": 1,
+              "rewards": {"terminal": 0.0, "reward": -0.1, "correct": 0.0},
+              "trace": {"rid": "s1-t4-k0", "stop": "done", "messages": [], "turns": turns,
+                        "env": {"env": "code_repair", "sandbox": sandbox}}}
+    with open(os.path.join(workdir, "episodes.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 @pytest.fixture(scope="session")
@@ -339,3 +358,20 @@ def test_failures_link_to_their_samples(browser, workdirs):
     expected = sum(r["task_index"] == failures[-1]["task_index"] and r["family"] == failures[-1]["family"]
                    for r in records)
     assert _css(browser, "#s-total")[0].text.startswith(f"{expected} samples")
+
+
+def test_failures_open_the_episode_whose_sandbox_hit_a_limit(browser, workdirs):
+    _view(browser, "failures")
+    _choose(browser, "f-run", 2)
+    episode = _lines(os.path.join(workdirs["edited"], "episodes.jsonl"))[0]
+    rows = _css(browser, "#failed-episodes-table tr[data-i]")
+    assert len(rows) == 1 and "judge: wall_time" in rows[0].text
+    _click(browser, "#failed-episodes-table a[data-episode]")
+    assert _css(browser, "#view-episodes")[0].is_displayed()
+    runs = _css(browser, "#episode-detail .sandbox-run")
+    assert len(runs) == 2 and "limit hit: wall_time" in runs[1].text
+    for shown, recorded in zip(runs, episode["trace"]["env"]["sandbox"], strict=True):
+        assert shown.find_element("css selector", ".stdout").get_attribute("textContent") == recorded["stdout"]
+        assert shown.find_element("css selector", ".stderr").get_attribute("textContent") == recorded["stderr"]
+    assert runs[0].find_element("xpath", "..").get_attribute("class") == "call"  # shown under its tool call
+    _shot(browser, "episode_sandbox")

@@ -189,7 +189,7 @@ async function loadSamples() {
 
 // ---- episodes ----------------------------------------------------------------------------------
 function renderSandboxRun(run, k) {
-  return `<div class="sandbox-run" data-k="${k}"><b>sandbox #${k}</b> ${esc(run.what)} (${esc(run.backend)}): exit ${fmt(run.exit_code)}
+  return `<div class="sandbox-run" data-k="${k}"><b>sandbox #${k}</b> ${esc(run.what)} (${esc(run.backend)}): ${run.exit_code !== null && run.exit_code !== undefined ? `exit ${run.exit_code}` : ""}
     ${run.signal ? `signal ${esc(run.signal)}` : ""} ${run.limit_hit ? `<span class="bad">limit hit: ${esc(run.limit_hit)}</span>` : ""}
     ${run.code ? `<pre class="code">${esc(run.code)}</pre>` : ""}
     <div>stdout</div><pre class="stdout">${esc(run.stdout)}</pre><div>stderr</div><pre class="stderr">${esc(run.stderr)}</pre></div>`;
@@ -204,7 +204,8 @@ function renderEpisode(record, i, run) {
       <code>${esc(JSON.stringify(c.arguments ?? c.args ?? {}))}</code> → <span class="${c.status === "ok" ? "good" : "bad"}">${esc(c.status)}</span>
       <pre>${esc(c.output)}</pre>${(c.sandbox || []).map((j) => sandbox[j] ? renderSandboxRun(sandbox[j], j) : "").join("")}</div>`).join("");
     const observation = (t.observation || []).map((m) => `<div class="text"><b>${esc(m.role)}${m.name ? ` (${esc(m.name)})` : ""}</b>: ${esc(m.content)}</div>`).join("");
-    return `<div class="turn" data-turn="${k}"><b>turn ${t.turn}</b> <span class="muted">${fmt(t.tokens)} tokens, ${esc(t.finish?.type)}, ${fmt(t.generate_s)} s</span>
+    return `<div class="turn" data-turn="${k}"><b>turn ${t.turn}</b> <span class="muted">${[t.tokens !== undefined ? `${t.tokens} tokens` : "", t.finish?.type || "",
+      t.generate_s !== undefined ? `${fmt(t.generate_s)} s` : ""].filter(Boolean).join(", ")}</span>
       <div class="text assistant">${esc(t.text)}</div>${calls}${observation}
       ${t.rewards && Object.keys(t.rewards).length ? `<div class="muted">step rewards ${esc(JSON.stringify(t.rewards))}</div>` : ""}</div>`;
   }).join("");
