@@ -11,7 +11,8 @@ Read top to bottom:
                    metrics → checkpoint
   at the end       held-out greedy accuracy before and after RL, summary.json, rl_curve.png
   throughout       samples.jsonl: a few completions per step (and every evaluation's) with their
-                   reward components, some printed
+                   reward components (train ones also per-token log-probs, versions, loss mask and
+                   the advantage: `python -m rlvr.explore WORKDIR` shows them), some printed
 
 rl.mode = "sync" generates each batch with the current weights. rl.mode = "async" generates
 on a background thread up to rl.max_staleness versions ahead, overlapping rollout with
