@@ -113,7 +113,7 @@ async function loadOverview() {
 
 // ---- samples -----------------------------------------------------------------------------------
 const COLOURINGS = {
-  logprob: { label: "log-prob (white = likely, red = unlikely)", colour: (t) => t.logprob === undefined ? "" : `rgba(229,57,53,${Math.min(1, -t.logprob / 6).toFixed(2)})` },
+  logprob: { label: "sampling probability exp(log-prob): white = certain, red = unlikely", colour: (t) => t.logprob === undefined ? "" : `rgba(229,57,53,${(1 - Math.exp(t.logprob)).toFixed(2)})` },
   advantage: { label: "advantage (green +, red -), sampled tokens; not recorded with GAE (per token, in the trainer)",
     colour: (t) => !t.mask || t.advantage === undefined ? "#e0e0e0" : t.advantage >= 0 ? `rgba(67,160,71,${Math.min(1, t.advantage / 2).toFixed(2)})` : `rgba(229,57,53,${Math.min(1, -t.advantage / 2).toFixed(2)})` },
   loss_mask: { label: "loss mask (grey = observation, not trained on)", colour: (t) => t.mask ? "rgba(0,137,123,0.25)" : "#bdbdbd" },
@@ -137,7 +137,7 @@ function renderTokens(record) {
   const spans = toks.map((t, k) => `<span class="tok" data-k="${k}" data-logprob="${t.logprob ?? ""}" data-mask="${t.mask}"
     style="background:${COLOURINGS[by].colour(t)}" title="#${k} log-prob ${fmt(t.logprob)} version ${fmt(t.version)} staleness ${fmt(t.staleness)} mask ${t.mask}">${esc(t.text)}</span>`).join("");
   return `<div class="text" id="sample-completion">${spans}</div><div class="legend">${esc(COLOURINGS[by].label)};
-    advantage ${fmt(record.advantage)}; trainer/behaviour log-prob mismatch is not recorded per token (see the kl and mismatch curves)</div>`;
+    advantage ${fmt(record.advantage)}; the trainer-vs-sampler log-prob mismatch is not recorded per token (see the logprob_mismatch and approx_kl curves)</div>`;
 }
 
 function renderSample(record, i) {
