@@ -270,8 +270,17 @@ def test_overview_shows_config_diff_curves_and_capability_table(browser, workdir
     assert {tr.get_attribute("data-key") for tr in _css(browser, "#config-diff-table tr[data-key]")} == differing
     assert "rl.task" in differing
     shown = {svg.get_attribute("data-metric") for svg in _css(browser, "#curves svg[data-metric]")}
-    assert shown == set().union(*(_numeric_keys(os.path.join(p, "metrics.jsonl")) for p in paths))
-    summary = json.load(open(os.path.join(workdirs["quick"], "summary.json")))
+    summaries = [json.load(open(os.path.join(p, "summary.json"))) for p in paths]
+    evaluations = {"heldout_accuracy", *(f"heldout/{d}" for s in summaries for d in s["balance"]["domains"])}
+    assert shown == set().union(evaluations, *(_numeric_keys(os.path.join(p, "metrics.jsonl")) for p in paths))
+    points = [p.get_attribute("textContent") for p in _css(browser, 'svg[data-metric="heldout_accuracy"] title')]
+    names = ("quickstart", "agentic", "quickstart_edited")
+    expected = [f"{name} step {step}: {value}" for name, s in zip(names, summaries, strict=True)
+                for step, value, *_ in s["evals"]]
+    assert [p.rsplit(":", 1)[0] for p in points] == [e.rsplit(":", 1)[0] for e in expected]
+    assert [float(p.rsplit(":", 1)[1]) for p in points] == pytest.approx([float(e.rsplit(":", 1)[1]) for e in expected],
+                                                                         abs=1e-3)
+    summary = summaries[0]
     for domain, curve in summary["balance"]["domains"].items():
         cells = _css(browser, f'.capability-table[data-run="0"] tr[data-key="{domain}"] td')
         assert float(cells[3].text) == pytest.approx(curve[-1][1], abs=1e-3)

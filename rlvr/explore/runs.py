@@ -94,13 +94,21 @@ def config_diff(runs: list[RunDir]) -> list[dict[str, Any]]:
 
 
 def curves(run: RunDir) -> dict[str, list[list[float]]]:
-    """Every numeric metric as [[step, value], ...]."""
+    """Every numeric metric as [[step, value], ...], plus the held-out evaluations of an RL
+    summary.json (metrics.jsonl has the periodic ones only, not those before and after RL)."""
     out: dict[str, list[list[float]]] = {}
     for record in run.metrics():
         step = record.get("step")
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 out.setdefault(key, []).append([step, value])
+    summary = run.file("summary.json") or {}
+    evaluations = {"heldout_accuracy": [e[:2] for e in summary.get("evals", [])],
+                   **{f"heldout/{d}": c for d, c in ((summary.get("balance") or {}).get("domains") or {}).items()}}
+    for key, points in evaluations.items():
+        merged = {step: value for step, value in out.get(key, [])} | {step: value for step, value in points}
+        if merged:
+            out[key] = sorted([step, value] for step, value in merged.items())
     return out
 
 
