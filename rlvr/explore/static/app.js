@@ -7,6 +7,10 @@ const state = { overview: null, samples: { offset: 0 }, episodes: { offset: 0 },
 function esc(s) {
   return String(s ?? "").replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" }[c]));
 }
+// control characters (a random policy writes them) as their Unicode pictures: HTML would turn \r into \n
+function visible(text) {
+  return String(text).replace(/[\x00-\x08\x0b-\x1f\x7f]/g, (c) => String.fromCharCode(c === "\x7f" ? 0x2421 : 0x2400 + c.charCodeAt(0)));
+}
 function fmt(v) {
   if (v === null || v === undefined) return "";
   if (typeof v === "number") return Number.isInteger(v) ? String(v) : v.toFixed(3);
@@ -135,7 +139,7 @@ function renderTokens(record) {
   if (!toks) return `<div class="text" id="sample-completion">${esc(record.completion)}</div>
     <p class="muted">no per-token record (evaluation samples keep the text and rewards only)</p>`;
   const spans = toks.map((t, k) => `<span class="tok" data-k="${k}" data-logprob="${t.logprob ?? ""}" data-mask="${t.mask}"
-    style="background:${COLOURINGS[by].colour(t)}" title="#${k} log-prob ${fmt(t.logprob)} version ${fmt(t.version)} staleness ${fmt(t.staleness)} mask ${t.mask}">${esc(t.text)}</span>`).join("");
+    style="background:${COLOURINGS[by].colour(t)}" title="#${k} log-prob ${fmt(t.logprob)} version ${fmt(t.version)} staleness ${fmt(t.staleness)} mask ${t.mask}">${esc(visible(t.text))}</span>`).join("");
   return `<div class="text" id="sample-completion">${spans}</div><div class="legend">${esc(COLOURINGS[by].label)};
     advantage ${fmt(record.advantage)}; the trainer-vs-sampler log-prob mismatch is not recorded per token (see the logprob_mismatch and approx_kl curves)</div>`;
 }
