@@ -112,7 +112,7 @@ async function loadOverview() {
   }).join("");
   document.querySelectorAll(".run-select").forEach((s) => options(s, o.runs.map((r, k) => [k, `${k}: ${r.name}`])));
   const withEpisodes = o.runs.findIndex((r) => r.episodes > 0);  // the episode views open on a run that has some
-  if (withEpisodes > 0) { $("e-run").value = withEpisodes; $("f-run").value = withEpisodes; }
+  if (withEpisodes > 0 && !state.started) { $("e-run").value = withEpisodes; $("f-run").value = withEpisodes; }
 }
 
 // ---- samples -----------------------------------------------------------------------------------
@@ -305,7 +305,7 @@ async function loadFailures() {
 
 // ---- navigation --------------------------------------------------------------------------------
 const LOADERS = {
-  overview: async () => {},
+  overview: async () => { if (state.started) await loadOverview(); },  // again: a live run has grown
   samples: loadSamples,
   episodes: loadEpisodes,
   compare: async () => { await loadCompareChoices(); if ($("cmp-a").value) await loadCompare(); },
@@ -340,6 +340,7 @@ async function start() {
   $("curve-filter").addEventListener("input", drawCurves);
   document.querySelectorAll("nav a").forEach((a) => a.addEventListener("click", (e) => { e.preventDefault(); show(a.dataset.view); }));
   await show((location.hash || "#overview").slice(1).split("?")[0] in LOADERS ? (location.hash || "#overview").slice(1) : "overview");
+  state.started = true;
   document.body.dataset.ready = "1";
 }
 
