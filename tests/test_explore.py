@@ -90,6 +90,13 @@ def test_train_samples_record_their_tokens_compactly():
     assert token_fields(tokenizer, {**sample, "loss_mask": [1, 0, 1]})["loss_mask"] == [1, 0, 1]
     assert "advantage" not in token_fields(tokenizer, {**sample, "advantage": None})  # GAE: per token, not kept
     assert token_fields(tokenizer, {"output_ids": ids}) == {}  # evaluation records: text only
+    from tests.hf_fixtures import bpe  # a real BPE vocabulary (shared with the HF tests): the tokens join to the text
+
+    bpe_tokenizer, text = bpe(1024), "Solve 3x + 5 = 20. <answer>5</answer>"
+    ids = bpe_tokenizer.encode(text)
+    tokens = token_fields(bpe_tokenizer, {**sample, "output_ids": ids, "behaviour_logp": [-1.0] * len(ids),
+                                          "versions": [0] * len(ids)})["tokens"]
+    assert len(tokens) == len(ids) < len(text) and "".join(tokens) == text
 
 
 def test_command_line_serves_the_api_and_refuses_a_missing_workdir(tmp_path):
