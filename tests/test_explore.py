@@ -258,7 +258,11 @@ def _view(driver, name):
 
 
 def _shot(driver, name):
+    """The whole page (up to 4000 px tall) as tests/artifacts/explore/NAME.png."""
+    height = driver.execute_script("return document.documentElement.scrollHeight")
+    driver.set_window_size(1400, min(max(height, 1000), 4000))
     driver.save_screenshot(os.path.join(ARTIFACTS, f"{name}.png"))
+    driver.set_window_size(1400, 1000)
 
 
 def _numeric_keys(path):
