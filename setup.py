@@ -29,6 +29,7 @@ setup(
     python_requires=">=3.10",
     packages=PACKAGES,
     package_dir=PACKAGE_DIR,
+    package_data={"rlvr.envs": ["humaneval_bugs.jsonl"]},
     install_requires=[
         "jax>=0.10",
         "flax>=0.12",

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from rlvr import config_lib  # noqa: E402
 from rlvr.models.tokenizer import byte_level_tokenizer  # noqa: E402
-from rlvr.rl.producer import Producer  # noqa: E402
+from rlvr.rl.producer import Producer, ProducerSettings  # noqa: E402
 from rlvr.rollout.types import Completion  # noqa: E402
 from rlvr.tasks import build_tasks  # noqa: E402
 
@@ -66,7 +66,7 @@ def measure(episodes: int, workers: int, sandbox_workers: int) -> dict:
     policy = ScriptedRepairPolicy(tokenizer, tasks, tasks.families["code_repair"])
     for i in range(rl.prompts_per_step):
         policy.add(tasks.task(i))
-    producer = Producer(policy, tasks, tokenizer, rl, seed=0)
+    producer = Producer(policy, tasks, tokenizer, ProducerSettings.from_config(rl), seed=0)
     start = time.perf_counter()
     batch = producer.make_batch(0)
     wall = time.perf_counter() - start

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import statistics
 import time
 
-import jax
-import jax.numpy as jnp
+from rlvr.train.flops import measure_matmul_peak
 
-PEER_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "peers", "tunix")
 # Tunix 0.1.7 on the same fixed config and a 2-core CPU (../shared/peers/tunix/results_qwen3_r5.json).
 # The yardstick-scaled ratio is only an estimate (it read ~1.3x optimistic on 2026-11-30); the real
 # comparison is side by side in one window:
@@ -21,17 +17,10 @@ TUNIX = {"sft_step_s": 0.7185, "sampler_tokens_per_s": 4047.6, "grpo_step_s": 2.
          "calib_matmul_gflops": 285.15}
 
 
-def calibrate_matmul_gflops(n: int = 1024, reps: int = 20) -> float:
-    """The peer benchmark's yardstick: median fp32 1024³ matmul GFLOP/s (machine noise)."""
-    a = jnp.ones((n, n), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f(a).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return 2 * n**3 / statistics.median(times) / 1e9
+def calibrate_matmul_gflops(reps: int = 20) -> float:
+    """The peer benchmark's yardstick of machine speed: median fp32 1024³ matmul GFLOP/s
+    (`rlvr.train.flops.measure_matmul_peak`, the one the trainer's MFU uses)."""
+    return measure_matmul_peak("float32", 1024, reps, median=True) / 1e9
 
 
 def time_calls(fn, repeats: int) -> tuple[float, list[float]]:

@@ -186,10 +186,9 @@ def analyze_rl(config) -> dict[str, Any]:
     from jax.sharding import NamedSharding, PartitionSpec
 
     from rlvr import aot, sharding
-    from rlvr.rl.objective import rl_loss
+    from rlvr.rl.objective import Objective, rl_loss
     from rlvr.train import step as step_lib
     from rlvr.train.optimizer import build_optimizer
-    from rlvr.trainers.rl import build_objective
 
     rl = config.rl
     mesh = sharding.make_mesh(dict(config.mesh))
@@ -204,7 +203,7 @@ def analyze_rl(config) -> dict[str, Any]:
     use_ref = rl.reference_model or rl.kl_coef > 0
     in_step = (use_ref and rl.kl_mode == "loss") or rl.reference_model
     frozen = {"ref": state["params"]} if in_step else None
-    objective = dataclasses.replace(build_objective(rl), logprob_chunk_size=config.train.logprob_chunk_size)
+    objective = Objective.from_config(config)
     step = step_lib.build_train_step(functools.partial(rl_loss, cfg, objective), optimizer, mesh, shardings,
                                      batch_sh, micro_batches=config.train.micro_batches,
                                      frozen_sharding={"ref": shardings["params"]} if in_step else None)

@@ -310,9 +310,9 @@ class Microbench:
 
     def _build_update(self, rows: int):
         from rlvr.rl.batching import Sample, build_batch
+        from rlvr.rl.update import PolicyUpdate
         from rlvr.train import step as step_lib
         from rlvr.train.optimizer import build_optimizer, learning_rate_schedule
-        from rlvr.trainers.rl import PolicyUpdate
 
         c, rl, model = self.c, self.rl, self._model
         optimizer = build_optimizer(c.optimizer, 1000)

@@ -195,7 +195,8 @@ def rl_config() -> ml_collections.ConfigDict:
 
 def _validate_rl(config: ml_collections.ConfigDict) -> None:
     from rlvr.rl.advantages import ADVANTAGE_FNS
-    from rlvr.rl.policy_loss import AGGREGATIONS, KL_ESTIMATORS
+    from rlvr.rl.batching import AGGREGATIONS
+    from rlvr.rl.policy_loss import KL_ESTIMATORS
     from rlvr.tasks.mixture import expand
 
     rl = config.rl

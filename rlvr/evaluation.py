@@ -10,6 +10,7 @@ them with the tasks' verifiers and aggregates. pass@k uses the unbiased estimato
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -46,11 +47,36 @@ def _aggregate(rows: list[dict[str, Any]], ks: Sequence[int]) -> dict[str, float
     return out
 
 
-def evaluate_tasks(backend, tokenizer, tasks, task_list: Sequence, *, max_new_tokens: int, samples: int = 1,
-                   temperature: float = 1.0, prompt_format: str = "raw", seed: int = 0,
-                   tag: str = "eval", max_len: int | None = None, make_env=None, max_turns: int = 0,
-                   episode_workers: int = 64) -> dict[str, Any]:
-    """Generates and scores `samples` completions per task of `task_list` (greedy if 1).
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """How held-out tasks are generated: `samples` completions per task (greedy when 1, else at
+    `temperature`), `max_new_tokens` per completion (per turn in episodes), prompts as raw text or
+    chat; tasks whose prompt + max_new_tokens exceeds `max_len` (None: no limit) are left out."""
+
+    max_new_tokens: int
+    samples: int = 1
+    temperature: float = 1.0
+    prompt_format: str = "raw"
+    max_len: int | None = None
+    max_turns: int = 0  # episodes: cap on the environment's turns (0 = its own)
+    episode_workers: int = 64
+
+    @classmethod
+    def for_rl(cls, rl) -> EvalSettings:
+        """The RL job's held-out evaluation (`rl.eval_samples`, `rl.eval_temperature`, generation as in training)."""
+        return cls(rl.max_new_tokens, rl.eval_samples, rl.eval_temperature, rl.prompt_format, rl.seq_len, rl.max_turns,
+                   rl.episode_workers)
+
+    @classmethod
+    def for_eval_job(cls, config) -> EvalSettings:
+        """The eval job (`eval.samples`, `eval.temperature`, generation settings of `rl.*`)."""
+        rl = config.rl
+        return cls(rl.max_new_tokens, config.eval.samples, config.eval.temperature, rl.prompt_format, rl.seq_len)
+
+
+def evaluate_tasks(backend, tokenizer, tasks, task_list: Sequence, settings: EvalSettings, *, seed: int = 0,
+                   tag: str = "eval", make_env=None) -> dict[str, Any]:
+    """Generates and scores `settings.samples` completions per task of `task_list` (greedy if 1).
 
     `tasks` scores (a TaskMixture or a Family). Returns {"overall", "by_family", "by_level",
     "by_domain"}, each with pass@k for k in `default_ks(samples)`, mean reward, task counts,
@@ -60,13 +86,14 @@ def evaluate_tasks(backend, tokenizer, tasks, task_list: Sequence, *, max_new_to
     (`make_env`, default rlvr.envs.make_env; `max_new_tokens` per turn, `max_len` per episode)."""
     from rlvr.rl.producer import is_episode_task
 
+    samples, max_new_tokens, max_len = settings.samples, settings.max_new_tokens, settings.max_len
     greedy = samples == 1
     episode_tasks = [t for t in task_list if is_episode_task(t)]
     requests, prompts, kept = [], [], []
     for t in task_list:
         if is_episode_task(t):
             continue
-        ids = prompt_ids(tokenizer, t, prompt_format)
+        ids = prompt_ids(tokenizer, t, settings.prompt_format)
         if max_len is None or len(ids) + max_new_tokens <= max_len:
             prompts.append(ids)
             kept.append(t)
@@ -76,7 +103,7 @@ def evaluate_tasks(backend, tokenizer, tasks, task_list: Sequence, *, max_new_to
                          "raise rl.seq_len (and rl.engine.max_len)")
     for t, ids in zip(kept, prompts, strict=True):
         for k in range(samples):
-            params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
+            params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0 if greedy else settings.temperature,
                                     sampling_seed=None if greedy else sample_seed(seed, t.index, k, 1 + t.stream))
             requests.append(Request(f"{tag}-{t.family}-{t.level}-{t.index}-k{k}", ids, params))
     completions = backend.generate(requests) if requests else []
@@ -85,9 +112,7 @@ def evaluate_tasks(backend, tokenizer, tasks, task_list: Sequence, *, max_new_to
         scores = [tasks.score(t, *completion_text(tokenizer, c)) for c in completions[i * samples:(i + 1) * samples]]
         rows.append(_row(t, samples, scores))
     if episode_tasks:
-        rows += _episode_rows(backend, tokenizer, episode_tasks, samples=samples, temperature=temperature, seed=seed,
-                              tag=tag, max_new_tokens=max_new_tokens, max_len=max_len or 4096, make_env=make_env,
-                              max_turns=max_turns, workers=episode_workers)
+        rows += _episode_rows(backend, tokenizer, episode_tasks, settings, seed=seed, tag=tag, make_env=make_env)
     result = summarize(rows, default_ks(samples), _domains(tasks))
     result["skipped_too_long"] = skipped
     return result
@@ -102,20 +127,21 @@ def _row(task, samples: int, scores: Sequence[dict[str, float]]) -> dict[str, An
     return row
 
 
-def _episode_rows(backend, tokenizer, task_list, *, samples, temperature, seed, tag, max_new_tokens, max_len,
-                  make_env, max_turns, workers) -> list[dict[str, Any]]:
-    """One row per multi-turn task: `samples` episodes (greedy when 1)."""
+def _episode_rows(backend, tokenizer, task_list, settings: EvalSettings, *, seed, tag,
+                  make_env) -> list[dict[str, Any]]:
+    """One row per multi-turn task: `settings.samples` episodes (greedy when 1)."""
     from rlvr.envs import rollout as episodes
 
     if make_env is None:
         from rlvr.envs import make_env
+    samples = settings.samples
     greedy = samples == 1
     jobs = [episodes.EpisodeJob(t, None if greedy else sample_seed(seed, t.index, k, 1 + t.stream),
                                 f"{tag}-{t.family}-{t.level}-{t.index}-k{k}")
             for t in task_list for k in range(samples)]
-    settings = episodes.EpisodeSettings(max_new_tokens=max_new_tokens, max_tokens=max_len,
-                                        temperature=temperature, max_turns=max_turns)
-    trajectories = episodes.run_episodes(backend, tokenizer, jobs, settings, make_env, workers=workers)
+    episode = episodes.EpisodeSettings(max_new_tokens=settings.max_new_tokens, max_tokens=settings.max_len or 4096,
+                                       temperature=settings.temperature, max_turns=settings.max_turns)
+    trajectories = episodes.run_episodes(backend, tokenizer, jobs, episode, make_env, workers=settings.episode_workers)
     return [_row(t, samples, [tr.rewards for tr in trajectories[i * samples:(i + 1) * samples]])
             for i, t in enumerate(task_list)]
 

@@ -131,16 +131,6 @@ def logical_to_sharding(
     return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh, rules))
 
 
-def tree_shardings(logical_tree, shape_tree, mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES):
-    """NamedShardings for a pytree, given matching trees of logical axes and shapes."""
-    return jax.tree.map(
-        lambda axes, x: logical_to_sharding(axes, x.shape, mesh, rules),
-        logical_tree,
-        shape_tree,
-        is_leaf=lambda x: isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x),
-    )
-
-
 def spec_to_json(spec: PartitionSpec) -> list:
     """A JSON-friendly form of a PartitionSpec (for golden files)."""
     return [list(e) if isinstance(e, tuple) else e for e in spec]

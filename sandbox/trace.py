@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from .types import Limits, Result, Timings
+from .types import Limits, Result
 
 FILES_CAP = 1 << 20  # input files stored in the record up to this total size
 _locks: dict[str, threading.Lock] = {}
@@ -89,10 +89,3 @@ def read(path: str) -> list[dict[str, Any]]:
     """All records of a trace file."""
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def result_from(entry: Mapping[str, Any]) -> Result:
-    """A Result rebuilt from a record (outputs as the recorded, capped, UTF-8 text)."""
-    return Result(entry["backend"], entry["exit_code"], entry["signal"], entry["stdout"].encode(),
-                  entry["stderr"].encode(), entry["stdout_truncated"], entry["stderr_truncated"], entry["limit_hit"],
-                  Timings(**entry["timings"]), entry["digest_before"], entry["digest_after"], entry["sandbox_id"])

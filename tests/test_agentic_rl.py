@@ -21,7 +21,7 @@ from rlvr.envs.rollout import EpisodeJob, EpisodeSettings, run_episodes
 from rlvr.main import run
 from rlvr.models.tokenizer import byte_level_tokenizer
 from rlvr.rl.batching import build_batch
-from rlvr.rl.producer import Producer
+from rlvr.rl.producer import Producer, ProducerSettings
 from rlvr.rollout.driver import EngineDriver
 from rlvr.tasks import build_tasks
 from tests.rollout_fakes import FakeEngine
@@ -77,7 +77,7 @@ def test_stored_episodes_export_as_sft_data_and_replay_exactly(tmp_path):
     policy = _ScriptedCalculatorPolicy(tokenizer)
     log = tmp_path / "episodes.jsonl"
     try:
-        producer = Producer(policy, tasks, tokenizer, rl, seed=0, episode_log=str(log))
+        producer = Producer(policy, tasks, tokenizer, ProducerSettings.from_config(rl), seed=0, episode_log=str(log))
         try:
             batch = producer.make_batch(0)
         finally:

@@ -153,56 +153,32 @@ def test_gae_ignores_masked_padding():
     close(a1[:, 2:], jnp.zeros((1, 2)))
 
 
-# ---------------------------------------------------------------- to_step_sums
+# ---------------------------------------------------------------- aggregation (rlvr.rl.batching)
 
 
-LOSS = [[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0], [1.0, 1.0, 1.0, 1.0], [2.0, 0.0, 0.0, 0.0]]
-MASK = [[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]]
+LOSS = [[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0], [2.0, 0.0, 0.0, 0.0]]
+LENGTHS = [3, 2, 4]  # sampled tokens of each sequence
 
 
-def test_to_step_sums_hand_computed():
-    loss, mask = jnp.array(LOSS), jnp.array(MASK)
-    tok = sum(l_ * m for lr, mr in zip(LOSS, MASK, strict=True) for l_, m in zip(lr, mr, strict=True))
-    n_tok = sum(sum(r) for r in MASK)
-    assert (tok, n_tok) == (6.0 + 11.0 + 2.0, 9)
-    s, aux = pl.to_step_sums(loss, mask, "token_mean")
-    close([s, aux["weight"]], [19.0, 9.0])
-    s, aux = pl.to_step_sums(loss, mask, "seq_mean_token_mean")
-    close([s, aux["weight"]], [6 / 3 + 11 / 2 + 2 / 4, 3.0])
-    s, aux = pl.to_step_sums(loss, mask, "seq_mean_token_sum")
-    close([s, aux["weight"]], [19.0, 3.0])
-    s, aux = pl.to_step_sums(loss, mask, "token_sum_norm")
-    close([s, aux["weight"]], [19.0, 16.0])
-    s, aux = pl.to_step_sums(loss, mask, "token_sum_norm", norm_len=10)
-    close(aux["weight"], 40.0)
-    with pytest.raises(ValueError):
-        pl.to_step_sums(loss, mask, "nope")
+def test_aggregation_weights_hand_computed():
+    """Σ loss·token_weight / Σ row_weight of build_batch's weights is each aggregation's value."""
+    from rlvr.rl.batching import AGGREGATIONS, Sample, build_batch
+
+    samples = [Sample(0, i, [7], [1] * n, [0.0] * n, [0] * n, False, {"reward": 0.0}) for i, n in enumerate(LENGTHS)]
+    tok = sum(sum(row[:n]) for row, n in zip(LOSS, LENGTHS, strict=True))
+    assert tok == 6.0 + 11.0 + 2.0
+    expected = {"token_mean": tok / 9, "seq_mean_token_mean": (6 / 3 + 11 / 2 + 2 / 4) / 3,
+                "seq_mean_token_sum": tok / 3, "token_sum_norm": tok / (3 * 10)}
+    for aggregation in AGGREGATIONS:
+        b = build_batch(samples, 5, 0, aggregation, norm_len=10)
+        loss = np.zeros((3, 5), np.float32)
+        loss[:, 1:] = LOSS  # output token j of a row sits after its one prompt token
+        close(np.sum(loss * b["token_weight"]) / np.sum(b["row_weight"]), expected[aggregation])
+    with pytest.raises(ValueError, match="rl.aggregation"):
+        build_batch(samples, 5, 0, "nope")
 
 
-@pytest.mark.parametrize("aggregation", pl.AGGREGATIONS)
-def test_micro_batch_invariance(aggregation):
-    key = jax.random.PRNGKey(3)
-    logp = -jax.random.uniform(key, (4, 4)) - 0.1
-    old = logp + 0.3 * jax.random.normal(jax.random.fold_in(key, 1), (4, 4))
-    adv = jnp.array([1.0, -0.5, 2.0, -1.0])
-    mask = jnp.array(MASK)
-    full_s, full_aux = pl.to_step_sums(jnp.array(LOSS), mask, aggregation)
-    halves = [pl.to_step_sums(jnp.array(LOSS)[i:i + 2], mask[i:i + 2], aggregation) for i in (0, 2)]
-    close(halves[0][0] + halves[1][0], full_s)
-    close(halves[0][1]["weight"] + halves[1][1]["weight"], full_aux["weight"])
-    # the same for ppo_clip's loss and metric sums, and the gradients
-    f = lambda lp, sl: pl.ppo_clip(lp, old[sl], adv[sl], mask[sl], aggregation=aggregation, return_sums=True)
-    full = f(logp, slice(0, 4))
-    parts = [f(logp[i:i + 2], slice(i, i + 2)) for i in (0, 2)]
-    close(parts[0][0] + parts[1][0], full[0])
-    for k in full[1]:
-        close(parts[0][1][k] + parts[1][1][k], full[1][k])
-    g_full = jax.grad(lambda lp: f(lp, slice(0, 4))[0])(logp)
-    g_parts = [jax.grad(lambda lp, i=i: f(lp, slice(i, i + 2))[0])(logp[i:i + 2]) for i in (0, 2)]
-    close(jnp.concatenate(g_parts), g_full)
-
-
-# ---------------------------------------------------------------- policy losses
+# ---------------------------------------------------------------- policy losses (per token)
 
 
 def _ppo_token(ratio, a, lo, hi, c=None):
@@ -220,92 +196,68 @@ def test_ppo_clip_hand_computed():
     a = jnp.array([advs])
     expected = [_ppo_token(r, x, 0.2, 0.2) for r, x in zip(ratios, advs, strict=True)]
     close(expected, [-1.0, -1.2, 1.6, 1.1, 3.0])
-    loss, m = pl.ppo_clip(logp, old, a, jnp.ones((1, 5)))
-    close(loss, sum(expected) / 5)
-    close(m["clip_fraction"], 2 / 5)  # ratios 1.5 (A>0) and 0.5 (A<0)
-    close(m["ratio_mean"], sum(ratios) / 5)
-    close(m["approx_kl"], _mean([1 / r + math.log(r) - 1 for r in ratios]))
+    loss, m = pl.ppo_clip(logp, old, a)
+    close(loss[0], expected)
+    close(m["clip_fraction"][0], [0, 1, 1, 0, 0])  # ratios 1.5 (A>0) and 0.5 (A<0)
+    close(m["ratio_mean"][0], ratios)
+    close(m["approx_kl"][0], [1 / r + math.log(r) - 1 for r in ratios])
     # dual clip c=2: token 5 (A=-1, loss 3) is capped at 2
-    loss, m = pl.ppo_clip(logp, old, a, jnp.ones((1, 5)), dual_clip_c=2.0)
+    loss, m = pl.ppo_clip(logp, old, a, dual_clip_c=2.0)
     expected_dc = [_ppo_token(r, x, 0.2, 0.2, 2.0) for r, x in zip(ratios, advs, strict=True)]
     close(expected_dc[4], 2.0)
-    close(loss, sum(expected_dc) / 5)
-    close(m["dual_clip_fraction"], 1 / 5)
+    close(loss[0], expected_dc)
+    close(m["dual_clip_fraction"][0], [0, 0, 0, 0, 1])
 
 
 def test_ppo_clip_ratio_one_is_vanilla_pg():
     logp = jnp.array([[-0.5, -1.0, -2.0], [-0.1, -0.2, -0.3]])
-    adv = jnp.array([1.5, -0.5])
-    mask = jnp.ones((2, 3))
-    loss, m = pl.ppo_clip(logp, logp, adv, mask, return_sums=True)
-    close(loss, -(1.5 * 3 - 0.5 * 3))
+    adv = jnp.array([[1.5] * 3, [-0.5] * 3])
+    loss, m = pl.ppo_clip(logp, logp, adv)
+    close(loss, -adv)
     close(m["clip_fraction"], 0.0)
     close(m["approx_kl"], 0.0)
-    g = jax.grad(lambda lp: pl.ppo_clip(lp, logp, adv, mask, return_sums=True)[0])(logp)
-    close(g, -jnp.broadcast_to(adv[:, None], (2, 3)))
+    g = jax.grad(lambda lp: jnp.sum(pl.ppo_clip(lp, logp, adv)[0]))(logp)
+    close(g, -adv)
 
 
 def test_ppo_clip_higher_and_dual_clip():
     ratios = jnp.linspace(0.5, 2.0, 16)
     logp = jnp.log(ratios)[None]
     old = jnp.zeros_like(logp)
-    mask = jnp.ones_like(logp)
-    per_token = lambda a, **kw: jax.vmap(
-        lambda lp: pl.ppo_clip(lp[None, None], jnp.zeros((1, 1)), jnp.array([a]), jnp.ones((1, 1)), **kw)[0]
-    )(logp[0])
+    per_token = lambda a, **kw: pl.ppo_clip(logp, old, jnp.full_like(logp, a), **kw)[0][0]
     # A>0: loss = -min(r, 1+eps_high): plateaus at 1.28 with clip-higher, at 1.2 without.
     close(per_token(1.0, eps_low=0.2, eps_high=0.28), -jnp.minimum(ratios, 1.28))
     close(per_token(1.0), -jnp.minimum(ratios, 1.2))
     # gradient is zero once the ratio exceeds 1+eps_high
-    g = jax.grad(lambda lp: pl.ppo_clip(lp, old, jnp.ones(1), mask, eps_high=0.28, return_sums=True)[0])(logp)
+    g = jax.grad(lambda lp: jnp.sum(pl.ppo_clip(lp, old, jnp.ones_like(lp), eps_high=0.28)[0]))(logp)
     close(g[0], jnp.where(ratios > 1.28, 0.0, -ratios))
     # A<0 with dual clip: the loss never exceeds c·|A| however large the ratio
     dual = per_token(-2.0, dual_clip_c=3.0)
     assert float(jnp.max(dual)) <= 6.0 + 1e-6
     close(dual, jnp.minimum(2.0 * jnp.maximum(ratios, 0.8), 6.0), 1e-5)
-    big = pl.ppo_clip(jnp.array([[5.0]]), jnp.zeros((1, 1)), jnp.array([-2.0]), jnp.ones((1, 1)), dual_clip_c=3.0)
+    big = pl.ppo_clip(jnp.array([[5.0]]), jnp.zeros((1, 1)), jnp.array([[-2.0]]), dual_clip_c=3.0)
     close(big[0], 6.0)
 
 
-def test_ppo_clip_token_advantages_and_mask():
-    logp = jnp.array([[math.log(1.5), 0.0, 9.0]])
-    adv = jnp.array([[2.0, -1.0, 100.0]])
-    mask = jnp.array([[1, 1, 0]])
-    loss, _ = pl.ppo_clip(logp, jnp.zeros((1, 3)), adv, mask, aggregation="token_mean")
-    close(loss, (-2.0 * 1.2 + 1.0) / 2)
-
-
-def test_ppo_clip_sequence_aggregations():
-    # ratio 1 everywhere: per-token loss is -A; row 0 has 3 tokens (A=1), row 1 has 1 token (A=-2).
-    logp = jnp.zeros((2, 3))
-    mask = jnp.array([[1, 1, 1], [1, 0, 0]])
-    adv = jnp.array([1.0, -2.0])
-    expected = {"token_mean": (-3.0 + 2.0) / 4, "seq_mean_token_mean": (-1.0 + 2.0) / 2,
-                "seq_mean_token_sum": (-3.0 + 2.0) / 2, "token_sum_norm": (-3.0 + 2.0) / 6}
-    for agg, value in expected.items():
-        loss, m = pl.ppo_clip(logp, logp, adv, mask, aggregation=agg)
-        close(loss, value)
-        close(m["ratio_mean"], 1.0)  # metrics stay means under every aggregation
-
-
 def test_gspo_hand_computed():
+    """Padded rows (sequence i = row i; row 2 is a prompt-only sequence, index 3 = padding)."""
     logp = jnp.array([[-1.0, -2.0, -3.0], [-0.5, -0.5, 0.0], [-1.0, -1.0, -1.0]])
     old = jnp.array([[-1.1, -2.0, -3.3], [-0.5, -0.4, 0.0], [-1.0, -1.0, -1.0]])
     mask = jnp.array([[1, 1, 1], [1, 1, 0], [0, 0, 0]])
-    adv = jnp.array([1.0, -1.0, 5.0])
+    seq = jnp.array([[0, 0, 0], [1, 1, 3], [2, 2, 2]])
+    adv = jnp.array([[1.0] * 3, [-1.0] * 3, [5.0] * 3])
     s0 = math.exp((0.1 + 0.0 + 0.3) / 3)
     s1 = math.exp((0.0 - 0.1) / 2)
     lo, hi = 0.1, 0.1
     l0 = max(-1.0 * s0, -1.0 * min(max(s0, 1 - lo), 1 + hi))
     l1 = max(1.0 * s1, 1.0 * min(max(s1, 1 - lo), 1 + hi))
-    loss, m = pl.gspo(logp, old, adv, mask, eps_low=lo, eps_high=hi)
-    close(loss, (l0 + l1) / 2)
-    close(m["clip_fraction"], 0.5)  # s0 = 1.14 > 1.1 is clipped; s1 = 0.95 is inside
-    close(m["ratio_mean"], (s0 + s1) / 2)
-    s, aux = pl.gspo(logp, old, adv, mask, eps_low=lo, eps_high=hi, return_sums=True)
-    close([s, aux["weight"]], [l0 + l1, 2.0])
-    # at ratio 1, gradient wrt each token is -A_i / n_i (length-normalised sequence ratio)
-    g = jax.grad(lambda lp: pl.gspo(lp, logp, adv, mask, return_sums=True)[0])(logp)
+    loss, m = pl.gspo(logp, old, adv, mask, seq, 3, eps_low=lo, eps_high=hi)
+    close(loss[:2, :2], [[l0, l0], [l1, l1]])
+    close(m["clip_fraction"][:2, 0], [1.0, 0.0])  # s0 = 1.14 > 1.1 is clipped; s1 = 0.95 is inside
+    close(m["ratio_mean"][:2, 0], [s0, s1])
+    # at ratio 1, the gradient of the sequence mean wrt each token is -A_i / n_i
+    weight = mask / jnp.maximum(jnp.sum(mask, axis=1, keepdims=True), 1)
+    g = jax.grad(lambda lp: jnp.sum(pl.gspo(lp, logp, adv, mask, seq, 3)[0] * weight))(logp)
     close(g, [[-1 / 3] * 3, [0.5, 0.5, 0.0], [0.0] * 3])
 
 
@@ -333,72 +285,45 @@ def test_kl_k3_unbiased_for_kl():
     close(jnp.sum(jnp.array(p) * pl.kl_k3(lp, lq)), kl)
 
 
-def test_entropy_from_logits():
-    logits = [[[0.0, 0.0, 0.0, 0.0], [1.0, 2.0, 3.0, 0.0], [100.0, 0.0, 0.0, 0.0]]]
-    ents = []
-    for row in logits[0]:
-        z = sum(math.exp(v) for v in row)
-        ps = [math.exp(v) / z for v in row]
-        ents.append(-sum(p * math.log(p) for p in ps if p > 0))
-    close(ents[0], math.log(4))
-    close(pl.entropy_from_logits(jnp.array(logits), jnp.array([[1, 1, 0]])), (ents[0] + ents[1]) / 2)
-    close(pl.entropy_from_logits(jnp.array(logits), jnp.array([[1, 1, 1]])), sum(ents) / 3, 1e-4)
-
-
 def test_value_loss_hand_computed():
     v = [1.0, 0.0, 2.0, 0.5]
     old = [0.5, 0.0, 1.0, 0.5]
     ret = [2.0, 1.0, 0.0, 0.5]
-    expected = []
-    clipped_n = 0
+    expected, clipped = [], []
     for a, o, r in zip(v, old, ret, strict=True):
         u = (a - r) ** 2
         c = (min(max(a, o - 0.2), o + 0.2) - r) ** 2
-        clipped_n += c > u
+        clipped.append(float(c > u))
         expected.append(0.5 * max(u, c))
     close(expected, [0.5 * 1.69, 0.5, 2.0, 0.0])
-    loss, m = pl.value_loss(jnp.array([v]), jnp.array([old]), jnp.array([ret]), jnp.ones((1, 4)))
-    close(loss, sum(expected) / 4)
-    close(m["clip_fraction"], clipped_n / 4)
-    loss, _ = pl.value_loss(jnp.array([v]), jnp.array([old]), jnp.array([ret]), jnp.array([[1, 1, 0, 0]]), clip=None)
-    close(loss, (0.5 * 1.0 + 0.5 * 1.0) / 2)
+    loss, frac = pl.value_loss(jnp.array([v]), jnp.array([old]), jnp.array([ret]))
+    close(loss[0], expected)
+    close(frac[0], clipped)
+    loss, _ = pl.value_loss(jnp.array([v]), jnp.array([old]), jnp.array([ret]), clip=None)
+    close(loss[0], [0.5 * (a - r) ** 2 for a, r in zip(v, ret, strict=True)])
 
 
 def test_truncated_importance_weights():
     trainer = [[-1.0, -0.5, -2.0], [-0.2, -0.3, -9.0]]
     behaviour = [[-1.5, -0.5, -0.5], [-0.4, -0.1, 0.0]]
     mask = [[1, 1, 1], [1, 1, 0]]
-    w, m = pl.truncated_importance_weights(jnp.array(trainer), jnp.array(behaviour), jnp.array(mask), cap=1.5)
-    exp_w, diffs, n_cap = [], [], 0
-    for tr, be, ms in zip(trainer, behaviour, mask, strict=True):
-        row = []
-        for a, b, k in zip(tr, be, ms, strict=True):
-            ratio = math.exp(a - b)
-            row.append(min(ratio, 1.5) if k else 0.0)
-            if k:
-                diffs.append(abs(a - b))
-                n_cap += ratio > 1.5
-        exp_w.append(row)
-    close(w, exp_w)
-    close(m["mean_abs_logp_diff"], sum(diffs) / len(diffs))
-    close(m["capped_fraction"], n_cap / 5)
-    ws, ms_ = pl.truncated_importance_weights(jnp.array(trainer), jnp.array(behaviour), jnp.array(mask),
-                                              cap=1.5, level="sequence")
+    seq = jnp.array([[0, 0, 0], [1, 1, 2]])
+    args = (jnp.array(trainer), jnp.array(behaviour), jnp.array(mask, jnp.float32), seq, 2)
+    w, capped = pl.truncated_importance_weights(*args, cap=1.5)
+    exp_w = [[min(math.exp(a - b), 1.5) if k else 1.0 for a, b, k in zip(tr, be, ms, strict=True)]
+             for tr, be, ms in zip(trainer, behaviour, mask, strict=True)]
+    close(w, exp_w)  # (masked tokens: ratio exp(0) = 1; the loss masks them)
+    close(capped, [[1, 0, 0], [0, 0, 0]])  # exp(0.5) > 1.5
+    close(pl.truncated_importance_weights(*args, cap=1.1)[1], [[1, 0, 0], [1, 0, 0]])
+    ws, _ = pl.truncated_importance_weights(*args, cap=1.5, level="sequence")
     s0 = math.exp(0.5 + 0.0 - 1.5)
     s1 = math.exp(0.2 - 0.2)
-    close(ws, [[s0] * 3, [s1, s1, 0.0]])
-    close(ms_["capped_fraction"], 0.0)
-    g = jax.grad(lambda t: jnp.sum(pl.truncated_importance_weights(t, jnp.array(behaviour), jnp.array(mask))[0]))(
-        jnp.array(trainer))
+    close(ws[:, :2], [[s0] * 2, [s1] * 2])
+    g = jax.grad(lambda t: jnp.sum(pl.truncated_importance_weights(t, *args[1:], cap=1.5)[0]))(jnp.array(trainer))
     close(g, jnp.zeros((2, 3)))  # stop-gradient
 
 
 # ---------------------------------------------------------------- filters
-
-
-def test_zero_variance_groups():
-    r = jnp.array([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.5, 0.5, 0.6]])
-    assert filters.zero_variance_groups(r).tolist() == [True, False, True, False]
 
 
 def test_overlong_penalty():
@@ -433,7 +358,7 @@ def test_bandit_converges_to_best_arm(estimator):
 
         def loss(lg):  # each sample is a one-token "sequence"
             logp = jax.nn.log_softmax(lg)[arms][:, None]
-            return pl.ppo_clip(logp, old, advantages, jnp.ones((2 * k, 1)))[0]
+            return jnp.mean(pl.ppo_clip(logp, old, advantages[:, None])[0])
 
         return logits - lr * jax.grad(loss)(logits), None
 

@@ -1,6 +1,6 @@
 """The RL objective, batching, producer, task and config (rlvr.rl.objective, batching, producer,
 rlvr.tasks.arithmetic, rlvr.config_lib): each checked against hand-computed numbers or an
-independent, separately tested reference (row-based `policy_loss` functions on padded rows)."""
+independent reference written here from the formulas on padded rows (one sequence per row)."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from rlvr.models.tokenizer import byte_level_tokenizer
 from rlvr.models.transformer import forward
 from rlvr.rl import advantages as adv_lib
 from rlvr.rl import policy_loss as pl
-from rlvr.rl.batching import Sample, build_batch
+from rlvr.rl.batching import AGGREGATIONS, Sample, build_batch
 from rlvr.rl.objective import Objective, rl_loss, token_means
-from rlvr.rl.producer import Producer, ScoredBatch, sample_seed
+from rlvr.rl.producer import Producer, ProducerSettings, ScoredBatch, sample_seed
 from rlvr.rollout.types import Completion
 from rlvr.tasks.arithmetic import ArithmeticFamily, Task
 from rlvr.train.step import accumulate_gradients
@@ -161,7 +161,7 @@ KL_OBJ = Objective("ppo_clip", kl_coef=0.5, entropy_coef=0.05, tis_cap=CAP, num_
 @pytest.mark.parametrize("obj", [PPO_TIS_TOKEN, GSPO_TIS_SEQ], ids=["ppo_tis_token", "gspo_tis_seq"])
 def test_packed_equals_unpacked(setup, obj):
     params, samples = setup["params"], setup["samples"]
-    aggregations = ["seq_mean_token_mean"] if obj.policy_loss == "gspo" else list(pl.AGGREGATIONS)
+    aggregations = ["seq_mean_token_mean"] if obj.policy_loss == "gspo" else list(AGGREGATIONS)
     for aggregation in aggregations:
         results = []
         for pack in (False, True):
@@ -193,6 +193,30 @@ def _hand_ppo(logp, old, adv, eps_low, eps_high, dual):
     return loss
 
 
+def _hand_gspo(logp, old, adv, mask, eps_low, eps_high):
+    """Per-sequence GSPO losses [B] of padded rows (row i = sequence i)."""
+    n = jnp.sum(mask, axis=1)
+    s = jnp.exp(jnp.sum((logp - old) * mask, axis=1) / jnp.maximum(n, 1.0))
+    return jnp.maximum(-adv * s, -adv * jnp.clip(s, 1 - eps_low, 1 + eps_high))
+
+
+def _hand_tis(old, behaviour, mask, cap, level):
+    """min(ratio, cap) per token, or the sequence's ratio on each of its tokens; 0 off the mask."""
+    diff = (old - behaviour) * mask
+    ratio = jnp.exp(diff) if level == "token" else jnp.exp(jnp.sum(diff, axis=1, keepdims=True)) * mask
+    return jax.lax.stop_gradient(jnp.minimum(ratio, cap)) * mask
+
+
+def _hand_aggregate(per_token, mask, aggregation):
+    """(sum, weight) of padded rows for each aggregation (see rlvr.rl.batching)."""
+    n = jnp.sum(mask, axis=1)
+    seqs = jnp.sum(n > 0).astype(jnp.float32)
+    total = jnp.sum(per_token * mask)
+    return {"token_mean": (total, jnp.sum(mask)),
+            "seq_mean_token_mean": (jnp.sum(jnp.sum(per_token * mask, axis=1) / jnp.maximum(n, 1.0)), seqs),
+            "seq_mean_token_sum": (total, seqs), "token_sum_norm": (total, seqs * NORM_LEN)}[aggregation]
+
+
 @pytest.mark.parametrize("obj, with_old", [(PPO_PLAIN, False), (PPO_PLAIN, True), (PPO_TIS_TOKEN, False),
                                            (GSPO_TIS_SEQ, False)],
                          ids=["ppo", "ppo_old_logp", "ppo_tis_token", "gspo_tis_seq"])
@@ -205,7 +229,7 @@ def test_rl_loss_matches_row_based_reference(setup, obj, with_old):
     adv = jnp.asarray([s.advantage for s in samples], jnp.float32)
     adv_tok = jnp.broadcast_to(adv[:, None], mask.shape)
     old_fixed = jnp.asarray(_per_token(samples, setup["old"], N))
-    aggregations = ["seq_mean_token_mean"] if obj.policy_loss == "gspo" else list(pl.AGGREGATIONS)
+    aggregations = ["seq_mean_token_mean"] if obj.policy_loss == "gspo" else list(AGGREGATIONS)
     for aggregation in aggregations:
         batch = _batch(samples, aggregation, old=setup["old"] if with_old else None)
         logp = trainer_logp(params, batch)
@@ -214,20 +238,22 @@ def test_rl_loss_matches_row_based_reference(setup, obj, with_old):
         def reference(lp, aggregation=aggregation):
             old = old_fixed if with_old else jax.lax.stop_gradient(lp)
             if obj.policy_loss == "gspo":  # per-sequence GSPO losses x sequence-level TIS weights
-                seq_loss = jax.vmap(lambda a, b, c, m: pl.gspo(a[None], b[None], c[None], m[None], obj.clip_low,
-                                                               obj.clip_high, return_sums=True)[0])(lp, old, adv, mask)
-                w, _ = pl.truncated_importance_weights(old, behaviour, mask, obj.tis_cap, "sequence")
+                seq_loss = _hand_gspo(lp, old, adv, mask, obj.clip_low, obj.clip_high)
+                w = _hand_tis(old, behaviour, mask, obj.tis_cap, "sequence")
                 w_seq = jnp.sum(w, axis=1) / jnp.sum(mask, axis=1)
                 weight = jnp.sum(jnp.sum(mask, axis=1) > 0).astype(jnp.float32)
                 return jnp.sum(seq_loss * w_seq) / weight, {"weight": weight}
-            if obj.tis_cap == 0:
-                s, aux = pl.ppo_clip(lp, old, adv, mask, obj.clip_low, obj.clip_high, obj.dual_clip,
-                                     aggregation, return_sums=True, norm_len=NORM_LEN)
-            else:
-                w, _ = pl.truncated_importance_weights(old, behaviour, mask, obj.tis_cap, obj.tis_level)
-                per_token = _hand_ppo(lp, old, adv_tok, obj.clip_low, obj.clip_high, obj.dual_clip) * w
-                s, aux = pl.to_step_sums(per_token, mask, aggregation, NORM_LEN)
-            return s / aux["weight"], aux
+            per_token = _hand_ppo(lp, old, adv_tok, obj.clip_low, obj.clip_high, obj.dual_clip)
+            if obj.tis_cap:
+                per_token = per_token * _hand_tis(old, behaviour, mask, obj.tis_cap, obj.tis_level)
+            s, weight = _hand_aggregate(per_token, mask, aggregation)
+            ratio = jnp.exp(lp - old)
+            clipped = _hand_ppo(lp, old, adv_tok, obj.clip_low, obj.clip_high, None) > -adv_tok * ratio
+            dual = (adv_tok < 0) & (_hand_ppo(lp, old, adv_tok, obj.clip_low, obj.clip_high, None)
+                                    > obj.dual_clip * jnp.abs(adv_tok)) if obj.dual_clip else jnp.zeros_like(mask)
+            sums = lambda x: jnp.sum(x * mask)
+            return s / weight, {"weight": weight, "clip_fraction": sums(clipped), "dual_clip_fraction": sums(dual),
+                                "ratio_mean": sums(ratio), "approx_kl": sums(pl.kl_k3(lp, old))}
 
         (ref_loss, ref_aux), ref_dlogp = jax.jit(jax.value_and_grad(reference, has_aux=True))(logp)
         loss_sum, aux, grads = loss_and_grad(obj, params, batch, None, 1)
@@ -253,7 +279,8 @@ def _kl_entropy_reference(params, ref_params, batch, mask, kl_coef, entropy_coef
         logp = next_token_logprobs(logits, batch["tokens"])
         ref_logp = _logp(ref_params, batch["tokens"], batch["positions"], batch["segment_ids"])
         kl = jnp.sum(pl.kl_k3(logp, ref_logp) * mask) / jnp.sum(mask)
-        entropy = pl.entropy_from_logits(logits[:, :-1], mask)
+        log_probs = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+        entropy = jnp.sum(-jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1) * mask) / jnp.sum(mask)
         return kl_coef * kl - entropy_coef * entropy, (kl, entropy)
     return jax.value_and_grad(loss, has_aux=True)(params)
 
@@ -333,7 +360,7 @@ def test_micro_batches_equal_full_batch(setup):
     tree_close(sums_2, sums_1, 1e-4)
 
 
-# ---------------------------------------------------------------- 6. gspo_tokens == gspo
+# ---------------------------------------------------------------- 6. gspo: packed == padded == per-row reference
 
 
 def _scatter(flat, index, fill):
@@ -341,7 +368,7 @@ def _scatter(flat, index, fill):
     return jnp.where(index >= 0, flat[np.maximum(index, 0)], fill)
 
 
-def test_gspo_tokens_equals_gspo_padded_and_packed():
+def test_gspo_padded_and_packed_equal_row_reference():
     rng = np.random.default_rng(1)
     lengths, eps = [6, 3, 0, 5], 0.05
     B, total = len(lengths), sum(lengths)
@@ -361,15 +388,16 @@ def test_gspo_tokens_equals_gspo_padded_and_packed():
 
     def reference(flat):
         mask = (padded_idx >= 0).astype(np.float32)
-        return pl.gspo(_scatter(flat, padded_idx, -1.0), _scatter(old_flat, padded_idx, -3.0), adv, mask, eps,
-                       eps)[0]
+        seq_loss = _hand_gspo(_scatter(flat, padded_idx, -1.0), _scatter(old_flat, padded_idx, -3.0), adv, mask,
+                              eps, eps)
+        return jnp.sum(jnp.where(jnp.sum(mask, axis=1) > 0, seq_loss, 0.0)) / 3.0  # 3 sequences with tokens
 
     def per_token(index, seq):
         def fn(flat):
             mask = (index >= 0).astype(np.float32)
             adv_tok = jnp.where(seq < B, adv[np.minimum(seq, B - 1)], 0.0)
             weight = mask / np.maximum(np.asarray(lengths + [1]), 1)[seq]  # 1/len_i: "seq_mean_token_mean"
-            loss, _ = pl.gspo_tokens(_scatter(flat, index, -1.0), _scatter(old_flat, index, -3.0), adv_tok, mask,
+            loss, _ = pl.gspo(_scatter(flat, index, -1.0), _scatter(old_flat, index, -3.0), adv_tok, mask,
                                      jnp.asarray(seq, jnp.int32), B, eps, eps)
             return jnp.sum(loss * weight) / 3.0  # 3 sequences with tokens
         return fn
@@ -509,7 +537,7 @@ def _producer(outcome, family=None, **rl_overrides):
     tokenizer = byte_level_tokenizer()
     family = family or ArithmeticFamily(seed=5)
     backend = FakeBackend(tokenizer, family, outcome)
-    _PRODUCERS.append(Producer(backend, family, tokenizer, rl, seed=11))
+    _PRODUCERS.append(Producer(backend, family, tokenizer, ProducerSettings.from_config(rl), seed=11))
     return _PRODUCERS[-1], backend, tokenizer, family
 
 
@@ -521,7 +549,7 @@ def test_producer_batch_order_and_advantages():
     # even k answers correctly; task 2's group is all correct (zero variance, kept without dynamic sampling)
     outcome = lambda task, k: (task.answer if k % 2 == 0 or task.index == 2 else _wrong(task), "stop")
     producer, backend, tokenizer, family = _producer(outcome)
-    G, K = producer.rl.prompts_per_step, producer.rl.group_size
+    G, K = producer.settings.prompts_per_step, producer.settings.group_size
     assert (G, K) == (4, 4)
     batch = producer.make_batch(0)
     assert len(batch.samples) == G * K and batch.cursor_end == G and batch.failures == []
@@ -533,7 +561,7 @@ def test_producer_batch_order_and_advantages():
             assert (s.group, s.task_index) == (g, g)
             assert s.prompt_ids == tokenizer.encode(task.prompt) == req.input_ids
             assert req.sampling.sampling_seed == sample_seed(11, g, k)
-            assert req.sampling.max_new_tokens == producer.rl.max_new_tokens
+            assert req.sampling.max_new_tokens == producer.settings.max_new_tokens
             assert tokenizer.decode(s.output_ids[:-1]) == outcome(task, k)[0]
             assert s.behaviour_logp == pytest.approx([-0.1 * (j + 1) for j in range(len(s.output_ids))])
             assert s.versions == [7] * len(s.output_ids) and not s.truncated
@@ -553,7 +581,7 @@ def test_producer_dynamic_sampling_refills():
     outcome = lambda task, k: (task.answer if task.index % 2 or k % 2 == 0 else _wrong(task), "stop")
     producer, backend, _, _ = _producer(outcome, dynamic_sampling=True, max_refill_rounds=2)
     batch = producer.make_batch(0)
-    K = producer.rl.group_size
+    K = producer.settings.group_size
     # round 1: tasks 0-3 keep 0, 2; round 2: tasks 4, 5 keep 4; round 3: task 6
     assert len(backend.requests) == 7 * K
     assert [s.task_index for s in batch.samples[::K]] == [0, 2, 4, 6]
@@ -567,7 +595,7 @@ def test_producer_dynamic_sampling_gives_up_after_max_refill_rounds():
     producer, backend, _, _ = _producer(lambda task, k: (_wrong(task), "stop"), dynamic_sampling=True,
                                         max_refill_rounds=2)
     batch = producer.make_batch(0)
-    K = producer.rl.group_size
+    K = producer.settings.group_size
     assert len(backend.requests) == 3 * 4 * K  # 1 round + 2 refills of 4 prompts each
     assert batch.cursor_end == 12 and batch.stats["generation_rounds"] == 3.0
     assert [s.task_index for s in batch.samples[::K]] == [0, 1, 2, 3]  # trains on flat groups
@@ -588,7 +616,7 @@ def test_producer_records_failures_and_round_trips():
 
     producer, _, _, _ = _producer(outcome, family=ExplodingFamily(seed=5))
     batch = producer.make_batch(3)
-    K = producer.rl.group_size
+    K = producer.settings.group_size
     assert len(batch.failures) == 2 * 4
     for g in range(4):
         group = batch.samples[g * K:(g + 1) * K]
@@ -612,10 +640,9 @@ def test_gae_batch_matches_brute_force_and_value_loss(setup):
     """The trainer's GAE pass (value head on the backbone, reward on the last sampled token,
     whitened advantages) against a per-sequence Python loop, in padded and packed layouts; then
     rl_loss adds value_coef · 0.5 (v - R)² exactly."""
-    import ml_collections
-
     from rlvr import api
     from rlvr.models.transformer import forward_with_values
+    from rlvr.rl import update as update_lib
     from rlvr.trainers import rl as rl_trainer
 
     gamma, lam = 0.9, 0.8
@@ -627,8 +654,7 @@ def test_gae_batch_matches_brute_force_and_value_loss(setup):
     params = {**model.params, "value_proj": head}
     samples = [dataclasses.replace(s, rewards={"reward": float(r)})
                for s, r in zip(setup["samples"], rng.normal(size=N), strict=True)]
-    rl = ml_collections.ConfigDict({"gae_gamma": gamma, "gae_lambda": lam})
-    gae_fn = rl_trainer._gae_fn(model.cfg, rl)
+    gae_fn = update_lib.gae_fn(model.cfg, gamma, lam)
 
     padded = build_batch(samples, SEQ_LEN, PAD)
     _, values, _ = forward_with_values(model.cfg, params, jnp.asarray(padded["tokens"]),
@@ -679,6 +705,6 @@ def test_producer_passes_over_prompts_too_long_for_seq_len():
     batch = producer.make_batch(0)
     drawn = family.tasks(0, batch.cursor_end)
     fitting = [t.index for t in drawn if len(t.prompt) <= 5]
-    assert [s.task_index for s in batch.samples[::producer.rl.group_size]] == fitting[:4]
+    assert [s.task_index for s in batch.samples[::producer.settings.group_size]] == fitting[:4]
     assert batch.stats["prompts_too_long"] == batch.cursor_end - len(fitting) > 0
     assert all(len(r.input_ids) <= 5 for r in backend.requests)

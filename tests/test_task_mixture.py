@@ -207,7 +207,7 @@ def test_evaluate_tasks_pass_at_k_per_family_and_level():
     task_list = eval_task_list(mixture, eval_config)
     assert len(task_list) == 2 * 2 * 8  # families × levels × examples
     result = evaluation.evaluate_tasks(ScriptedBackend(tokenizer, mixture), tokenizer, mixture, task_list,
-                                       max_new_tokens=8, samples=4, tag="t")
+                                       evaluation.EvalSettings(max_new_tokens=8, samples=4), tag="t")
     for key, agg in result["by_level"].items():
         family, level = key.split("@")
         counts = [t.index % 4 for t in task_list if t.family == family and t.level == int(level)]
@@ -258,9 +258,10 @@ def test_evaluation_leaves_out_prompts_that_do_not_fit():
     tokenizer = byte_level_tokenizer()
     mixture = _mixture({"add": 1.0})
     task_list = [mixture.task(i, stream=1, level=lv, family="add") for lv in (1, 2) for i in range(4)]
-    result = evaluation.evaluate_tasks(ScriptedBackend(tokenizer, mixture), tokenizer, mixture, task_list,
-                                       max_new_tokens=8, samples=2, tag="t", max_len=8 + 4)  # "9+9=" fits only
+    fits = evaluation.EvalSettings(max_new_tokens=8, samples=2, max_len=8 + 4)  # "9+9=" fits only
+    result = evaluation.evaluate_tasks(ScriptedBackend(tokenizer, mixture), tokenizer, mixture, task_list, fits,
+                                       tag="t")
     assert result["skipped_too_long"] == 4 and set(result["by_level"]) == {"add@1"}
     with pytest.raises(ValueError, match="raise rl.seq_len"):
         evaluation.evaluate_tasks(ScriptedBackend(tokenizer, mixture), tokenizer, mixture, task_list,
-                                  max_new_tokens=8, samples=2, tag="t", max_len=8)
+                                  evaluation.EvalSettings(max_new_tokens=8, samples=2, max_len=8), tag="t")

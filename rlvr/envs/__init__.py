@@ -29,8 +29,8 @@ tool_calc_compact, code_repair, code_repair_humaneval, tool_state.
 
 Modules: base (protocol, Trajectory), tools (Tool, @tool, parse_turn), calculator, tool_env (ToolEnv: the
 turn loop, rewards, traces), tool_use, code_repair (+ repos: repositories and the host judge, bugs: bug
-injection, humaneval_bugs: the validated table, build_humaneval_bugs: its builder), tool_state, sandboxes
-(pools, templates), families, rollout (episodes as token-in/token-out trajectories).
+injection, humaneval_bugs.jsonl: the validated table, build_humaneval_bugs: its builder and loader),
+tool_state, sandboxes (pools, templates), families, rollout (episodes as token-in/token-out trajectories).
 """
 
 from __future__ import annotations

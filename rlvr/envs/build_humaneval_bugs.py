@@ -1,19 +1,22 @@
-"""Builds rlvr/envs/humaneval_bugs.py: single-line bugs of HumanEval canonical solutions, validated in the sandbox.
+"""Builds rlvr/envs/humaneval_bugs.jsonl: single-line bugs of HumanEval canonical solutions, validated in the
+sandbox; `load()` reads it (the code_repair_humaneval family's table).
 
-    python -m rlvr.envs.build_humaneval_bugs [--out rlvr/envs/humaneval_bugs.py] [--per-problem 4] [--workers 2]
-    python -m rlvr.envs.build_humaneval_bugs --rewrite   # re-render the existing table (no sandbox runs)
+    python -m rlvr.envs.build_humaneval_bugs [--out rlvr/envs/humaneval_bugs.jsonl] [--per-problem 4] [--workers 2]
+    python -m rlvr.envs.build_humaneval_bugs --rewrite   # re-write the existing table (no sandbox runs)
 
 For each problem, the candidate mutations of its canonical solution (rlvr.envs.bugs.mutations, on the
 solution's lines only) are tried in a fixed shuffled order (kinds round-robin) in a warm gVisor pool:
 a mutation is kept when the problem's tests fail on it *without* hitting a limit (so it terminates),
 up to `--per-problem` per problem (at most one syntax error, which needs no run). Each entry is
-[kind, line, original line, buggy line, visible tests failing]. The canonical solution must pass
-first (it does for all 164). Mutated code only ever runs in the sandbox here.
+[kind, line (0-based, in prompt + canonical_solution), original line, buggy line, visible tests failing];
+the file has one line per problem, {"task_id": ..., "bugs": [entry, ...]}, in task order. The canonical
+solution must pass first (it does for all 164). Mutated code only ever runs in the sandbox here.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -24,28 +27,21 @@ import numpy as np
 from rlvr.envs.bugs import KINDS, Mutation, mutations
 from rlvr.tasks.base import stable_hash
 
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "humaneval_bugs.py")
-HEADER = '''"""Single-line bugs of HumanEval canonical solutions, validated in gVisor (generated: do not edit).
-
-Made by `python -m rlvr.envs.build_humaneval_bugs` (see there). BUGS[task_id] is a list of
-[kind, line (0-based, in prompt + canonical_solution), original line, buggy line, visible tests failing].
-"""
-
-BUGS: dict[str, list[list]] = {
-'''
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "humaneval_bugs.jsonl")
 
 
-def render(table: dict[str, list[list]]) -> str:
-    """The table as Python source: one value per line (E501 waived on the few over-long code lines)."""
-    lines = []
-    for task_id in sorted(table, key=lambda t: int(t.split("/")[1])):
-        lines.append(f"    {json.dumps(task_id)}: [")
-        for bug in table[task_id]:
-            lines.append(f"        [{json.dumps(bug[0])}, {bug[1]},")
-            lines += [f"         {json.dumps(text)}," for text in bug[2:4]]
-            lines.append(f"         {bug[4]}],")
-        lines.append("    ],")
-    return HEADER + "\n".join(line if len(line) <= 120 else line + "  # noqa: E501" for line in lines) + "\n}\n"
+@functools.cache
+def load(path: str = OUT) -> dict[str, list[list]]:
+    """{task_id: [[kind, line, original line, buggy line, visible tests failing], ...]} from the table."""
+    with open(path, encoding="utf-8") as f:
+        return {row["task_id"]: row["bugs"] for row in map(json.loads, f)}
+
+
+def write(table: dict[str, list[list]], path: str = OUT) -> None:
+    """The table as JSONL, one problem per line, in task order."""
+    with open(path, "w", encoding="utf-8") as f:
+        for task_id in sorted(table, key=lambda t: int(t.split("/")[1])):
+            f.write(json.dumps({"task_id": task_id, "bugs": table[task_id]}) + "\n")
 
 
 def _fails(pool, program: str, problem: dict, calls) -> int | None:
@@ -113,18 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=OUT)
     parser.add_argument("--per-problem", type=int, default=4)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--rewrite", action="store_true", help="re-render the current table only")
+    parser.add_argument("--rewrite", action="store_true", help="re-write the current table only")
     args = parser.parse_args(argv)
     if args.rewrite:
-        from rlvr.envs.humaneval_bugs import BUGS
-
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(render(BUGS))
+        write(load(), args.out)
         return 0
     start = time.perf_counter()
     table = build(args.per_problem, args.workers)
-    with open(args.out, "w", encoding="utf-8") as f:
-        f.write(render(table))
+    write(table, args.out)
     counts = [len(v) for v in table.values()]
     print(json.dumps({"problems": len(table), "bugs": sum(counts), "without": counts.count(0),
                       "seconds": round(time.perf_counter() - start, 1)}))

@@ -195,14 +195,14 @@ class CodeRepairHumanEval(CodeRepairFamily):
         return self.sample_stream(rng, level, TRAIN)
 
     def sample_stream(self, rng: np.random.Generator, level: int, stream: int) -> Task:
-        from rlvr.envs.humaneval_bugs import BUGS
+        from rlvr.envs import build_humaneval_bugs
 
         items = self._pools.get((HELD_OUT if stream == HELD_OUT else TRAIN, level), ())
         if not items:
             raise ValueError(f"task family {self.name!r}: no items at level {level} in stream {stream}")
         item = pick(rng, items)
         task_id = item.metadata["task_id"]
-        bugs = BUGS.get(task_id) or []
+        bugs = build_humaneval_bugs.load().get(task_id) or []
         stub = not bugs or rng.random() < self.stubs
         bug = None if stub else pick(rng, bugs)
         return self.repo_task(repos.humaneval_repo(_humaneval_problems()[task_id], bug))

@@ -30,7 +30,7 @@ family's problems plus a few simpler ones), grouped into modules by level, one o
   level 3   three modules, two functions each (harder functions)
 
 HumanEval repositories (`humaneval_repo(problem, rng)`): `solution.py` (the HumanEval prompt and its
-canonical solution with a mutation from the sandbox-validated table in rlvr.envs.humaneval_bugs, or
+canonical solution with a mutation from the sandbox-validated table rlvr/envs/humaneval_bugs.jsonl, or
 a stub body when the table has none) and `test_solution.py` (one unittest method per assert when the
 asserts are literal calls, else one method running the problem's `check`).
 """

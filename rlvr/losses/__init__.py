@@ -32,9 +32,8 @@ def model_token_logprobs(cfg, params, tokens: jax.Array, positions=None, segment
                                           method=hidden_and_values)
     tied = cfg.tie_word_embeddings  # the projection as `Transformer.logits` applies it (same dtype casts)
     weight = params["embed_tokens"].astype(x.dtype) if tied else params["lm_head"]["kernel"].astype(cfg.dtype)
-    softcap = float(getattr(cfg, "final_logit_softcap", 0.0) or 0.0)
-    out = token_logprobs(x[:, :-1], weight, tokens[:, 1:], chunk_size=chunk_size, softcap=softcap,
-                         return_entropy=entropy, vocab_major=tied)
+    out = token_logprobs(x[:, :-1], weight, tokens[:, 1:], chunk_size=chunk_size, return_entropy=entropy,
+                         vocab_major=tied)
     logp, ent = out if entropy else (out, None)
     return logp, ent, predicted
 
@@ -44,8 +43,3 @@ def target_mask(loss_mask: jax.Array, segment_ids: jax.Array) -> jax.Array:
     packed segment as the token predicting it."""
     same_segment = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)
     return (loss_mask[:, 1:] != 0) & same_segment
-
-
-def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
-    mask = mask.astype(values.dtype)
-    return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)

@@ -66,7 +66,3 @@ def init_params(
     shardings = param_shardings(cfg, mesh, rules)
     init = jax.jit(lambda r: nn.unbox(_init_boxed(cfg, r)), out_shardings=shardings)
     return init(rng)
-
-
-def count_params(params: Params) -> int:
-    return sum(int(x.size) for x in jax.tree.leaves(params))

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from rlvr.rl.policy_loss import AGGREGATIONS
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm")
 
 
 @dataclasses.dataclass

@@ -1,15 +1,10 @@
-"""Sample filters and reward shaping from DAPO (Yu et al. 2025), as pure jnp functions."""
+"""Reward shaping from DAPO (Yu et al. 2025), as a pure jnp function (its dynamic sampling, which
+drops zero-variance groups, lives in the producer)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
-
-def zero_variance_groups(rewards: jax.Array) -> jax.Array:
-    """bool [G]: groups (rows of rewards [G, K]) whose rewards are all equal. Their group-relative
-    advantages are all 0, so they carry no gradient signal; DAPO's dynamic sampling drops them."""
-    return jnp.all(rewards == rewards[:, :1], axis=1)
 
 
 def overlong_penalty(lengths: jax.Array, max_len: int, buffer: int, penalty: float = 1.0) -> jax.Array:

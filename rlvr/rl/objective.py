@@ -53,21 +53,18 @@ class Objective:
     # (rlvr.kernels.chunked_logprob), never the [B, T, V] logits; 0 = from the full logits
     logprob_chunk_size: int = 0
 
-
-def _per_sequence_sum(x: jax.Array, seq_index: jax.Array, num_seqs: int) -> jax.Array:
-    """Broadcasts each sequence's sum of `x` back to its tokens."""
-    sums = jax.ops.segment_sum(x.reshape(-1), seq_index.reshape(-1), num_segments=num_seqs + 1)
-    return sums[seq_index]
-
-
-def _importance_weights(obj: Objective, proximal: jax.Array, behaviour: jax.Array, mask: jax.Array,
-                        seq_index: jax.Array):
-    """min(π_proximal/π_behaviour, cap), stop-gradient, per token or per sequence."""
-    diff = (proximal - behaviour) * mask
-    if obj.tis_level == "sequence":
-        diff = _per_sequence_sum(diff, seq_index, obj.num_seqs)
-    ratio = jnp.exp(diff)
-    return jax.lax.stop_gradient(jnp.minimum(ratio, obj.tis_cap)), (ratio > obj.tis_cap).astype(jnp.float32)
+    @classmethod
+    def from_config(cls, config) -> Objective:
+        """The RL job's objective (`rl.*`; `train.logprob_chunk_size`)."""
+        rl = config.rl
+        gspo = rl.policy_loss == "gspo"
+        return cls(policy_loss=rl.policy_loss, clip_low=rl.gspo_clip_low if gspo else rl.clip_low,
+                   clip_high=rl.gspo_clip_high if gspo else rl.clip_high, dual_clip=rl.dual_clip or None,
+                   kl_coef=rl.kl_coef if rl.kl_mode == "loss" else 0.0, kl_estimator=rl.kl_estimator,
+                   entropy_coef=rl.entropy_coef, tis_cap=rl.tis_cap, tis_level=rl.tis_level,
+                   num_seqs=rl.prompts_per_step * rl.group_size,
+                   value_coef=rl.value_coef if rl.advantage == "gae" else 0.0, value_clip=rl.value_clip or None,
+                   logprob_chunk_size=config.train.logprob_chunk_size)
 
 
 def rl_loss(cfg, obj: Objective, params, batch: dict[str, jax.Array], rng, frozen):
@@ -92,14 +89,14 @@ def rl_loss(cfg, obj: Objective, params, batch: dict[str, jax.Array], rng, froze
     proximal = shift("old_logp") if "old_logp" in batch else jax.lax.stop_gradient(logp)
 
     if obj.policy_loss == "gspo":
-        loss, metrics = pl.gspo_tokens(logp, proximal, advantages, mask, seq_index, obj.num_seqs,
-                                       obj.clip_low, obj.clip_high)
+        loss, metrics = pl.gspo(logp, proximal, advantages, mask, seq_index, obj.num_seqs, obj.clip_low,
+                                obj.clip_high)
     else:
-        loss, metrics = pl.ppo_clip_tokens(logp, proximal, advantages, obj.clip_low, obj.clip_high,
-                                           obj.dual_clip)
+        loss, metrics = pl.ppo_clip(logp, proximal, advantages, obj.clip_low, obj.clip_high, obj.dual_clip)
     metrics["logprob_mismatch"] = jnp.abs(jax.lax.stop_gradient(logp) - behaviour)
     if obj.tis_cap > 0:
-        weights, capped = _importance_weights(obj, proximal, behaviour, mask, seq_index)
+        weights, capped = pl.truncated_importance_weights(proximal, behaviour, mask, seq_index, obj.num_seqs,
+                                                          obj.tis_cap, obj.tis_level)
         loss = loss * weights
         metrics["tis_capped_fraction"] = capped
     if frozen is not None:
@@ -115,7 +112,7 @@ def rl_loss(cfg, obj: Objective, params, batch: dict[str, jax.Array], rng, froze
         if obj.kl_coef:
             loss = loss + obj.kl_coef * kl
     if obj.value_coef:  # the value of the state each target token is sampled from
-        v_loss, v_clipped = pl.value_loss_tokens(values[:, :-1], shift("old_values"), shift("returns"),
+        v_loss, v_clipped = pl.value_loss(values[:, :-1], shift("old_values"), shift("returns"),
                                                  obj.value_clip)
         loss = loss + obj.value_coef * v_loss
         metrics.update(value_loss=jax.lax.stop_gradient(v_loss), value_clip_fraction=v_clipped)

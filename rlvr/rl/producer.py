@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlvr.envs import rollout as episodes_lib
-from rlvr.launch.ray_workers import make_verifier_workers
+from rlvr.launch.ray_workers import LocalVerifierWorkers
 from rlvr.rl import advantages as adv_lib
 from rlvr.rl import scheduler as scheduler_lib
 from rlvr.rl.batching import Sample
@@ -130,13 +130,51 @@ def load_moments(reward_model, state: dict[str, float] | None) -> None:
         reward_model.moments = type(reward_model.moments)(**{k: jnp.float32(v) for k, v in state.items()})
 
 
-class Producer:
-    """Makes `ScoredBatch`es from a task family through a rollout backend (see module doc)."""
+@dataclasses.dataclass(frozen=True)
+class ProducerSettings:
+    """What the producer reads of the config (`rl.*`), built once by `from_config`."""
 
-    def __init__(self, backend, tasks, tokenizer, rl, seed: int, cursor: int = 0,
+    task: str = "add"  # the rl.task spec (named in errors)
+    prompts_per_step: int = 16
+    group_size: int = 8
+    max_new_tokens: int = 8
+    seq_len: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    prompt_format: str = "raw"  # raw | chat
+    advantage: str = "grpo"
+    dynamic_sampling: bool = False
+    max_refill_rounds: int = 2
+    kl_penalty_coef: float = 0.0  # rl.kl_coef when rl.kl_mode = "reward": the KL as a reward penalty
+    kl_estimator: str = "k3"
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+    reward_model_weight: float = 1.0
+    replay_fraction: float = 0.125
+    max_turns: int = 0
+    episode_workers: int = 64
+    max_staleness: int = 1
+    verifier_workers: int = 8  # scoring threads when no verifier workers are given
+    schedule: scheduler_lib.SchedulePolicy = dataclasses.field(default_factory=scheduler_lib.SchedulePolicy)
+
+    @classmethod
+    def from_config(cls, rl) -> ProducerSettings:
+        """From the `rl` ConfigDict."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"kl_penalty_coef", "schedule"}
+        return cls(**{name: rl[name] for name in names},
+                   kl_penalty_coef=rl.kl_coef if rl.kl_mode == "reward" else 0.0,
+                   schedule=scheduler_lib.SchedulePolicy.from_config(rl.schedule))
+
+
+class Producer:
+    """Makes `ScoredBatch`es from a task family through a rollout backend (see module doc).
+    `verifiers` (rlvr.launch.ray_workers) score completions: by default `settings.verifier_workers`
+    threads in this process."""
+
+    def __init__(self, backend, tasks, tokenizer, settings: ProducerSettings, seed: int, cursor: int = 0,
                  buffered: list[ScoredBatch] | None = None, ref_logprobs=None, curriculum=None, replay=None,
-                 reward_model=None, episode_log: str | None = None, make_env=None, agent=None):
-        self.backend, self.tasks, self.tokenizer, self.rl, self.seed = backend, tasks, tokenizer, rl, seed
+                 reward_model=None, episode_log: str | None = None, make_env=None, agent=None, verifiers=None):
+        self.backend, self.tasks, self.tokenizer, self.settings, self.seed = backend, tasks, tokenizer, settings, seed
         # rlvr.tasks.curriculum.Curriculum: draws each task's (family, level), learns from its group
         self.curriculum = curriculum
         self._completed_curriculum = curriculum.state() if curriculum is not None else None
@@ -161,12 +199,11 @@ class Producer:
         self._log_lock = threading.Lock()
         # verifiers that wait on subprocesses (code in a sandbox, math in worker processes) run concurrently
         # (in this process, or on Ray actors: rl.verifier_backend)
-        self.verifiers = make_verifier_workers(rl.verifier_backend, max(1, rl.verifier_workers), rl, seed,
-                                               rl.verifier_address, tasks=tasks)
+        self.verifiers = verifiers or LocalVerifierWorkers(tasks, max(1, settings.verifier_workers))
         self._verifier_pool = concurrent.futures.ThreadPoolExecutor(self.verifiers.concurrency,
                                                                     thread_name_prefix="rlvr-verifier")
         # rollout groups and their scoring, by priority, with preemption and degradation (rl.schedule)
-        self.policy = scheduler_lib.SchedulePolicy.from_config(rl.schedule)
+        self.policy = settings.schedule
         self.scheduler = scheduler_lib.Scheduler(self.policy, backend, self._verifier_pool, self.verifiers.concurrency)
         self._domains = tasks.domains() if hasattr(tasks, "domains") else {}
         unknown = set(self.policy.priorities) - set(self._domains) - set(self._domains.values())
@@ -190,7 +227,7 @@ class Producer:
     def _requests(self, tasks, prompts: list[list[int]], replays: list[int], step: int) -> list[Request]:
         """group_size requests per task (prompt ids given); `replays[i]` > 0 marks a re-posed task
         (fresh seeds)."""
-        rl = self.rl
+        rl = self.settings
         out = []
         for task, ids, replay in zip(tasks, prompts, replays, strict=True):
             suffix = f"-r{replay}" if replay else ""
@@ -223,17 +260,17 @@ class Producer:
         fresh ones from the cursor (family and level from the curriculum when there is one)."""
         replayed = []
         if self.replay is not None and self.replay.entries:
-            replayed = self.replay.draw(min(count - 1, round(count * self.rl.replay_fraction)))
+            replayed = self.replay.draw(min(count - 1, round(count * self.settings.replay_fraction)))
         fresh = count - len(replayed)
         tasks, prompts = self._fresh_tasks(fresh)
-        replay_prompts = [[] if self._episodic(e.task) else prompt_ids(self.tokenizer, e.task, self.rl.prompt_format)
-                          for e in replayed]
+        replay_prompts = [[] if self._episodic(e.task) else
+                          prompt_ids(self.tokenizer, e.task, self.settings.prompt_format) for e in replayed]
         return [e.task for e in replayed] + tasks, replay_prompts + prompts, replayed + [None] * fresh
 
     def _fresh_tasks(self, count: int) -> tuple[list, list[list[int]]]:
         """`count` tasks from the cursor (and their prompt ids) whose prompt leaves room for
         rl.max_new_tokens in rl.seq_len; longer ones are passed over (counted in `prompts_too_long`)."""
-        rl = self.rl
+        rl = self.settings
         out, prompts, drawn = [], [], 0
         while len(out) < count:
             need = count - len(out)
@@ -266,7 +303,7 @@ class Producer:
     def _episode_samples(self, tasks, groups: list[int], replays: list[int], step: int):
         """Plays group_size episodes of each task in `groups` (indices into `tasks`), concurrently;
         returns {group: [(sample, failure or None)]} and logs every episode's trace."""
-        rl, k = self.rl, self.rl.group_size
+        rl, k = self.settings, self.settings.group_size
         jobs = []
         for g in groups:
             task, suffix = tasks[g], f"-r{replays[g]}" if replays[g] else ""
@@ -326,7 +363,7 @@ class Producer:
     def _scheduled_groups(self, tasks, prompts, replays, single: list[int], step: int) -> dict[int, list]:
         """Generates and scores the single-turn groups through the scheduler; returns {group:
         [(sample, failure)]} for the groups it did not skip (cut groups have fewer samples)."""
-        k = self.rl.group_size
+        k = self.settings.group_size
         requests = self._requests([tasks[g] for g in single], [prompts[g] for g in single],
                                   [replays[g] for g in single], step)
         jobs = [scheduler_lib.GroupJob(g, tasks[g].family, self.priority(tasks[g]), requests[n * k:(n + 1) * k],
@@ -355,7 +392,7 @@ class Producer:
         kept = sorted(by_group)
         failures = [f for g in kept for _, f in by_group[g] if f is not None]
         groups = [[s for s, _ in by_group[g]] for g in kept]
-        if self.rl.overlong_buffer:
+        if self.settings.overlong_buffer:
             self._overlong_penalty([s for g in kept if g in single for s, _ in by_group[g]])
         if self.reward_model is not None:
             self._reward_model_term([tasks[g] for g in kept], groups)
@@ -374,7 +411,7 @@ class Producer:
     def make_batch(self, step: int) -> ScoredBatch:
         """Generates and scores `prompts_per_step` groups (refilling zero-variance groups when
         `rl.dynamic_sampling`), then sets every sample's advantage."""
-        rl = self.rl
+        rl = self.settings
         t0 = time.perf_counter()
         self._episode_stats.clear()
         self._skip_families.clear()
@@ -394,7 +431,7 @@ class Producer:
         kept = (kept + dropped)[: rl.prompts_per_step]  # still short: train on some flat groups
         samples = [dataclasses.replace(s, group=g) for g, group in enumerate(kept) for s in group]
         gen_s = time.perf_counter() - t0
-        if self.ref_logprobs is not None and rl.kl_mode == "reward" and rl.kl_coef:
+        if self.ref_logprobs is not None and rl.kl_penalty_coef:
             self._kl_penalty(samples)
         for s, a in zip(samples, group_advantages(kept, rl.advantage), strict=True):
             s.advantage = float(a)
@@ -402,7 +439,7 @@ class Producer:
         stats = {"generate_s": gen_s, "generation_rounds": float(rounds),
                  "groups_generated": float(generated), "groups_filtered": float(len(dropped))}
         stats.update(self.scheduler.end_batch())
-        if rl.verifier_backend != "local":  # cumulative: actors alive, restarted, jobs re-sent or lost
+        if not isinstance(self.verifiers, LocalVerifierWorkers):  # cumulative: actors alive, restarted, jobs lost
             stats.update({f"verifier/{k}": float(v) for k, v in self.verifiers.stats().items()})
         if self.curriculum is not None:
             stats["difficulty_mean"] = float(np.mean([s.level for s in samples]))
@@ -428,7 +465,7 @@ class Producer:
 
     def _overlong_penalty(self, samples: list[Sample]) -> None:
         """reward += DAPO's soft overlong penalty of each response length (one call per batch)."""
-        rl = self.rl
+        rl = self.settings
         lengths = np.array([s.sampled_tokens for s in samples])
         penalties = np.asarray(overlong_penalty(lengths, rl.max_new_tokens, rl.overlong_buffer, rl.overlong_penalty))
         for s, p in zip(samples, penalties.tolist(), strict=True):
@@ -438,14 +475,14 @@ class Producer:
     def _reward_model_term(self, tasks, groups: list[list[Sample]]) -> None:
         """reward += reward_model_weight · the reward model's normalised score (one call per round)."""
         samples = [s for group in groups for s in group]
-        prompts = [task.chat() if self.rl.prompt_format == "chat" else task.prompt
+        prompts = [task.chat() if self.settings.prompt_format == "chat" else task.prompt
                    for task, group in zip(tasks, groups, strict=True) for _ in group]
         eos = self.tokenizer.eos_id
         texts = [self.tokenizer.decode(s.output_ids[:-1] if s.output_ids[-1:] == [eos] else s.output_ids)
                  for s in samples]
         for s, score in zip(samples, self.reward_model.normalized(prompts, texts).tolist(), strict=True):
             s.rewards["reward_model"] = score
-            s.rewards["reward"] += self.rl.reward_model_weight * score
+            s.rewards["reward"] += self.settings.reward_model_weight * score
 
     def _kl_penalty(self, samples: list[Sample]) -> None:
         """reward -= kl_coef · Σ_t k(behaviour_t, ref_t): the KL to the reference as a reward penalty
@@ -456,10 +493,10 @@ class Producer:
         behaviour = np.concatenate([s.behaviour_logp for s in samples])
         sampled = np.concatenate([np.ones(len(s.output_ids)) if s.loss_mask is None else np.asarray(s.loss_mask)
                                   for s in samples])
-        per_token = np.asarray(KL_ESTIMATORS[self.rl.kl_estimator](behaviour, ref)) * sampled  # not observations
+        per_token = np.asarray(KL_ESTIMATORS[self.settings.kl_estimator](behaviour, ref)) * sampled  # not observations
         starts = np.cumsum([0] + [len(s.behaviour_logp) for s in samples[:-1]])
         for s, kl in zip(samples, np.add.reduceat(per_token, starts).tolist(), strict=True):
-            s.rewards["kl_penalty"] = -self.rl.kl_coef * kl
+            s.rewards["kl_penalty"] = -self.settings.kl_penalty_coef * kl
             s.rewards["reward"] += s.rewards["kl_penalty"]
 
     # --- synchronous / asynchronous production ------------------------------------------------
@@ -472,7 +509,7 @@ class Producer:
         self._thread.start()
 
     def _run(self, step: int, end_step: int) -> None:
-        k = self.rl.max_staleness
+        k = self.settings.max_staleness
         try:
             while step < end_step:
                 with self._cond:

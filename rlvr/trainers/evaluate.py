@@ -52,10 +52,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     try:
         task_list = eval_task_list(tasks, config.eval)
         result = evaluation.evaluate_tasks(backend, tokenizer, tasks, task_list,
-                                           max_new_tokens=config.rl.max_new_tokens, samples=config.eval.samples,
-                                           temperature=config.eval.temperature,
-                                           prompt_format=config.rl.prompt_format, seed=config.seed,
-                                           max_len=config.rl.seq_len)
+                                           evaluation.EvalSettings.for_eval_job(config), seed=config.seed)
     finally:
         backend.close()
     result["policy"] = source

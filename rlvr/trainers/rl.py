@@ -19,7 +19,6 @@ training; a weight update mid-generation continues in-flight sequences on the ne
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import json
 import os
@@ -33,11 +32,13 @@ import numpy as np
 
 from rlvr import api, evaluation, observe
 from rlvr.envs.sandboxes import pool_counters
+from rlvr.launch.ray_workers import make_verifier_workers
 from rlvr.rl import backends
 from rlvr.rl.batching import build_batch
-from rlvr.rl.objective import Objective, rl_loss, token_means
-from rlvr.rl.producer import Producer, ScoredBatch, load_moments, passed
+from rlvr.rl.objective import token_means
+from rlvr.rl.producer import Producer, ProducerSettings, ScoredBatch, load_moments, passed
 from rlvr.rl.replay import ReplayBuffer
+from rlvr.rl.update import PolicyUpdate, reference_logprobs_fn
 from rlvr.tasks import build_tasks
 from rlvr.tasks import graph as task_graph
 from rlvr.tasks.curriculum import Curriculum
@@ -136,27 +137,14 @@ def build_backend(config: ml_collections.ConfigDict, model: api.Model, params, t
     return backend
 
 
-def build_objective(rl: ml_collections.ConfigDict) -> Objective:
-    gspo = rl.policy_loss == "gspo"
-    return Objective(policy_loss=rl.policy_loss,
-                     clip_low=rl.gspo_clip_low if gspo else rl.clip_low,
-                     clip_high=rl.gspo_clip_high if gspo else rl.clip_high,
-                     dual_clip=rl.dual_clip or None, kl_coef=rl.kl_coef if rl.kl_mode == "loss" else 0.0,
-                     kl_estimator=rl.kl_estimator, entropy_coef=rl.entropy_coef, tis_cap=rl.tis_cap,
-                     tis_level=rl.tis_level, num_seqs=rl.prompts_per_step * rl.group_size,
-                     value_coef=rl.value_coef if rl.advantage == "gae" else 0.0, value_clip=rl.value_clip or None)
-
-
 # --- evaluation ----------------------------------------------------------------------------------
 
 def evaluate(backend, tasks, tokenizer, rl: ml_collections.ConfigDict, tag: str, seed: int = 0) -> dict[str, Any]:
     """Held-out evaluation on `rl.eval_examples` tasks (stratified over families): pass@1 greedy,
     or pass@k over `rl.eval_samples` samples; per family, level and domain (rlvr.evaluation)."""
     return evaluation.evaluate_tasks(backend, tokenizer, tasks, tasks.held_out(rl.eval_examples),
-                                     max_new_tokens=rl.max_new_tokens, samples=rl.eval_samples,
-                                     temperature=rl.eval_temperature, prompt_format=rl.prompt_format,
-                                     seed=seed, tag=f"eval-{tag}", max_len=rl.seq_len, make_env=env_factory(rl),
-                                     max_turns=rl.max_turns, episode_workers=rl.episode_workers)
+                                     evaluation.EvalSettings.for_rl(rl), seed=seed, tag=f"eval-{tag}",
+                                     make_env=env_factory(rl))
 
 
 def env_factory(rl: ml_collections.ConfigDict):
@@ -238,33 +226,6 @@ def write_plot(workdir: str, history: list[dict[str, float]], evals: list[list])
     return path
 
 
-# --- the loop ------------------------------------------------------------------------------------
-
-def _ref_logprobs_fn(cfg, ref_params, rl, pad_id: int):
-    """samples -> per-token reference log-probs of their outputs (for rl.kl_mode="reward")."""
-    logprobs = _logprobs_fn(cfg)
-
-    def fn(samples):
-        lp = logprobs(ref_params, build_batch(samples, rl.seq_len, pad_id))
-        return [lp[i, len(s.prompt_ids): len(s.prompt_ids) + len(s.output_ids)] for i, s in enumerate(samples)]
-    return fn
-
-
-def _logprobs_fn(cfg):
-    """(params, batch) -> the policy's log-prob of every token [B, T] (0 at position 0), aligned
-    like behaviour_logp: the proximal policy of PPO mini-batch updates."""
-    from rlvr import losses
-    from rlvr.models.transformer import forward
-
-    @jax.jit
-    def logprobs(params, tokens, positions, segment_ids):
-        logits, _ = forward(cfg, params, tokens, positions, segment_ids)
-        lp = losses.next_token_logprobs(logits, tokens)
-        return jnp.pad(lp, ((0, 0), (1, 0)))
-
-    return lambda params, b: np.asarray(logprobs(params, b["tokens"], b["positions"], b["segment_ids"]))
-
-
 def with_value_head(model: api.Model) -> api.Model:
     """The policy plus a zero-initialised scalar value head on its backbone (PPO's critic): the
     value starts at 0 everywhere and is learned by the value loss."""
@@ -291,269 +252,266 @@ def _record_value_head(workdir: str) -> None:
             json.dump(recorded, f, indent=2, sort_keys=True)
 
 
-def _gae_fn(cfg, rl):
-    """(params, batch) -> batch with per-token GAE advantages (whitened over tokens), returns and
-    old values: the reward sits on each sequence's last sampled token, values come from the
-    value head before the update."""
-    from rlvr import losses
-    from rlvr.models.transformer import forward_with_values
-    from rlvr.rl.advantages import gae
+# --- the run -------------------------------------------------------------------------------------
 
-    @jax.jit
-    def compute(params, tokens, positions, segment_ids, loss_mask, final_reward):
-        _, values, _ = forward_with_values(cfg, params, tokens, positions, segment_ids)
-        mask = losses.target_mask(loss_mask, segment_ids).astype(jnp.float32)
-        values = values[:, :-1]
-        adv, returns = gae(final_reward[:, 1:], values, mask, rl.gae_gamma, rl.gae_lambda)
-        mean = jnp.sum(adv * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-        std = jnp.sqrt(jnp.sum(jnp.square(adv - mean) * mask) / jnp.maximum(jnp.sum(mask), 1.0))
-        adv = (adv - mean) / (std + 1e-6) * mask
-        pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)))
-        return pad(adv), pad(returns), pad(values * mask)
+@dataclasses.dataclass
+class Run:
+    """What an RL run holds between steps: the policy's train state, the rollout backend, the
+    producer and the update, and the record so far (checkpointed with the state)."""
 
-    def fn(params, arrays, samples):
-        final_reward = np.zeros_like(arrays["advantages"])
-        rows, cols = np.nonzero(arrays["loss_mask"])  # row-major: a sequence's sampled tokens in order
-        seqs = arrays["seq_index"][rows, cols]
-        _, from_end = np.unique(seqs[::-1], return_index=True)
-        last = len(seqs) - 1 - from_end  # each sequence's last sampled token (multi-turn: of its last turn)
-        final_reward[rows[last], cols[last]] = [samples[i].rewards["reward"] for i in seqs[last]]
-        adv, returns, old_values = compute(params, arrays["tokens"], arrays["positions"], arrays["segment_ids"],
-                                           arrays["loss_mask"], final_reward)
-        return {**arrays, "advantages": np.asarray(adv), "returns": np.asarray(returns),
-                "old_values": np.asarray(old_values)}
-    return fn
+    config: ml_collections.ConfigDict
+    workdir: str
+    tokenizer: Any
+    tasks: Any
+    model: api.Model
+    reference_pointer: str  # the initial policy, for the record and for resuming
+    optimizer: Any = None
+    checkpoints: Checkpointer | None = None
+    state: Any = None
+    start: int = 0  # the first RL step to run (> 0 when resuming)
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # restored non-array state
+    backend: Any = None
+    producer: Producer | None = None
+    update: PolicyUpdate | None = None
+    curriculum: Curriculum | None = None
+    agent: Any = None
+    history: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    evals: list[list] = dataclasses.field(default_factory=list)  # [step, pass@1, value, {domain: pass@1}]
+    eval_details: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
+    def evaluate(self, step: int, tag: str) -> None:
+        result = evaluate(self.backend, self.tasks, self.tokenizer, self.config.rl, tag, self.config.seed)
+        if result["skipped_too_long"]:
+            print(f"evaluation {tag}: {result['skipped_too_long']} held-out prompts are longer than rl.seq_len "
+                  f"allows and were left out (their families are missing from the tables)")
+        self.evals.append(_eval_point(step, result))
+        self.eval_details.append({"step": step, **result})
 
-def _mini_batches(arrays: dict[str, np.ndarray], count: int, rng: np.random.Generator):
-    """`count` equal mini-batches of shuffled rows (one optimizer step each)."""
-    if count == 1:
-        yield arrays
-        return
-    order = rng.permutation(arrays["tokens"].shape[0])
-    for part in np.split(order, count):
-        yield {k: v[part] for k, v in arrays.items()}
+    def extra_state(self) -> dict[str, Any]:
+        return {"producer": self.producer.state(), "reference": self.reference_pointer, "history": self.history,
+                "evals": self.evals, "eval_details": self.eval_details}
 
+    def row_multiple(self) -> int:
+        """Train rows are a multiple of this: data shards × micro-batches × mini-batches."""
+        mesh = dict(self.model.mesh.shape)
+        return (mesh.get("data", 1) * mesh.get("fsdp", 1) * self.config.train.micro_batches
+                * self.config.rl.updates_per_batch)
 
-class PolicyUpdate:
-    """One scored batch -> `rl.updates_per_batch` optimizer steps: GAE advantages (PPO) and the
-    proximal log-probs first when needed, then one jitted, sharded step per shuffled mini-batch
-    (compiled once per mini-batch shape). Returns the new state and the mean metrics."""
-
-    def __init__(self, config: ml_collections.ConfigDict, model: api.Model, optimizer, shardings, frozen,
-                 learning_rate):
-        rl = config.rl
-        self.config, self.model, self.optimizer, self.shardings = config, model, optimizer, shardings
-        self.frozen, self.learning_rate, self.updates = frozen, learning_rate, rl.updates_per_batch
-        self.frozen_sharding = {"ref": shardings["params"]} if frozen is not None else None
-        objective = dataclasses.replace(build_objective(rl), logprob_chunk_size=config.train.logprob_chunk_size)
-        self.loss_fn = functools.partial(rl_loss, model.cfg, objective)
-        self.old_logprobs = _logprobs_fn(model.cfg) if self.updates > 1 else None
-        self.gae = _gae_fn(model.cfg, rl) if rl.advantage == "gae" else None
-        self.rng = jax.random.key(config.seed)
-        self._steps: dict[tuple[int, ...], Any] = {}
-
-    def _step(self, mini: dict[str, np.ndarray]):
-        shape = mini["tokens"].shape
-        if shape not in self._steps:
-            batch_sh = step_lib.batch_shardings(mini, self.model.mesh)
-            self._steps[shape] = (step_lib.build_train_step(
-                self.loss_fn, self.optimizer, self.model.mesh, self.shardings, batch_sh,
-                micro_batches=self.config.train.micro_batches, learning_rate=self.learning_rate,
-                frozen_sharding=self.frozen_sharding), batch_sh)
-        return self._steps[shape]
-
-    def __call__(self, state, arrays: dict[str, np.ndarray], samples, step: int):
-        if self.gae is not None:
-            arrays = self.gae(state["params"], arrays, samples)
-        if self.old_logprobs is not None:  # the proximal policy of every mini-batch: the weights before them
-            arrays["old_logp"] = self.old_logprobs(state["params"], arrays)
-        metrics = []
-        for mini in _mini_batches(arrays, self.updates, np.random.default_rng([self.config.seed, step])):
-            train_step, batch_sh = self._step(mini)
-            state, m = train_step(state, jax.device_put(mini, batch_sh), self.rng, self.frozen)
-            metrics.append(m)
-        metrics = jax.device_get(metrics)
-        return state, {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
+    def close(self) -> None:
+        if self.producer is not None:
+            self.producer.stop()
+        if self.checkpoints is not None:
+            self.checkpoints.close()
+        if self.agent is not None:
+            self.agent.close()
+        if self.backend is not None:
+            self.backend.close()
 
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    rl, wall_start = config.rl, time.perf_counter()
+    """The RL job (see the module docstring): start (or resume) the run, train, summarise."""
+    wall_start = time.perf_counter()
+    run = start_run(config, workdir)
+    try:  # from here on, any failure (evaluation included) closes the backend and producer
+        preempted_at = run_steps(run)
+    finally:
+        run.close()
+    if preempted_at is not None:
+        raise Preempted(preempted_at, run.checkpoints.directory)
+    return write_summary(run, time.perf_counter() - wall_start)
+
+
+def start_run(config: ml_collections.ConfigDict, workdir: str) -> Run:
+    """The initial policy, its train state (restored from the latest checkpoint when resuming) and
+    frozen reference, the rollout backend on the current weights, the producer and the update."""
     tokenizer = api.build_tokenizer(config)
-    tasks = build_tasks(rl, config.seed)
+    tasks = build_tasks(config.rl, config.seed)
     model, reference_pointer = initial_model(config, workdir, tasks)
-    if rl.advantage == "gae":
+    if config.rl.advantage == "gae":
         model = with_value_head(model)
         _record_value_head(workdir)
     api.check_vocab(model.cfg, tokenizer)
-    num_steps, updates = config.train.num_steps, rl.updates_per_batch
-    optimizer = build_optimizer(config.optimizer, num_steps * updates)  # one optimizer step per mini-batch
-    shardings = step_lib.state_shardings(model.cfg, optimizer, model.mesh)
+    run = Run(config, workdir, tokenizer, tasks, model, reference_pointer)
+    ref_params = restore_or_init_state(run)
+    run.backend = build_backend(config, model, run.state["params"], tokenizer, workdir, version=run.start)
+    run.producer = build_producer(run, ref_params)
+    rl, steps = config.rl, config.train.num_steps * config.rl.updates_per_batch
+    # The reference runs inside the step for a KL loss term, or (rl.reference_model) to report the KL.
+    in_step = ref_params is not None and (rl.kl_mode == "loss" or rl.reference_model)
+    shardings = step_lib.state_shardings(model.cfg, run.optimizer, model.mesh)
+    run.update = PolicyUpdate(config, model, run.optimizer, shardings, {"ref": ref_params} if in_step else None,
+                              learning_rate_schedule(config.optimizer, steps))
+    return run
+
+
+def restore_or_init_state(run: Run):
+    """Sets the run's optimizer, checkpointer and train state (restored when resuming, with the
+    record so far); returns the frozen reference params (None when no KL is used or reported)."""
+    config, model, rl = run.config, run.model, run.config.rl
+    updates = rl.updates_per_batch
+    run.optimizer = build_optimizer(config.optimizer, config.train.num_steps * updates)  # a step per mini-batch
+    shardings = step_lib.state_shardings(model.cfg, run.optimizer, model.mesh)
     use_ref = rl.reference_model or rl.kl_coef > 0
     ref_params = jax.tree.map(jnp.copy, model.params) if use_ref else None
-    checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint.keep,
-                               config.checkpoint.async_save)
-
-    extra: dict[str, Any] = {}
-    if config.checkpoint.resume and checkpoints.latest_step() is not None:
-        state, extra = checkpoints.restore(step_lib.abstract_state(model.cfg, optimizer, shardings))
-        print(f"resumed from step {int(state['step']) // updates} ({checkpoints.directory})")
-        observe.drop_metrics_after(workdir, int(state["step"]) // updates)
+    run.checkpoints = Checkpointer(os.path.join(run.workdir, "checkpoints"), config.checkpoint.keep,
+                                   config.checkpoint.async_save)
+    if config.checkpoint.resume and run.checkpoints.latest_step() is not None:
+        run.state, run.extra = run.checkpoints.restore(step_lib.abstract_state(model.cfg, run.optimizer, shardings))
+        print(f"resumed from step {int(run.state['step']) // updates} ({run.checkpoints.directory})")
+        observe.drop_metrics_after(run.workdir, int(run.state["step"]) // updates)
     else:
-        state = step_lib.init_state(model.params, optimizer, shardings)
+        run.state = step_lib.init_state(model.params, run.optimizer, shardings)
     model.params = None  # owned (and donated) by `state`
-    start = int(state["step"]) // updates
-    producer_state = extra.get("producer", {"cursor": 0, "buffered": []})
+    run.start = int(run.state["step"]) // updates
+    run.history = run.extra.get("history", [])
+    # (checkpoints from before per-domain evaluation have no domain dict)
+    run.evals = [[*e, {}][:4] for e in run.extra.get("evals", [])]
+    run.eval_details = run.extra.get("eval_details", [])
+    return ref_params
+
+
+def build_producer(run: Run, ref_params) -> Producer:
+    """The producer (and what it draws on: curriculum, replay buffer, reward model, black-box
+    agent), resumed at the checkpointed task-stream position with the untrained batches."""
+    config, rl = run.config, run.config.rl
+    producer_state = run.extra.get("producer", {"cursor": 0, "buffered": []})
     reward_model = None
     if rl.reward_model:
         from rlvr.rewards.reward_model import RewardModel
 
         reward_model = RewardModel.from_workdir(rl.reward_model)
         load_moments(reward_model, producer_state.get("reward_model_moments"))
-    backend = build_backend(config, model, state["params"], tokenizer, workdir, version=start)
-    history: list[dict[str, float]] = extra.get("history", [])
-    # [step, pass@1, value, {domain: pass@1}] (checkpoints from before per-domain evaluation: no dict)
-    evals: list[list] = [[*e, {}][:4] for e in extra.get("evals", [])]
-    eval_details: list[dict[str, Any]] = extra.get("eval_details", [])
-
-    def run_eval(step: int, tag: str) -> None:
-        result = evaluate(backend, tasks, tokenizer, rl, tag, config.seed)
-        if result["skipped_too_long"]:
-            print(f"evaluation {tag}: {result['skipped_too_long']} held-out prompts are longer than rl.seq_len "
-                  f"allows and were left out (their families are missing from the tables)")
-        evals.append(_eval_point(step, result))
-        eval_details.append({"step": step, **result})
-
-    ref_fn = _ref_logprobs_fn(model.cfg, ref_params, rl, tokenizer.pad_id) if rl.kl_mode == "reward" and use_ref \
-        else None
-    curriculum = None
+    ref_fn = None
+    if rl.kl_mode == "reward" and ref_params is not None:
+        ref_fn = reference_logprobs_fn(run.model.cfg, ref_params, rl.seq_len, run.tokenizer.pad_id)
     if rl.curriculum:
-        curriculum = Curriculum(tasks.levels(), mixture=tasks.weights,
-                                band=(rl.curriculum_band_low, rl.curriculum_band_high), floor=rl.curriculum_floor,
-                                min_samples=rl.curriculum_min_samples, seed=config.seed,
-                                prerequisites=task_graph.prerequisites(tasks.names),
-                                threshold=rl.prerequisite_threshold)
+        run.curriculum = Curriculum(run.tasks.levels(), mixture=run.tasks.weights,
+                                    band=(rl.curriculum_band_low, rl.curriculum_band_high), floor=rl.curriculum_floor,
+                                    min_samples=rl.curriculum_min_samples, seed=config.seed,
+                                    prerequisites=task_graph.prerequisites(run.tasks.names),
+                                    threshold=rl.prerequisite_threshold)
         if producer_state.get("curriculum"):
-            curriculum.load_state(producer_state["curriculum"])
+            run.curriculum.load_state(producer_state["curriculum"])
     replay = None
     if rl.replay_capacity:
         replay = ReplayBuffer(rl.replay_capacity, rl.replay_max_pass_rate, rl.replay_max_uses, config.seed)
         if producer_state.get("replay"):
             replay.load_state(producer_state["replay"])
-    agent = None
     if rl.agent:
         from rlvr.envs.agent import AgentRunner, load_agent
 
-        agent = AgentRunner(backend.driver, load_agent(rl.agent, rl.agent_options.to_dict()),
-                            lambda task, answer: tasks.score(task, answer, False),
-                            rl.agent_timeout_s)
-    producer = Producer(backend, tasks, tokenizer, rl, config.seed, cursor=producer_state["cursor"],
-                        buffered=[ScoredBatch.from_json(b) for b in producer_state["buffered"]],
-                        ref_logprobs=ref_fn, curriculum=curriculum, replay=replay, reward_model=reward_model,
-                        episode_log=os.path.join(workdir, "episodes.jsonl"), make_env=env_factory(rl),
-                        agent=agent)
-    # The reference runs inside the step for a KL loss term, or (rl.reference_model) to report the KL.
-    frozen = {"ref": ref_params} if (use_ref and rl.kl_mode == "loss") or rl.reference_model else None
-    update = PolicyUpdate(config, model, optimizer, shardings, frozen,
-                          learning_rate_schedule(config.optimizer, num_steps * updates))
-    mesh_shape = dict(model.mesh.shape)
-    row_multiple = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1) * config.train.micro_batches * updates
-    writer = observe.MetricsWriter(workdir, tensorboard=config.train.tensorboard)
-    failures_log = open(os.path.join(workdir, "failures.jsonl"), "a")
-    progress = observe.Progress(num_steps, start)
+        run.agent = AgentRunner(run.backend.driver, load_agent(rl.agent, rl.agent_options.to_dict()),
+                                lambda task, answer: run.tasks.score(task, answer, False), rl.agent_timeout_s)
+    verifiers = make_verifier_workers(rl.verifier_backend, max(1, rl.verifier_workers), rl, config.seed,
+                                      rl.verifier_address, tasks=run.tasks)
+    return Producer(run.backend, run.tasks, run.tokenizer, ProducerSettings.from_config(rl), config.seed,
+                    cursor=producer_state["cursor"],
+                    buffered=[ScoredBatch.from_json(b) for b in producer_state["buffered"]], ref_logprobs=ref_fn,
+                    curriculum=run.curriculum, replay=replay, reward_model=reward_model,
+                    episode_log=os.path.join(run.workdir, "episodes.jsonl"), make_env=env_factory(rl),
+                    agent=run.agent, verifiers=verifiers)
 
-    def extra_state() -> dict[str, Any]:
-        return {"producer": producer.state(), "reference": reference_pointer, "history": history, "evals": evals,
-                "eval_details": eval_details}
 
-    guard, preempted_at = PreemptionGuard().__enter__(), None
-    try:  # from here on, any failure (evaluation included) closes the backend and producer
-        if not evals:
-            run_eval(0, "before")
-            print(f"held-out accuracy before RL: {evals[0][1]:.3f}")
+def run_steps(run: Run) -> int | None:
+    """Held-out evaluation before RL, then each step (`one_step`) with evaluation and checkpoints
+    on their schedules. Returns the step a preemption request stopped the run at (None when done)."""
+    config, rl, num_steps = run.config, run.config.rl, run.config.train.num_steps
+    writer = observe.MetricsWriter(run.workdir, tensorboard=config.train.tensorboard)
+    failures_log = open(os.path.join(run.workdir, "failures.jsonl"), "a")
+    progress = observe.Progress(num_steps, run.start)
+    guard = PreemptionGuard().__enter__()
+    try:
+        if not run.evals:
+            run.evaluate(0, "before")
+            print(f"held-out accuracy before RL: {run.evals[0][1]:.3f}")
         if rl.mode == "async":
-            producer.start(start, num_steps, version=start)
-        for step in range(start, num_steps):
-            t0 = time.perf_counter()
-            batch = producer.next_batch(step)
-            t1 = time.perf_counter()
-            arrays = build_batch(batch.samples, rl.seq_len, tokenizer.pad_id, rl.aggregation, rl.max_new_tokens,
-                                 rl.pack, row_multiple, min_rows=rl.prompts_per_step * rl.group_size)
-            state, metrics = update(state, arrays, batch.samples, step)
-            t2 = time.perf_counter()
-            backend.update_weights(state["params"], step + 1)
-            producer.set_version(step + 1)
-            t3 = time.perf_counter()
-
-            record = {**rollout_metrics(batch, step), **token_means(metrics)}
-            record.update(wait_for_rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2, step_s=t3 - t0,
-                          rows=float(arrays["tokens"].shape[0]))
-            record["util/trainer"] = (t3 - t1) / max(t3 - t0, 1e-9)  # busy share: not waiting for rollouts
-            record.update(backend.health())  # dead servers and rerouted requests
-            record.update(pool_counters())  # dead sandboxes and re-run tasks
-            for failure in batch.failures:
+            run.producer.start(run.start, num_steps, version=run.start)
+        for step in range(run.start, num_steps):
+            record, failures = one_step(run, step)
+            for failure in failures:
                 failures_log.write(json.dumps({"step": step, **failure}) + "\n")
             failures_log.flush()
             done = step + 1
             if rl.eval_every and done % rl.eval_every == 0 and done != num_steps:
-                run_eval(done, f"s{done}")
-                record["heldout_accuracy"] = evals[-1][1]
-                record.update({f"heldout/{d}": v for d, v in evals[-1][3].items()})
-            history.append({"step": done, "reward": record["reward"]})
+                run.evaluate(done, f"s{done}")
+                record["heldout_accuracy"] = run.evals[-1][1]
+                record.update({f"heldout/{d}": v for d, v in run.evals[-1][3].items()})
+            run.history.append({"step": done, "reward": record["reward"]})
             writer.write(done, record)
-            if done % config.train.log_every == 0 or done == num_steps or done == start + 1:
-                progress.update(done, {"reward": record["reward"], "acc": evals[-1][1],
+            if done % config.train.log_every == 0 or done == num_steps or done == run.start + 1:
+                progress.update(done, {"reward": record["reward"], "acc": run.evals[-1][1],
                                        "stale": record["staleness_max"]})
             if done % config.checkpoint.every_steps == 0 or done == num_steps:
                 if done == num_steps:
-                    run_eval(done, "after")
-                checkpoints.save(done, state, extra_state(), force=True)
+                    run.evaluate(done, "after")
+                run.checkpoints.save(done, run.state, run.extra_state(), force=True)
             if guard.requested and done < num_steps:
                 # async: let the batch being generated finish (bounded), so it is saved, not regenerated
-                producer.drain(config.checkpoint.preemption_grace_s)
-                checkpoints.save_now(done, state, extra_state())
-                preempted_at = done
-                break
+                run.producer.drain(config.checkpoint.preemption_grace_s)
+                run.checkpoints.save_now(done, run.state, run.extra_state())
+                return done
         progress.close()
+        return None
     finally:
         guard.__exit__()
-        producer.stop()
-        checkpoints.close()
         writer.close()
         failures_log.close()
-        if agent is not None:
-            agent.close()
-        backend.close()
-    if preempted_at is not None:
-        raise Preempted(preempted_at, checkpoints.directory)
+
+
+def one_step(run: Run, step: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """A scored batch (waiting for the producer) -> train batch -> policy update -> weight sync.
+    Returns the step's metrics and the batch's recorded failures."""
+    rl, t0 = run.config.rl, time.perf_counter()
+    batch = run.producer.next_batch(step)
+    t1 = time.perf_counter()
+    arrays = build_batch(batch.samples, rl.seq_len, run.tokenizer.pad_id, rl.aggregation, rl.max_new_tokens,
+                         rl.pack, run.row_multiple(), min_rows=rl.prompts_per_step * rl.group_size)
+    run.state, metrics = run.update(run.state, arrays, batch.samples, step)
+    t2 = time.perf_counter()
+    run.backend.update_weights(run.state["params"], step + 1)
+    run.producer.set_version(step + 1)
+    t3 = time.perf_counter()
+    record = {**rollout_metrics(batch, step), **token_means(metrics)}
+    record.update(wait_for_rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2, step_s=t3 - t0,
+                  rows=float(arrays["tokens"].shape[0]))
+    record["util/trainer"] = (t3 - t1) / max(t3 - t0, 1e-9)  # busy share: not waiting for rollouts
+    record.update(run.backend.health())  # dead servers and rerouted requests
+    record.update(pool_counters())  # dead sandboxes and re-run tasks
+    return record, batch.failures
+
+
+def write_summary(run: Run, wall_s: float) -> dict[str, Any]:
+    """summary.json (held-out accuracy before and after, per domain, the curriculum's report) and
+    rl_curve.png; prints the result."""
+    config, evals, details, num_steps = run.config, run.evals, run.eval_details, run.config.train.num_steps
     if evals[-1][0] != num_steps:  # resumed after the final step was already saved
         raise RuntimeError("final evaluation missing from the last checkpoint")
     before, after = evals[0][1], evals[-1][1]
-    last = history[-10:]
-    summary = {"job": "rl", "seed": config.seed, "final_step": num_steps, "mode": rl.mode,
-               "advantage": rl.advantage, "policy_loss": rl.policy_loss,
+    last = run.history[-10:]
+    summary = {"job": "rl", "seed": config.seed, "final_step": num_steps, "mode": config.rl.mode,
+               "advantage": config.rl.advantage, "policy_loss": config.rl.policy_loss,
                "heldout_accuracy_before": before, "heldout_accuracy_after": after,
                "improvement_points": round(100 * (after - before), 2),
                "heldout_value_accuracy_before": evals[0][2], "heldout_value_accuracy_after": evals[-1][2],
                "final_reward_mean_last10": float(np.mean([h["reward"] for h in last])) if last else None,
-               "evals": [e[:3] for e in evals], "wall_s": round(time.perf_counter() - wall_start, 1),
-               "reference": reference_pointer, "families": len(tasks.names),
+               "evals": [e[:3] for e in evals], "wall_s": round(wall_s, 1),
+               "reference": run.reference_pointer, "families": len(run.tasks.names),
                "balance": evaluation.balance_report([(e[0], e[3]) for e in evals]),
-               "eval_final": eval_details[-1]}
-    if "tool_use" in eval_details[0]["overall"]:  # multi-turn tool tasks: the share of episodes using a tool
-        summary["heldout_tool_use_before"] = eval_details[0]["overall"]["tool_use"]
-        summary["heldout_tool_use_after"] = eval_details[-1]["overall"]["tool_use"]
-    if curriculum is not None:
-        summary["curriculum"] = curriculum.report()
-    plot = write_plot(workdir, history, evals)
+               "eval_final": details[-1]}
+    if "tool_use" in details[0]["overall"]:  # multi-turn tool tasks: the share of episodes using a tool
+        summary["heldout_tool_use_before"] = details[0]["overall"]["tool_use"]
+        summary["heldout_tool_use_after"] = details[-1]["overall"]["tool_use"]
+    if run.curriculum is not None:
+        summary["curriculum"] = run.curriculum.report()
+    plot = write_plot(run.workdir, run.history, evals)
     if plot:
         summary["plot"] = plot
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
+    with open(os.path.join(run.workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print(f"held-out accuracy: before RL {before:.3f} -> after RL {after:.3f} "
           f"({summary['improvement_points']:+.1f} points)")
-    if len(tasks.names) > 1:
-        print(evaluation.table(eval_details[-1], "by_domain"))
+    if len(run.tasks.names) > 1:
+        print(evaluation.table(details[-1], "by_domain"))
         if summary["balance"]["crowded_out"]:
             print(f"capability balance: crowded out during training: {summary['balance']['crowded_out']}")
     print("summary: " + json.dumps({k: v for k, v in summary.items() if k not in ("evals", "eval_final")}))
