@@ -1,18 +1,20 @@
-"""Shared helpers for the benchmarks: timing, the matmul yardstick, the peer figures."""
+"""Shared helpers for the benchmarks: timing, the matmul yardstick, the peer figures, the decode roofline."""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 
 from rlvr.train.flops import measure_matmul_peak
 
+from rlvr.models.config import ModelConfig
+from rlvr.train import flops
+
+PEER_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "peers", "tunix")
 # Tunix 0.1.7 on the same fixed config and a 2-core CPU (../shared/peers/tunix/results_qwen3_r5.json).
 # The yardstick-scaled ratio is only an estimate (it read ~1.3x optimistic on 2026-11-30); the real
-# comparison is side by side in one window:
-#   python3 -m venv /tmp/venv-tunix && /tmp/venv-tunix/bin/pip install google-tunix
-#   cp ../shared/peers/tunix/bench_tunix.py /tmp && /tmp/venv-tunix/bin/python /tmp/bench_tunix.py --only sft,sampler
-# then this repo's benchmarks immediately after.
+# comparison is side by side in one window (benchmarks/rollout_vs_tunix.py).
 TUNIX = {"sft_step_s": 0.7185, "sampler_tokens_per_s": 4047.6, "grpo_step_s": 2.0358,
          "calib_matmul_gflops": 285.15}
 
@@ -38,3 +40,52 @@ def time_calls(fn, repeats: int) -> tuple[float, list[float]]:
 
 def emit(record: dict) -> None:
     print(json.dumps(record, sort_keys=True))
+
+
+def machine_peaks(dtype: str = "float32") -> dict:
+    """The roofline's two ceilings, measured now: best-of matmul FLOP/s (1024³ in `dtype`) and
+    streaming-read bytes/s (a sum over a resident 256 MiB array)."""
+    return {"matmul_gflops": flops.measure_matmul_peak(dtype) / 1e9,
+            "read_gbytes_per_s": flops.measure_memory_bandwidth() / 1e9}
+
+
+def _unique_prompt_ranges(prompts: list[list[int]]) -> list[tuple[int, int]]:
+    """[start, end) of each distinct prompt's tokens not shared with an earlier (sorted) prompt:
+    the tokens an ideal engine with prefix sharing prefills (a trie's nodes)."""
+    ordered = sorted({tuple(p) for p in prompts})
+    ranges, previous = [], ()
+    for p in ordered:
+        common = 0
+        for a, b in zip(p, previous):
+            if a != b:
+                break
+            common += 1
+        ranges.append((common, len(p)))
+        previous = p
+    return ranges
+
+
+def decode_roofline(cfg: ModelConfig, prompts: list[list[int]], output_lengths: list[int], batch: int,
+                    peaks: dict, kv_dtype: str = "float32") -> dict:
+    """Seconds an ideal engine needs for this workload on this machine, and its tokens/s.
+
+    Prefill: every distinct prompt token once (shared prefixes once), compute-bound at the matmul
+    peak. Decode: each generated token after the first (the first comes from the prefill's last
+    position) at max(FLOPs / peak FLOP/s, bytes / peak bytes/s), with the formulas of
+    `rlvr.train.flops` (weights read once per step, shared by `batch` rows; each row reads its own
+    KV context). Returns {"seconds", "tokens_per_s", "prefill_tokens", "decode_bound"}."""
+    peak_flops, peak_bw = peaks["matmul_gflops"] * 1e9, peaks["read_gbytes_per_s"] * 1e9
+    prefill_flops, prefill_tokens = 0.0, 0
+    for start, end in _unique_prompt_ranges(prompts):
+        prefill_tokens += end - start
+        prefill_flops += sum(flops.decode_flops_per_token(cfg, pos + 1) for pos in range(start, end))
+    compute_s = memory_s = decode_s = 0.0
+    for prompt, n in zip(prompts, output_lengths, strict=True):
+        for context in range(len(prompt) + 1, len(prompt) + n):
+            c = flops.decode_flops_per_token(cfg, context) / peak_flops
+            m = flops.decode_bytes_per_token(cfg, context, batch, kv_dtype) / peak_bw
+            compute_s, memory_s, decode_s = compute_s + c, memory_s + m, decode_s + max(c, m)
+    seconds = prefill_flops / peak_flops + decode_s
+    return {"seconds": round(seconds, 4), "tokens_per_s": round(sum(output_lengths) / seconds, 1),
+            "prefill_tokens": prefill_tokens, "prefill_s": round(prefill_flops / peak_flops, 4),
+            "decode_compute_s": round(compute_s, 4), "decode_memory_s": round(memory_s, 4)}

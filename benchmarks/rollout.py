@@ -1,28 +1,47 @@
-"""Rollout throughput of the embedded engine vs a naive cached loop and the Tunix peer.
+"""Rollout throughput of the embedded engine beside the roofline of the same model and batch.
 
-    .venv/bin/python benchmarks/rollout.py [--repeats 3]
+    .venv/bin/python benchmarks/rollout.py [--only fixed,realistic,sampler] [--repeats 3]
 
-Fixed config (the `bench` preset: 4 layers, d256, 4.46M params, fp32). Workloads:
+fixed (the `bench` preset shared with the Tunix peer: 4 layers, d256, vocab 1024, 4.46M params, fp32):
   batch:   32 prompts x 64 prompt tokens -> 64 new tokens (temperature 1, eos ignored)
   groups:  8 prompts x n=4 samples (prompt pages shared by the group)
   varied:  64 requests with max_new_tokens uniform in [8, 128] on 16 slots, continuous
            batching vs static batching (batches of 16, each waits for its longest)
-The naive loop is `rlvr.models.generate` (one jitted scan, contiguous cache, static batch,
-greedy). Compile counts are the jit cache sizes of the engine's prefill and decode.
+  naive:   `rlvr.models.generate` (one jitted scan, contiguous cache, static batch, greedy)
+realistic (the `bench_32k` preset: 6 layers, d512, GQA 8:2, tied 32,768-token vocabulary, 34.9M
+params, fp32): an RL step's rollout, 16 chat prompts x groups of 8 = 128 requests on 64 slots.
+  Prompts are token ids laid out as a ChatML conversation ("<|im_start|>system ... <|im_end|>
+  <|im_start|>user ... <|im_end|><|im_start|>assistant"), all sharing one 64-token system prompt,
+  100 to 1,000 tokens long (log-uniform). Each sample draws max_new_tokens uniform in [128, 512]
+  (the varied stopping of real RL; eos is a stop token too, rarely drawn by a random model);
+  temperature 1, top_p 1. Continuous batching runs all 128 at once; static batching runs the
+  groups in two batches of 64, each waiting for its longest. Timed calls run in ABBA order.
+
+Every timed call starts with an empty prefix cache (`engine.flush_cache()`): prompts are
+prefilled each time, as the peer's sampler does; sharing inside a call (a group's prompt, the
+system prompt) still counts. `sampler` is the 32 x 64 -> 64 workload alone, for
+benchmarks/rollout_vs_tunix.py.
+
+Roofline (same model, batch and run): `common.decode_roofline` with the machine's best fp32
+1024^3 matmul FLOP/s and streaming-read bytes/s measured in this process; `vs_roofline` is the
+measured tokens/s over the roofline's. Compile counts are the jit cache sizes of the engine's
+device functions after the section ran; `first_call_incl_compile_s` is the first call's wall time.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import TUNIX, calibrate_matmul_gflops, emit, time_calls  # noqa: E402
+from common import TUNIX, calibrate_matmul_gflops, decode_roofline, emit, machine_peaks, time_calls  # noqa: E402
 
 from rlvr import sharding  # noqa: E402
 from rlvr.models import params as params_lib  # noqa: E402
@@ -33,35 +52,58 @@ from rlvr.rollout.engine import Engine  # noqa: E402
 from rlvr.rollout.types import Request, SamplingParams  # noqa: E402
 
 
-def _requests(prompts, max_new, n=1, prefix="r"):
-    return [Request(f"{prefix}{i}_{j}", p, SamplingParams(max_new_tokens=m, temperature=1.0, ignore_eos=True,
-                                                          sampling_seed=i * 100 + j))
+def _requests(prompts, max_new, n=1, prefix="r", stop_ids=(), ignore_eos=True):
+    return [Request(f"{prefix}{i}_{j}", p, SamplingParams(max_new_tokens=m, temperature=1.0, ignore_eos=ignore_eos,
+                                                          stop_token_ids=list(stop_ids), sampling_seed=i * 100 + j))
             for i, (p, m) in enumerate(zip(prompts, max_new, strict=True)) for j in range(n)]
 
 
-def tokens_per_s(fn, tokens: int, repeats: int) -> dict:
+def tokens_per_s(fn, tokens: int, repeats: int, engine=None) -> dict:
+    """Timed calls of fn; with `engine`, its prefix cache is emptied before each call (every call
+    prefills its prompts, as the peer's sampler does)."""
+    if engine is not None:
+        fn = _fresh(engine, fn)
     first, times = time_calls(fn, repeats)
     median = statistics.median(times)
     return {"tokens_per_s": round(tokens / median, 1), "median_s": round(median, 4),
             "first_call_incl_compile_s": round(first, 2)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--decode_steps", type=int, default=16)
-    args = parser.parse_args()
-    cfg = ModelConfig(**PRESETS["bench"])
+def _fresh(engine, fn):
+    def call():
+        engine.flush_cache()
+        return fn()
+    return call
+
+
+def _compile_counts() -> dict:
+    return {"prefill": device_fns.prefill._cache_size(), "decode": device_fns.decode._cache_size()}
+
+
+def _engine_metrics(engine) -> dict | None:
+    metrics = getattr(engine, "metrics", None)
+    return metrics() if callable(metrics) else None
+
+
+def _params(cfg: ModelConfig):
     mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
-    params = params_lib.init_params(cfg, jax.random.key(0), mesh)
+    return params_lib.init_params(cfg, jax.random.key(0), mesh)
+
+
+def fixed(args) -> dict:
+    cfg = ModelConfig(**PRESETS["bench"])
+    params = _params(cfg)
     rng = np.random.default_rng(0)
     calib = calibrate_matmul_gflops()
+    peaks = machine_peaks()
     prompts = [rng.integers(0, 1024, 64).tolist() for _ in range(32)]
     opts = dict(max_len=192, page_size=16, decode_steps=args.decode_steps, prefill_rows=8, prefill_chunk=64)
     engine = Engine(cfg, params, max_slots=32, **opts)
-    batch = tokens_per_s(lambda: engine.generate(_requests(prompts, [64] * 32)), 32 * 64, args.repeats)
-    groups = tokens_per_s(lambda: engine.generate(_requests(prompts[:8], [64] * 8, n=4)), 32 * 64, args.repeats)
-    compiles = {"prefill": device_fns.prefill._cache_size(), "decode": device_fns.decode._cache_size()}
+    batch = tokens_per_s(lambda: engine.generate(_requests(prompts, [64] * 32)), 32 * 64, args.repeats, engine)
+    groups = tokens_per_s(lambda: engine.generate(_requests(prompts[:8], [64] * 8, n=4)), 32 * 64, args.repeats,
+                          engine)
+    compiles = _compile_counts()
+    metrics = _engine_metrics(engine)
 
     tokens = jnp.asarray(np.array(prompts, np.int32))
     lengths = jnp.full((32,), 64, jnp.int32)
@@ -72,25 +114,143 @@ def main() -> None:
     varied_prompts = [rng.integers(0, 1024, 32).tolist() for _ in range(64)]
     small = Engine(cfg, params, max_slots=16, **opts)
     total = sum(varied_new)
-    continuous = tokens_per_s(lambda: small.generate(_requests(varied_prompts, varied_new)), total, args.repeats)
+    continuous = tokens_per_s(lambda: small.generate(_requests(varied_prompts, varied_new)), total, args.repeats,
+                              small)
 
     def static():
         for start in range(0, 64, 16):
             small.generate(_requests(varied_prompts[start:start + 16], varied_new[start:start + 16], prefix="s"))
 
-    static_batching = tokens_per_s(static, total, args.repeats)
+    static_batching = tokens_per_s(static, total, args.repeats, small)
+    roofline = decode_roofline(cfg, prompts, [64] * 32, 32, peaks)
     ratio = batch["tokens_per_s"] / TUNIX["sampler_tokens_per_s"]
-    emit({
-        "benchmark": "rollout", "model": "bench preset (4 layers, d256, 4.46M params, fp32)",
+    return {
+        "model": "bench preset (4 layers, d256, 4.46M params, fp32)",
         "decode_steps_per_call": args.decode_steps, "calib_matmul_gflops": round(calib, 1),
+        "machine_peaks": {k: round(v, 1) for k, v in peaks.items()},
         "engine_32x64_to_64": batch, "engine_8_prompts_n4": groups, "naive_cached_loop_32x64_to_64": naive,
         "engine_vs_naive": round(batch["tokens_per_s"] / naive["tokens_per_s"], 3),
+        "roofline_32x64_to_64": roofline,
+        "vs_roofline": round(batch["tokens_per_s"] / roofline["tokens_per_s"], 3),
         "varied_lengths_continuous": continuous, "varied_lengths_static": static_batching,
         "continuous_vs_static": round(continuous["tokens_per_s"] / static_batching["tokens_per_s"], 3),
-        "compile_counts": compiles, "tunix_sampler_tokens_per_s": TUNIX["sampler_tokens_per_s"],
-        "speedup_vs_tunix_raw": round(ratio, 3),
-        "speedup_vs_tunix_calibrated": round(ratio * TUNIX["calib_matmul_gflops"] / calib, 3),
-    })
+        "compile_counts": compiles, "engine_metrics": metrics,
+        "tunix_sampler_tokens_per_s_published": TUNIX["sampler_tokens_per_s"],
+        "speedup_vs_tunix_published_raw": round(ratio, 3),
+    }
+
+
+def sampler(args) -> dict:
+    """The peer's sampler workload alone (32 prompts x 64 -> 64, 2 warm-up + 7 timed calls as
+    bench_tunix.py), for the side-by-side run (benchmarks/rollout_vs_tunix.py)."""
+    cfg = ModelConfig(**PRESETS["bench"])
+    params = _params(cfg)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 1024, 64).tolist() for _ in range(32)]
+    engine = Engine(cfg, params, max_slots=32, max_len=192, page_size=16, decode_steps=args.decode_steps,
+                    prefill_rows=8, prefill_chunk=64)
+    call = _fresh(engine, lambda: engine.generate(_requests(prompts, [64] * 32)))
+    first, _ = time_calls(call, 1)
+    _, times = time_calls(call, 7)
+    median = statistics.median(times)
+    return {"tokens_per_s": round(32 * 64 / median, 1), "median_s": round(median, 4),
+            "all_call_s": [round(t, 4) for t in times], "first_call_incl_compile_s": round(first, 2),
+            "compile_counts": _compile_counts()}
+
+
+SYSTEM_LEN, CHAT_PROMPTS, GROUP, SLOTS = 64, 16, 8, 64
+IM_START, IM_END, EOS, ASSISTANT = 32000, 32001, 32002, 32003  # ids standing in for ChatML specials
+
+
+def chat_workload(seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """(prompts, max_new_tokens) of one RL step: CHAT_PROMPTS prompts x GROUP samples."""
+    rng = np.random.default_rng(seed)
+    system = [IM_START, 9125, *rng.integers(100, 32000, SYSTEM_LEN - 4).tolist(), IM_END, 198]
+    prompts = []
+    for _ in range(CHAT_PROMPTS):
+        total = int(math.exp(rng.uniform(math.log(100), math.log(1000))))
+        user = rng.integers(100, 32000, total - len(system) - 6).tolist()
+        prompts.append(system + [IM_START, 882, *user, IM_END, IM_START, ASSISTANT])
+    max_new = rng.integers(128, 513, CHAT_PROMPTS * GROUP).tolist()
+    return prompts, max_new
+
+
+def _chat_requests(prompts, max_new, groups: range, prefix: str) -> list[Request]:
+    return [Request(f"{prefix}{i}_{j}", prompts[i],
+                    SamplingParams(max_new_tokens=max_new[i * GROUP + j], temperature=1.0, top_p=1.0,
+                                   stop_token_ids=[EOS], sampling_seed=i * 100 + j))
+            for i in groups for j in range(GROUP)]
+
+
+def realistic(args) -> dict:
+    cfg = ModelConfig(**PRESETS["bench_32k"])
+    params = _params(cfg)
+    prompts, max_new = chat_workload()
+    engine = Engine(cfg, params, max_slots=SLOTS, max_len=1536, page_size=16, decode_steps=args.decode_steps,
+                    prefill_rows=4, prefill_chunk=256)
+    peaks = [machine_peaks()]
+    outputs = {}
+
+    def continuous():
+        outs = engine.generate(_chat_requests(prompts, max_new, range(CHAT_PROMPTS), "c"))
+        outputs["continuous"] = outs
+        return sum(len(c.output_ids) for c in outs)
+
+    def static():
+        half = CHAT_PROMPTS // 2
+        outs = engine.generate(_chat_requests(prompts, max_new, range(half), "s"))
+        outs += engine.generate(_chat_requests(prompts, max_new, range(half, CHAT_PROMPTS), "s"))
+        return sum(len(c.output_ids) for c in outs)
+
+    def timed(fn):
+        engine.flush_cache()  # each RL step brings new prompts: nothing cached from the last call
+        t0 = time.perf_counter()
+        tokens = fn()
+        return tokens, time.perf_counter() - t0
+
+    first_tokens, first_s = timed(continuous)
+    runs = {"continuous": [], "static": []}
+    for r in range(args.realistic_rounds):
+        for name in ("static", "continuous") if r % 2 == 0 else ("continuous", "static"):
+            runs[name].append(timed(continuous if name == "continuous" else static))
+        peaks.append(machine_peaks())
+    best = {k: max(p[k] for p in peaks) for k in peaks[0]}
+    outs = outputs["continuous"]
+    roofline = decode_roofline(cfg, [c.prompt_ids for c in outs], [len(c.output_ids) for c in outs], SLOTS, best)
+    result = {name: {"tokens_per_s": round(statistics.median(t / s for t, s in rs), 1),
+                     "median_s": round(statistics.median(s for _, s in rs), 3),
+                     "tokens": rs[-1][0]} for name, rs in runs.items()}
+    finish = [c.finish_reason["type"] for c in outs]
+    return {
+        "model": "bench_32k preset (6 layers, d512, GQA 8:2, tied vocab 32768, 34.9M params, fp32)",
+        "workload": f"{CHAT_PROMPTS} chat prompts (shared {SYSTEM_LEN}-token system prompt, 100-1000 tokens) x "
+                    f"group {GROUP} on {SLOTS} slots, max_new_tokens uniform [128, 512], temperature 1",
+        "prompt_tokens_mean": round(statistics.mean(len(p) for p in prompts), 1),
+        "output_tokens_mean": round(statistics.mean(len(c.output_ids) for c in outs), 1),
+        "finish_reasons": {k: finish.count(k) for k in sorted(set(finish))},
+        "decode_steps_per_call": args.decode_steps,
+        "first_call_incl_compile_s": round(first_s, 2),
+        "continuous": result["continuous"], "static": result["static"],
+        "continuous_vs_static": round(result["continuous"]["tokens_per_s"] / result["static"]["tokens_per_s"], 3),
+        "machine_peaks_best": {k: round(v, 1) for k, v in best.items()},
+        "roofline": roofline,
+        "vs_roofline": round(result["continuous"]["tokens_per_s"] / roofline["tokens_per_s"], 3),
+        "compile_counts": _compile_counts(), "engine_metrics": _engine_metrics(engine),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", default="fixed,realistic")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--realistic_rounds", type=int, default=2, help="ABBA rounds of static/continuous")
+    parser.add_argument("--decode_steps", type=int, default=16)
+    args = parser.parse_args()
+    record = {"benchmark": "rollout", "devices": str(jax.devices()[0]), "jax": jax.__version__}
+    sections = {"fixed": fixed, "realistic": realistic, "sampler": sampler}
+    for name in args.only.split(","):
+        record[name] = sections[name](args)
+    emit(record)
 
 
 if __name__ == "__main__":

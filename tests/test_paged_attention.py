@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rlvr.kernels.paged_attention import paged_attention
+from rlvr.kernels.paged_attention import paged_attention, ragged_pages
 
 from rlvr.models import transformer
 
@@ -47,10 +47,13 @@ def dense_reference(q, k_pool, v_pool, table, lengths, window=0, softcap=0.0):
 
 
 @functools.partial(jax.jit, static_argnames=("window", "softcap", "layered"))
-def _both(q, k, v, table, lengths, layer, *, window, softcap, layered):
+def _all(q, k, v, table, lengths, layer, ragged, *, window, softcap, layered):
     kw = dict(layer=layer if layered else None, sliding_window=window, softcap=softcap)
-    return (paged_attention(q, k, v, table, lengths, implementation="pallas", interpret=True, **kw),
-            paged_attention(q, k, v, table, lengths, implementation="xla", **kw))
+    outs = [paged_attention(q, k, v, table, lengths, implementation="pallas", interpret=True, **kw),
+            paged_attention(q, k, v, table, lengths, implementation="xla", **kw)]
+    if q.shape[1] == 1:  # the ragged implementation: one query per row, pages as a flat list
+        outs.append(paged_attention(q, k, v, table, lengths, implementation="ragged", ragged=ragged, **kw))
+    return outs
 
 
 @settings(max_examples=24, deadline=None, derandomize=True)
@@ -77,11 +80,12 @@ def test_matches_dense_reference(data, page_size, kv_heads, group, head_dim, bat
     layer = int(rng.integers(0, layers))
     q = rng.standard_normal((batch, queries, kv_heads * group, head_dim)).astype(np.float32)
     pool_k, pool_v = (k, v) if layered else (k[0], v[0])
-    got_pallas, got_xla = _both(q, pool_k, pool_v, table, lengths, np.int32(layer), window=window, softcap=softcap,
-                                layered=layered)
+    ragged = ragged_pages(table, lengths, page_size, bucket=batch * pages_per_row + 3)  # 3+ padding entries
+    outs = _all(q, pool_k, pool_v, table, lengths, np.int32(layer), ragged, window=window, softcap=softcap,
+                layered=layered)
     want = dense_reference(q, k[layer], v[layer], table, lengths, window, softcap)
-    np.testing.assert_allclose(np.asarray(got_pallas), want, rtol=2e-5, atol=2e-5)
-    np.testing.assert_allclose(np.asarray(got_xla), want, rtol=2e-5, atol=2e-5)
+    for got in outs:
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
 
 
 def test_single_query_bfloat16_traced_layer():
@@ -122,7 +126,7 @@ def test_matches_the_models_decode_attention(window):
     positions = jnp.asarray([[9], [4], [11], [0]], jnp.int32)  # the decoded token's position (already written)
     segments = jnp.asarray([[1], [1], [1], [0]], jnp.int32)
     q = jnp.asarray(rng.standard_normal((b, 1, h, d)), jnp.float32)
-    mask, (_, read_idx, columns) = transformer.paged_indices({**pool, "page_table": table}, positions, segments,
+    mask, (_, read_idx, columns, _) = transformer.paged_indices({**pool, "page_table": table}, positions, segments,
                                                              window)
     layer = 1
     offset = layer * num_pages * page_size

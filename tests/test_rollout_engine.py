@@ -143,7 +143,7 @@ def test_continuous_batching_refills_freed_slots(params):
     # Short requests queued behind the long one finish before it: they took the freed slot.
     assert finished_order.index("c2") < finished_order.index("c1")
     assert finished_order.index("c3") < finished_order.index("c1")
-    assert engine.pages.used == 0
+    assert engine.pages.used == engine.prefix.pages  # what is left is only the prefix cache's
 
 
 def test_abort_pause_update_resume_tags_versions(params):
@@ -205,3 +205,29 @@ def test_bad_requests_are_refused_with_the_field(params):
         SamplingParams.from_dict({"top_p": 0})
     with pytest.raises(ValueError, match="unsupported keys"):
         SamplingParams.from_dict({"temprature": 1.0})
+
+
+def test_prefix_cache_shares_a_system_prompt_across_requests_and_evicts(params):
+    """Prompts sharing a 20-token system prompt, then the same prompts again, then unrelated ones
+    that only fit after evicting cached pages: every output equals a fresh engine's for the same
+    seed (nothing shared), while the cache supplies the shared pages."""
+    system = _prompts([20], seed=7)[0]
+    prompts = [system + p for p in _prompts([5, 9, 13], seed=8)]
+    others = _prompts([30, 31, 29], seed=9)
+
+    def requests(tag, batch):
+        return [_req(f"{tag}{i}", p, temperature=1.0, sampling_seed=i, max_new_tokens=8) for i, p in enumerate(batch)]
+
+    def fresh(batch):
+        return [Engine(CFG, params, **OPTS).generate([r])[0].output_ids for r in requests("f", batch)]
+
+    engine = Engine(CFG, params, **{**OPTS, "num_pages": 20})  # 19 pages: 3 rows of 5-6 pages, little to spare
+    first, again, unrelated = (engine.generate(requests(tag, batch))
+                               for tag, batch in (("a", prompts), ("b", prompts), ("c", others)))
+    assert [c.output_ids for c in first] == [c.output_ids for c in again] == fresh(prompts)
+    assert [c.output_ids for c in unrelated] == fresh(others)
+    assert [c.cached_tokens for c in first] == [0, 16, 16]  # the system prompt's two full pages
+    assert [c.cached_tokens for c in again] == [24, 24, 32]  # whole prompts' full pages
+    stats = engine.metrics()
+    assert stats["prefix_cache_hit_tokens"] == 32 + 80 and stats["prefix_cache_evicted_pages"] > 0
+    assert engine.pages.used == engine.prefix.pages <= 19

@@ -5,8 +5,10 @@ softcap=0.0, scale=None, implementation=None, interpret=False)`: attention of on
 a few (q [B, Q, H, D], the last Q tokens of each row, causal) new tokens per sequence over the
 rollout engine's KV page pool, read through the page table, with per-row lengths and GQA.
 Implementations: "pallas" (`pallas.py`, a Mosaic TPU kernel with the page table, lengths and
-layer scalar-prefetched; runs anywhere with interpret=True) and "xla" (`reference.py`, plain jnp:
-gather the row's pages, masked float32 softmax). `paged_attention_reference` is the latter.
+layer scalar-prefetched; runs anywhere with interpret=True), "ragged" (`ragged.py`, plain jnp over
+a flat list of the rows' pages: work follows the tokens cached; one query per row) and "xla"
+(`reference.py`, plain jnp: gather the row's pages, masked float32 softmax).
+`paged_attention_reference` is the latter.
 
 Why: the engine's decode step today gathers every row's whole page-table width of K/V into a
 dense [B, S, KVH, D] copy per layer and step and masks it; the kernel instead reads each row's
@@ -26,6 +28,8 @@ where it cannot run raises RuntimeError. Bad shapes raise ValueError naming the 
 """
 
 from rlvr.kernels.paged_attention.api import IMPLEMENTATIONS, paged_attention, pallas_unavailable_reason
+from rlvr.kernels.paged_attention.ragged import RaggedPages, ragged_pages
 from rlvr.kernels.paged_attention.reference import paged_attention_reference
 
-__all__ = ["IMPLEMENTATIONS", "paged_attention", "paged_attention_reference", "pallas_unavailable_reason"]
+__all__ = ["IMPLEMENTATIONS", "RaggedPages", "paged_attention", "paged_attention_reference",
+           "pallas_unavailable_reason", "ragged_pages"]

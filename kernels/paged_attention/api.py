@@ -7,17 +7,18 @@ import logging
 import jax
 import jax.numpy as jnp
 from rlvr.kernels.paged_attention.pallas import paged_attention_pallas
+from rlvr.kernels.paged_attention.ragged import RaggedPages, ragged_paged_attention
 from rlvr.kernels.paged_attention.reference import paged_attention_reference
 
 logger = logging.getLogger(__name__)
-IMPLEMENTATIONS = ("pallas", "xla")
-_logged: set[str] = set()
+IMPLEMENTATIONS = ("pallas", "ragged", "xla")
+_logged: set[tuple[str, str]] = set()
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                     lengths: jax.Array, *, layer=None, sliding_window: int = 0, softcap: float = 0.0,
                     scale: float | None = None, implementation: str | None = None,
-                    interpret: bool = False) -> jax.Array:
+                    interpret: bool = False, ragged: RaggedPages | None = None) -> jax.Array:
     """Decode attention of a few new tokens per row over a paged KV cache.
 
     q: [B, H, D] (one query per row) or [B, Q, H, D] (the last Q tokens of each row, e.g. a
@@ -29,9 +30,14 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_t
     R·P. H must be a multiple of KVH (GQA). `sliding_window` W > 0: a query at position t sees
     keys t-W < kv <= t. `scale` defaults to 1/sqrt(D); `softcap` > 0 caps the scores.
 
-    implementation: None picks "pallas" on TPU (or anywhere with `interpret=True`) and "xla"
-    otherwise (logged once); an explicit "pallas" that cannot run here raises RuntimeError.
-    Returns q's shape and dtype; softmax and accumulation are float32.
+    ragged: the rows' pages as one flat list (`ragged.ragged_pages`, built by the caller); with one
+    query per row it enables the "ragged" implementation, whose work follows the pages the rows
+    hold rather than the table width.
+
+    implementation: None picks "pallas" on TPU (or anywhere with `interpret=True`), else "ragged"
+    when `ragged` is given with one query per row, else "xla" (logged once); an explicit "pallas"
+    that cannot run here raises RuntimeError. Returns q's shape and dtype; softmax and accumulation
+    are float32.
     """
     single = q.ndim == 3
     q4 = q[:, None] if single else q
@@ -40,7 +46,12 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_t
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
     page_table = page_table.astype(jnp.int32)
     options = dict(layer=layer, sliding_window=int(sliding_window), softcap=float(softcap), scale=scale)
-    if _choose(implementation, interpret) == "pallas":
+    choice = _choose(implementation, interpret, ragged is not None and q4.shape[1] == 1)
+    if choice == "ragged":
+        if ragged is None or q4.shape[1] != 1:
+            raise ValueError("paged_attention: implementation='ragged' needs ragged= and one query per row.")
+        out = ragged_paged_attention(q4[:, 0], k_pages, v_pages, ragged, lengths, **options)[:, None]
+    elif choice == "pallas":
         out = paged_attention_pallas(q4, k_pages, v_pages, page_table, lengths, interpret=interpret, **options)
     else:
         out = paged_attention_reference(q4, k_pages, v_pages, page_table, lengths, **options)
@@ -59,22 +70,24 @@ def pallas_unavailable_reason(interpret: bool = False) -> str | None:
     return None
 
 
-def _choose(implementation: str | None, interpret: bool) -> str:
+def _choose(implementation: str | None, interpret: bool, can_ragged: bool = False) -> str:
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"paged_attention: implementation={implementation!r} is not one of "
                          f"{(None, *IMPLEMENTATIONS)}.")
-    if implementation == "xla":
-        return "xla"
+    if implementation in ("xla", "ragged"):
+        return implementation
     reason = pallas_unavailable_reason(interpret)
     if implementation == "pallas":
         if reason:
             raise RuntimeError(f"paged_attention: implementation='pallas' was requested but cannot run: {reason}.")
         return "pallas"
     if reason:
-        if reason not in _logged:
-            _logged.add(reason)
-            logger.info("paged_attention: using the XLA implementation because %s.", reason)
-        return "xla"
+        fallback = "ragged" if can_ragged else "xla"
+        if (reason, fallback) not in _logged:
+            _logged.add((reason, fallback))
+            logger.info("paged_attention: using the %s implementation because %s.",
+                        "ragged XLA" if can_ragged else "XLA", reason)
+        return fallback
     return "pallas"
 
 

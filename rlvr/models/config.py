@@ -30,6 +30,11 @@ PRESETS: dict[str, dict] = {
     "bench": dict(family="qwen3", vocab_size=1024, hidden_size=256, intermediate_size=1024, num_layers=4,
                   num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=1e6, max_position_embeddings=4096,
                   scan_unroll=4),
+    # A realistic small chat model for the rollout benchmarks (34.9M parameters): a 32k BPE-sized
+    # vocabulary with tied embeddings, 6 layers, GQA 8:2 heads, as Qwen3-0.6B scaled down.
+    "bench_32k": dict(family="qwen3", vocab_size=32768, hidden_size=512, intermediate_size=1536, num_layers=6,
+                      num_heads=8, num_kv_heads=2, head_dim=64, rope_theta=1e6, max_position_embeddings=4096,
+                      tie_word_embeddings=True, scan_unroll=6),
 }
 
 

@@ -227,16 +227,17 @@ def _zigzag_order(cfg: ModelConfig, length: int) -> np.ndarray | None:
     return layout.zigzag_order(layout.padded_length(length, 2 * n), n)
 
 
-def _paged_decode(cfg: ModelConfig, q, pool, read_idx, columns, layer_id) -> jax.Array:
+def _paged_decode(cfg: ModelConfig, q, pool, read_idx, columns, layer_id, ragged=None) -> jax.Array:
     """Decode attention read straight from the page pool (rlvr.kernels.paged_attention): the
-    rows' page tables and lengths come from the engine's gather indices; no [B, S] k/v copy."""
+    rows' page tables and lengths come from the engine's gather indices; no [B, S] k/v copy.
+    With `ragged` (the rows' pages as a flat list) the XLA path works on those pages only."""
     from rlvr.kernels.paged_attention import paged_attention
 
     page_size = pool["k"].shape[2]
     table = read_idx[:, ::page_size] // page_size
     lengths = jnp.where(columns[:, 0] < read_idx.shape[1], columns[:, 0] + 1, 0)
     return paged_attention(q, pool["k"], pool["v"], table, lengths, layer=layer_id,
-                           sliding_window=cfg.sliding_window).astype(q.dtype)
+                           sliding_window=cfg.sliding_window, ragged=ragged).astype(q.dtype)
 
 
 class Attention(nn.Module):
@@ -260,11 +261,11 @@ class Attention(nn.Module):
         if pool is not None and not cfg.scan_layers:
             # Unscanned (decoding): write this layer's new k/v into the pool in place, then
             # read the row's pages from the updated pool; no copy of the pool is needed.
-            write_idx, read_idx, columns = kv_index
+            write_idx, read_idx, columns, ragged = kv_index
             new_kv = {name: _scatter_layer(pool[name], layer_id, write_idx, val)
                       for name, val in (("k", k), ("v", v))}
-            if cfg.attention != "xla" and x.shape[1] == 1:  # one new token per row: paged decode kernel
-                out = _paged_decode(cfg, q, new_kv, read_idx, columns, layer_id)
+            if (cfg.attention != "xla" or ragged is not None) and x.shape[1] == 1:  # one new token per row
+                out = _paged_decode(cfg, q, new_kv, read_idx, columns, layer_id, ragged)
                 return Linear((h, d), (e,), ("heads", "head_dim"), ("embed",), cfg.o_bias, name="o_proj",
                               **dense)(out), new_kv
             offset = layer_id * (pool["k"].shape[1] * pool["k"].shape[2])
@@ -275,7 +276,7 @@ class Attention(nn.Module):
             # returned and scattered into the pool once, after all layers), then put the
             # current tokens' k/v into the gathered view at their positions.
             new_kv = (k.astype(pool["k"].dtype), v.astype(pool["v"].dtype))
-            _, read_idx, columns = kv_index
+            _, read_idx, columns, _ = kv_index
             offset = layer_id * (pool["k"].shape[1] * pool["k"].shape[2])
             rows = jnp.arange(x.shape[0])[:, None]
             k = pool["k"].reshape(-1, kvh, d)[offset + read_idx].at[rows, columns].set(new_kv[0], mode="drop")
@@ -417,6 +418,13 @@ class Transformer(nn.Module):
             self.value_proj(x.astype(jnp.float32))  # create the value head's parameters
         return self.logits(x), cache
 
+    def last_logits(self, tokens, positions, segment_ids, cache, last):
+        """(logits [B, V] at position index `last` [B] of each row, cache): a prefill needs
+        the next-token distribution of one position per row, not the [B, T, V] of all."""
+        x, cache = self.hidden_states(tokens, positions, segment_ids, cache)
+        x = jnp.take_along_axis(x, last[:, None, None], axis=1)
+        return self.logits(x)[:, 0], cache
+
     def with_values(self, tokens, positions=None, segment_ids=None, cache=None):
         """(logits, values [B, T], cache); needs `value_head=True`."""
         if not self.cfg.value_head:
@@ -456,7 +464,7 @@ def paged_indices(cache: Cache, positions, segment_ids, sliding_window: int = 0)
     write_idx = jnp.where(valid, page * page_size + positions % page_size, num_pages * page_size)
     read_idx = (table[:, :, None] * page_size + jnp.arange(page_size)).reshape(table.shape[0], capacity)
     columns = jnp.where(valid, positions, capacity)
-    return mask, (write_idx, read_idx, columns)
+    return mask, (write_idx, read_idx, columns, cache.get("ragged"))
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_length: int, dtype: str | None = None) -> Cache:
@@ -490,6 +498,12 @@ def unstack_layers(params: Params) -> Params:
 def forward(cfg: ModelConfig, params: Params, tokens, positions=None, segment_ids=None, cache=None):
     """Pure forward pass: (logits float32 [B, T, V], updated cache or None)."""
     return Transformer(cfg).apply({"params": params}, tokens, positions, segment_ids, cache)
+
+
+def forward_last(cfg: ModelConfig, params: Params, tokens, positions, segment_ids, cache, last):
+    """(logits float32 [B, V] at index `last` [B] of each row, updated cache): see `last_logits`."""
+    return Transformer(cfg).apply({"params": params}, tokens, positions, segment_ids, cache, last,
+                                  method=Transformer.last_logits)
 
 
 def forward_with_values(cfg: ModelConfig, params: Params, tokens, positions=None, segment_ids=None,

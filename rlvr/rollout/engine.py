@@ -1,46 +1,65 @@
-"""The embedded rollout engine: paged KV cache, continuous batching, shared group prefixes.
+"""The embedded rollout engine: paged KV cache, prefix cache, continuous batching, on-device decoding.
 
 Same model code and params as the trainer (`rlvr.models.transformer.forward`), so its
 log-probs equal the trainer's for the same tokens. One `step()`:
-  1. admits waiting requests into free slots (a request whose prompt equals a running one's
-     shares that prompt's KV pages; only the partly filled last page is copied),
-  2. prefills one fixed-size chunk of every unfinished prompt (chunked prefill),
-  3. decodes `decode_steps` tokens for every running sequence in one device call,
-  4. retires finished sequences, freeing their slots and pages for waiting requests.
+  1. admits waiting requests into free slots: a prompt's cached full pages (`pages.PrefixCache`:
+     a shared system prompt, a group's prompt, earlier turns) are reused, and a request whose
+     prompt equals a running one's also copies its partly filled last page;
+  2. dispatches one fixed-size chunk of every unfinished prompt (chunked prefill); a chunk that
+     ends its prompt samples the first token and arms the slot's on-device decode state;
+  3. dispatches `decode_steps` decode steps for every running sequence in one device call (a
+     `lax.while_loop` that exits early when all rows finish), continuing from the device state
+     the previous call left (`device_fns`);
+  4. only then reads the previous call's tokens and retires finished sequences, so the host's
+     bookkeeping overlaps the device's next call.
 Single-threaded: call it from one thread (`rlvr.rollout.driver.EngineDriver` does).
+
+Compiled shapes are a bounded set (`warmup()` compiles them all up front): prefill [1 or
+prefill_rows, prefill_chunk/4 or prefill_chunk] and decode for at most RAGGED_BUCKETS sizes of the
+ragged page list (each x2 when some request uses top-k/top-p/min-p). `metrics()` reports compile counts, the prefix-cache hit rate and host vs device time.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
-from collections import deque
+import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rlvr.kernels.paged_attention import ragged_pages
 from rlvr.models.config import ModelConfig
 from rlvr.models.transformer import init_paged_cache, unstack_layers
 from rlvr.rollout import device_fns
-from rlvr.rollout.pages import PagePool
+from rlvr.rollout.pages import PagePool, PrefixCache
+from rlvr.rollout.stops import StopStrings
 from rlvr.rollout.types import Completion, Request
 
 MAX_STOP_IDS = 8
+# Decode compiles once per size of the ragged page list: RAGGED_BUCKETS multiples of an eighth of
+# the whole table's pages (at least 16), so a list is padded by less than an eighth of the table.
+RAGGED_BUCKETS, MIN_RAGGED_BUCKET = 8, 16
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Sequence:
     request: Request
     seed: int
     slot: int = -1
     pages: list[int] = dataclasses.field(default_factory=list)
-    prefilled: int = 0  # prompt tokens whose KV is in the cache
-    cached_tokens: int = 0  # prompt tokens taken from a shared prefix
+    nodes: list = dataclasses.field(default_factory=list)  # prefix-cache nodes this sequence reads
+    prefilled: int = 0  # prompt tokens whose KV is written (or dispatched)
+    cached_tokens: int = 0  # prompt tokens taken from cached or shared pages
+    device_tokens: int = 0  # upper bound of prompt + output tokens on the device
+    budget: int = 0  # pages still reserved for this sequence's worst case
     output: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
+    stops: StopStrings | None = None
     finish: dict[str, Any] | None = None
 
     @property
@@ -49,35 +68,69 @@ class _Sequence:
 
     @property
     def length(self) -> int:
-        """Tokens that exist: prompt plus sampled output."""
         return len(self.prompt) + len(self.output)
 
 
+@dataclasses.dataclass
+class _Inflight:
+    """A dispatched device call whose tokens the host has not read yet."""
+    kind: str  # "prefill" | "decode"
+    seqs: list  # prefill: the rows' sequences (None = not completing); decode: per slot
+    tokens: jax.Array
+    logprobs: jax.Array
+    emitted: jax.Array | None
+    version: int
+
+
 class Engine:
-    """Generates completions for `Request`s with the policy `params` (see module docstring)."""
+    """Generates completions for `Request`s with the policy `params` (see module docstring).
+
+    dtype / kv_dtype: "float32" (default) or "bfloat16" for the rollout weights and compute /
+    the KV pages (then log-probs, still computed in float32 from the logits, no longer equal
+    the trainer's float32 ones bit for bit)."""
 
     def __init__(self, cfg: ModelConfig, params, tokenizer=None, *, max_slots: int = 32, max_len: int = 512,
                  page_size: int = 16, num_pages: int | None = None, decode_steps: int = 8,
-                 prefill_rows: int = 4, prefill_chunk: int = 64, seed: int = 0, model_path: str = ""):
+                 prefill_rows: int = 4, prefill_chunk: int = 64, seed: int = 0, model_path: str = "",
+                 dtype: str = "float32", kv_dtype: str | None = None):
         if max_len % page_size:
             raise ValueError(f"max_len={max_len} must be a multiple of page_size={page_size}")
         self.cfg, self.tokenizer = cfg, tokenizer
-        # Decoding runs the same layers unscanned, on per-layer weights (see unstack_layers).
-        self.decode_cfg = dataclasses.replace(cfg, scan_layers=False)
+        # Decoding runs the same layers unscanned, on per-layer weights (see unstack_layers), and a
+        # tied output projection as its own [E, V] copy (the tied einsum transposes [V, E] per step).
+        self.decode_cfg = dataclasses.replace(cfg, scan_layers=False, dtype=dtype, param_dtype=dtype,
+                                              tie_word_embeddings=False)
+        self.kv_dtype = kv_dtype or dtype
         self._shardings = jax.tree.map(lambda x: x.sharding, params)
-        self.params = unstack_layers(params)
+        self.params = self._decode_params(params)
         self.max_slots, self.max_len, self.page_size = max_slots, max_len, page_size
         self.decode_steps, self.prefill_rows, self.prefill_chunk = decode_steps, prefill_rows, prefill_chunk
         self.pages_per_row = max_len // page_size
         self.pages = PagePool(num_pages or max_slots * self.pages_per_row + 1)
-        self.pool = {k: v for k, v in init_paged_cache(cfg, self.pages.capacity, page_size).items()
+        self.prefix = PrefixCache(self.pages, page_size)
+        self.pool = {k: v for k, v in init_paged_cache(cfg, self.pages.capacity, page_size, self.kv_dtype).items()
                      if k != "page_table"}
         self.page_table = np.zeros((max_slots, self.pages_per_row), np.int32)
-        self.waiting: deque[_Sequence] = deque()
+        self.state = device_fns.init_state(max_slots)
+        self.active = np.zeros(max_slots, bool)
+        self._sampling = _sampling_table(max_slots)
+        self._sampling_device = None  # the table on device, refreshed after admissions change it
+        self.waiting: collections.deque[_Sequence] = collections.deque()
         self.slots: list[_Sequence | None] = [None] * max_slots
         self.finished: list[Completion] = []
+        self.inflight: collections.deque[_Inflight] = collections.deque()
         self.weight_version, self.paused, self.model_path = 0, False, model_path
         self._seed_rng = np.random.default_rng(seed)
+        self._reserved = 0  # pages promised to running sequences' worst cases, not yet allocated
+        self._times = {"host_s": 0.0, "device_wait_s": 0.0, "steps": 0, "decode_calls": 0, "prefill_calls": 0,
+                       "generated_tokens": 0}
+
+    def _decode_params(self, params):
+        params = unstack_layers(params)
+        if self.cfg.tie_word_embeddings:
+            params["lm_head"] = {"kernel": params["embed_tokens"].T}
+        dtype = jnp.dtype(self.decode_cfg.param_dtype)
+        return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
     # --- public API ----------------------------------------------------------------------
 
@@ -95,14 +148,22 @@ class Engine:
                              f"[0, {self.cfg.vocab_size})")
         seed = request.sampling.sampling_seed
         seed = int(self._seed_rng.integers(2**31)) if seed is None else int(seed)
-        self.waiting.append(_Sequence(request, seed % 2**31))
+        seq = _Sequence(request, seed % 2**31)
+        if request.sampling.stop and self.tokenizer is not None:
+            seq.stops = StopStrings(self.tokenizer, list(request.sampling.stop))
+        self.waiting.append(seq)
 
     def step(self) -> list[Completion]:
         """One scheduling iteration; returns the completions finished in it."""
+        start, wait = time.perf_counter(), self._times["device_wait_s"]
+        dispatched = False
         if not self.paused:
             self._admit()
             self._prefill()
-            self._decode()
+            dispatched = self._decode()
+        self._process(keep=1 if dispatched else 0)
+        self._times["steps"] += 1
+        self._times["host_s"] += time.perf_counter() - start - (self._times["device_wait_s"] - wait)
         done, self.finished = self.finished, []
         return done
 
@@ -135,11 +196,12 @@ class Engine:
 
     def pause(self, mode: str = "in_place") -> int:
         """"in_place": keep sequences and caches; "abort": abort them all."""
+        if mode not in ("in_place", "abort"):
+            raise ValueError(f"pause mode {mode!r}: use 'in_place' or 'abort'")
+        self._process(keep=0)
         count = self.num_running + self.num_waiting
         if mode == "abort":
             self.abort_all("paused with mode=abort")
-        elif mode != "in_place":
-            raise ValueError(f"pause mode {mode!r}: use 'in_place' or 'abort'")
         self.paused = True
         return count
 
@@ -149,8 +211,9 @@ class Engine:
     def update_weights(self, params, version: int) -> None:
         """New params (resharded to the current ones' shardings); in-flight sequences keep
         their caches and continue with the new weights; tokens are tagged by version."""
+        self._process(keep=0)  # tokens of calls already dispatched belong to the old version
         params = jax.tree.map(jax.device_put, params, self._shardings)
-        self.params = unstack_layers(params)
+        self.params = self._decode_params(params)
         self.weight_version = int(version)
 
     def update_weights_from_disk(self, path: str, version: int) -> None:
@@ -168,10 +231,12 @@ class Engine:
     def flush_cache(self) -> None:
         if self.num_running:
             raise RuntimeError("cannot flush the cache while requests are running")
+        self._process(keep=0)
         self.pages.reset()
+        self.prefix.reset()
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self._running() or self.finished)
+        return bool(self.waiting or self._running() or self.finished or self.inflight)
 
     @property
     def num_running(self) -> int:
@@ -186,79 +251,130 @@ class Engine:
                 "vocab_size": self.cfg.vocab_size, "weight_version": str(self.weight_version),
                 "max_len": self.max_len, "architectures": [self.cfg.family]}
 
+    def metrics(self) -> dict[str, Any]:
+        """Compile counts, prefix-cache hits, host vs device-wait time, calls and tokens so far."""
+        return {"compiles_prefill": device_fns.prefill._cache_size(),
+                "compiles_decode": device_fns.decode._cache_size(),
+                **self.prefix.stats(), **{k: round(v, 4) if isinstance(v, float) else v
+                                          for k, v in self._times.items()},
+                "pages_used": self.pages.used, "pages_total": self.pages.capacity - 1}
+
+    def warmup(self, filters: bool = False) -> None:
+        """Compiles every prefill and decode shape this engine can use, now (idle rows only:
+        nothing is written), so a run pays compilation once, up front. `filters`: also the
+        variants for requests with top-k, top-p or min-p."""
+        self._process(keep=0)
+        for variant in sorted({False, filters}):
+            for rows in sorted({1, self.prefill_rows}):
+                for chunk in sorted({self._small_chunk(), self.prefill_chunk}):
+                    self._dispatch_prefill([], rows, chunk, variant)
+            for bucket in self._ragged_buckets():
+                self._dispatch_decode([None] * self.max_slots, bucket, filters=variant)
+        self._process(keep=0)
+
     # --- scheduling ----------------------------------------------------------------------
 
     def _running(self) -> list[_Sequence]:
         return [s for s in self.slots if s is not None]
 
     def _admit(self) -> None:
-        deferred = deque()
+        deferred = collections.deque()
         while self.waiting and None in self.slots:
             seq = self.waiting.popleft()
-            leader = self._prefix_leader(seq)
-            if leader is None and self._has_pending_twin(seq):
-                deferred.append(seq)  # wait until the twin's prompt is cached, then share it
+            nodes = self.prefix.match(seq.prompt[:-1])
+            if self._prefix_pending(seq, len(nodes) * self.page_size):
+                deferred.append(seq)  # a running prefill is about to cache more of this prompt
                 continue
-            if not self.pages.can_allocate(self.pages_per_row):
+            twin = self._twin(seq)
+            need = self._worst_case_pages(seq) - len(nodes)
+            if not self._reserve(need):
                 deferred.append(seq)
                 break
-            slot = self.slots.index(None)
-            seq.slot, self.slots[slot] = slot, seq
-            if leader is not None:
-                self._share_prefix(seq, leader)
+            self._place(seq, nodes, twin, need)
         self.waiting.extendleft(reversed(deferred))
 
-    def _prefix_leader(self, seq: _Sequence) -> _Sequence | None:
-        """A running sequence with the same prompt whose prompt (but the last token) is cached."""
+    def _place(self, seq: _Sequence, nodes: list, twin: _Sequence | None, budget: int) -> None:
+        slot = self.slots.index(None)
+        seq.slot, self.slots[slot] = slot, seq
+        seq.budget = budget
+        self.prefix.lock(nodes)
+        seq.nodes = nodes
+        seq.pages = self.pages.share([n.page for n in nodes])
+        seq.prefilled = seq.cached_tokens = len(nodes) * self.page_size
+        if twin is not None and seq.prefilled < len(seq.prompt) - 1:
+            self._copy_partial_page(seq, twin)
+        self.prefix.record(len(seq.prompt), seq.cached_tokens)
+        self._sampling_row(slot, seq)
+        self._sync_table(seq)
+
+    def _prefix_pending(self, seq: _Sequence, cached: int) -> bool:
+        """True if a running prefill will soon cache more of this prompt than is cached now
+        (a page more, or all of it but the last token for an identical prompt)."""
+        for other in self._running():
+            if other.prefilled >= len(other.prompt):
+                continue
+            usable = min(_common_prefix(seq.prompt, other.prompt), len(seq.prompt) - 1)
+            if other.prefilled < usable and (usable == len(seq.prompt) - 1 or usable - cached >= self.page_size):
+                return True
+        return False
+
+    def _twin(self, seq: _Sequence) -> _Sequence | None:
+        """A running sequence with the same prompt whose prompt (but the last token) is written."""
         for other in self._running():
             if other.prompt == seq.prompt and other.prefilled >= len(seq.prompt) - 1:
                 return other
         return None
 
-    def _has_pending_twin(self, seq: _Sequence) -> bool:
-        return any(o.prompt == seq.prompt and o.prefilled < len(o.prompt) - 1 for o in self._running())
+    def _copy_partial_page(self, seq: _Sequence, twin: _Sequence) -> None:
+        """The twin's partly filled prompt page, copied (copy-on-write): only the last prompt
+        token is recomputed, its logits giving this sample's own first token."""
+        index = len(seq.pages)
+        (page,) = self._allocate(seq, 1)
+        self.pool = device_fns.copy_pages(self.pool, jnp.asarray([twin.pages[index]]), jnp.asarray([page]))
+        seq.pages.append(page)
+        seq.prefilled = seq.cached_tokens = len(seq.prompt) - 1
 
-    def _share_prefix(self, seq: _Sequence, leader: _Sequence) -> None:
-        """Share the leader's full prompt pages; copy the partly filled one; recompute only
-        the last prompt token (whose logits give this sample's own first token)."""
-        shared_tokens = len(seq.prompt) - 1
-        full = shared_tokens // self.page_size
-        seq.pages = self.pages.share(leader.pages[:full])
-        if shared_tokens % self.page_size:
-            (page,) = self.pages.allocate(1)
-            self.pool = device_fns.copy_pages(self.pool, jnp.asarray([leader.pages[full]]), jnp.asarray([page]))
-            seq.pages.append(page)
-        seq.prefilled = seq.cached_tokens = shared_tokens
-        self._sync_table(seq)
+    def _worst_case_pages(self, seq: _Sequence) -> int:
+        return math.ceil(min(len(seq.prompt) + self._max_new(seq), self.max_len) / self.page_size)
+
+    def _reserve(self, count: int) -> bool:
+        shortfall = self._reserved + count - len(self.pages.free)
+        if shortfall > 0 and self.prefix.evict(shortfall) < shortfall:
+            return False
+        self._reserved += count
+        return True
+
+    def _allocate(self, seq: _Sequence, count: int) -> list[int]:
+        seq.budget -= count
+        self._reserved -= count
+        return self.pages.allocate(count)
 
     def _ensure_pages(self, seq: _Sequence, tokens: int) -> None:
         needed = min(math.ceil(tokens / self.page_size), self.pages_per_row) - len(seq.pages)
         if needed > 0:
-            seq.pages += self.pages.allocate(needed)
+            seq.pages += self._allocate(seq, needed)
             self._sync_table(seq)
 
     def _sync_table(self, seq: _Sequence) -> None:
         self.page_table[seq.slot, :] = 0
         self.page_table[seq.slot, : len(seq.pages)] = seq.pages
 
-    def _sampling_arrays(self, seqs: list[_Sequence | None]) -> dict[str, jax.Array]:
-        rows = len(seqs)
-        out = {"temperature": np.ones(rows, np.float32), "top_k": np.full(rows, -1, np.int32),
-               "top_p": np.ones(rows, np.float32), "min_p": np.zeros(rows, np.float32),
-               "seed": np.zeros(rows, np.int32), "min_new": np.zeros(rows, np.int32),
-               "max_new": np.ones(rows, np.int32), "stop_ids": np.full((rows, MAX_STOP_IDS), -1, np.int32)}
-        for i, seq in enumerate(seqs):
-            if seq is None:
-                continue
-            sp = seq.request.sampling
-            out["temperature"][i], out["top_k"][i], out["top_p"][i] = sp.temperature, sp.top_k, sp.top_p
-            out["min_p"][i], out["seed"][i], out["min_new"][i] = sp.min_p, seq.seed, sp.min_new_tokens
-            out["max_new"][i] = self._max_new(seq)
-            stops = list(sp.stop_token_ids)
-            if not sp.ignore_eos and self._eos_id() is not None:
-                stops.append(self._eos_id())
-            out["stop_ids"][i, : len(stops[:MAX_STOP_IDS])] = stops[:MAX_STOP_IDS]
-        return {k: jnp.asarray(v) for k, v in out.items()}
+    def _sampling_row(self, slot: int, seq: _Sequence) -> None:
+        sp, table = seq.request.sampling, self._sampling
+        table["temperature"][slot], table["top_k"][slot], table["top_p"][slot] = sp.temperature, sp.top_k, sp.top_p
+        table["min_p"][slot], table["seed"][slot], table["min_new"][slot] = sp.min_p, seq.seed, sp.min_new_tokens
+        table["max_new"][slot] = self._max_new(seq)
+        stops = list(sp.stop_token_ids)
+        if not sp.ignore_eos and self._eos_id() is not None:
+            stops.append(self._eos_id())
+        table["stop_ids"][slot] = -1
+        table["stop_ids"][slot, : len(stops[:MAX_STOP_IDS])] = stops[:MAX_STOP_IDS]
+        self._sampling_device = None
+
+    def _filters(self, slots: np.ndarray) -> bool:
+        """Whether any of these rows asks for top-k, top-p or min-p (compiles the filter paths)."""
+        table = self._sampling
+        return bool(np.any((table["top_k"][slots] > 0) | (table["top_p"][slots] < 1) | (table["min_p"][slots] > 0)))
 
     def _max_new(self, seq: _Sequence) -> int:
         return min(seq.request.sampling.max_new_tokens, self.max_len - len(seq.prompt))
@@ -266,25 +382,29 @@ class Engine:
     def _eos_id(self) -> int | None:
         return None if self.tokenizer is None else self.tokenizer.eos_id
 
+    # --- prefill -------------------------------------------------------------------------
+
+    def _small_chunk(self) -> int:
+        return max(self.prefill_chunk // 4, 1)
+
     def _prefill(self) -> None:
         pending = [s for s in self._running() if s.prefilled < len(s.prompt)]
+        last_token = [s for s in pending if s.prefilled == len(s.prompt) - 1]
+        if last_token:
+            self._arm(last_token)
+            pending = [s for s in pending if s.prefilled < len(s.prompt)]
         for start in range(0, len(pending), self.prefill_rows):
-            self._prefill_rows(pending[start: start + self.prefill_rows])
+            seqs = pending[start: start + self.prefill_rows]
+            rows = 1 if len(seqs) == 1 else self.prefill_rows
+            longest = max(len(s.prompt) - s.prefilled for s in seqs)
+            self._dispatch_prefill(seqs, rows, self._small_chunk() if longest <= self._small_chunk()
+                                   else self.prefill_chunk)
 
-    def _prefill_shape(self, seqs: list[_Sequence]) -> tuple[int, int]:
-        """The smallest of the fixed (rows, chunk) buckets that fits: a single request
-        admitted into a freed slot does not pay for a full-size prefill."""
-        rows = 1 if len(seqs) == 1 else self.prefill_rows
-        longest = max(len(s.prompt) - s.prefilled for s in seqs)
-        small = max(self.prefill_chunk // 4, 1)
-        return rows, (small if longest <= small else self.prefill_chunk)
-
-    def _prefill_rows(self, seqs: list[_Sequence]) -> None:
-        rows, chunk = self._prefill_shape(seqs)
-        tokens = np.zeros((rows, chunk), np.int32)
-        positions = np.zeros((rows, chunk), np.int32)
-        segments = np.zeros((rows, chunk), np.int32)
+    def _dispatch_prefill(self, seqs: list[_Sequence], rows: int, chunk: int, filters: bool | None = None) -> None:
+        tokens, positions, segments = (np.zeros((rows, chunk), np.int32) for _ in range(3))
         table = np.zeros((rows, self.pages_per_row), np.int32)
+        slots, completes = np.zeros(rows, np.int32), np.zeros(rows, bool)
+        finishing = [None] * rows
         for i, seq in enumerate(seqs):
             end = min(seq.prefilled + chunk, len(seq.prompt))
             self._ensure_pages(seq, end)
@@ -292,80 +412,128 @@ class Engine:
             tokens[i, :n] = seq.prompt[seq.prefilled: end]
             positions[i, :n] = np.arange(seq.prefilled, end)
             segments[i, :n] = 1
-            table[i] = self.page_table[seq.slot]
-        sampling = self._sampling_arrays(seqs + [None] * (rows - len(seqs)))
-        self.pool, tok, logprob = device_fns.prefill(self.decode_cfg, self.params, self.pool, jnp.asarray(table),
-                                                     jnp.asarray(tokens), jnp.asarray(positions),
-                                                     jnp.asarray(segments), sampling)
-        tok, logprob = np.asarray(tok), np.asarray(logprob)
-        for i, seq in enumerate(seqs):
-            seq.prefilled = min(seq.prefilled + chunk, len(seq.prompt))
-            if seq.prefilled == len(seq.prompt):
-                if self._max_new(seq) <= 0:
-                    self._finish(seq, {"type": "length", "length": 0})
-                else:
-                    self._append(seq, [int(tok[i])], [float(logprob[i])])
+            table[i], slots[i] = self.page_table[seq.slot], seq.slot
+            seq.prefilled = end
+            if end == len(seq.prompt):
+                completes[i], finishing[i] = True, seq
+                seq.device_tokens = end + 1
+                self.active[seq.slot] = True
+            self._cache_prompt_pages(seq)
+        host_slots = slots[: len(seqs)]
+        sampling = {k: v[slots] for k, v in self._sampling.items()}
+        table, tokens, positions, segments, slots, completes, sampling = jax.device_put(
+            (table, tokens, positions, segments, slots, completes, sampling))  # one transfer
+        self.pool, self.state, tok, logprob = device_fns.prefill(
+            self.decode_cfg, self._filters(host_slots) if filters is None else filters, self.params, self.pool, table, tokens, positions, segments,
+            self.state, slots, completes, sampling)
+        self._times["prefill_calls"] += 1
+        if any(finishing):
+            self.inflight.append(_Inflight("prefill", finishing, tok, logprob, None, self.weight_version))
 
-    def _decode(self) -> None:
-        seqs = [s if s is not None and s.prefilled == len(s.prompt) and s.output and s.finish is None else None
-                for s in self.slots]
+    def _arm(self, seqs: list[_Sequence]) -> None:
+        """Prompts with one token left go straight to decoding (`device_fns.arm`)."""
+        slots = np.full(self.max_slots, self.max_slots, np.int32)
+        tokens, positions = np.zeros(self.max_slots, np.int32), np.zeros(self.max_slots, np.int32)
+        for i, seq in enumerate(seqs):
+            slots[i], tokens[i], positions[i] = seq.slot, seq.prompt[-1], len(seq.prompt) - 1
+            seq.prefilled = seq.device_tokens = len(seq.prompt)
+            self.active[seq.slot] = True
+        self.state = device_fns.arm(self.state, *jax.device_put((slots, tokens, positions)))
+
+    def _cache_prompt_pages(self, seq: _Sequence) -> None:
+        """Full prompt pages just dispatched go into the prefix cache (later readers are
+        dispatched after the writes, so they see them)."""
+        full = seq.prefilled // self.page_size
+        if full > len(seq.nodes):
+            nodes = self.prefix.insert(seq.prompt[: full * self.page_size], seq.pages[:full])
+            self.prefix.lock(nodes[len(seq.nodes):])
+            seq.nodes = nodes
+
+    # --- decode --------------------------------------------------------------------------
+
+    def _decode(self) -> bool:
+        seqs = [s if s is not None and self.active[s.slot] else None for s in self.slots]
         if not any(seqs):
-            return
-        tokens = np.zeros(self.max_slots, np.int32)
-        positions = np.zeros(self.max_slots, np.int32)
-        generated = np.zeros(self.max_slots, np.int32)
+            return False
+        reach = np.zeros(self.max_slots, np.int64)  # tokens whose KV this call may write, per row
         for i, seq in enumerate(seqs):
             if seq is not None:
-                self._ensure_pages(seq, seq.length + self.decode_steps)
-                tokens[i], positions[i], generated[i] = seq.output[-1], seq.length - 1, len(seq.output)
-        active = np.array([s is not None for s in seqs])
-        table = self.page_table[:, : self._read_pages(seqs)]
-        self.pool, toks, logprobs, emitted = device_fns.decode(
-            self.decode_cfg, self.decode_steps, self.params, self.pool, jnp.asarray(table),
-            jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(active), jnp.asarray(generated),
-            self._sampling_arrays(seqs))
-        toks, logprobs, emitted = np.asarray(toks), np.asarray(logprobs), np.asarray(emitted)
-        for i, seq in enumerate(seqs):
-            if seq is not None:
-                n = int(emitted[i])
-                self._append(seq, toks[i, :n].tolist(), logprobs[i, :n].tolist())
+                final = len(seq.prompt) + self._max_new(seq)
+                reach[i] = min(seq.device_tokens + self.decode_steps, final, self.max_len + 1) - 1
+                self._ensure_pages(seq, reach[i])
+                seq.device_tokens = min(seq.device_tokens + self.decode_steps, final)
+        pages = int(np.minimum(-(-reach // self.page_size), self.pages_per_row).sum())
+        self._dispatch_decode(seqs, next(b for b in self._ragged_buckets() if b >= pages), reach)
+        return True
 
-    def _read_pages(self, seqs: list[_Sequence | None]) -> int:
-        """Pages each row attends over in this decode call: the longest row's need rounded
-        up to a power of two (a few fixed shapes), so short sequences do not read (and
-        mask) the full max_len worth of cache every step."""
-        need = max(math.ceil((s.length + self.decode_steps) / self.page_size) for s in seqs if s is not None)
-        return min(1 << max(need - 1, 0).bit_length(), self.pages_per_row)
+    def _ragged_buckets(self) -> list[int]:
+        step = -(-self.max_slots * self.pages_per_row // RAGGED_BUCKETS)
+        step = max(-(-step // MIN_RAGGED_BUCKET) * MIN_RAGGED_BUCKET, MIN_RAGGED_BUCKET)
+        return [step * k for k in range(1, RAGGED_BUCKETS + 1)]
 
-    # --- finishing -----------------------------------------------------------------------
+    def _dispatch_decode(self, seqs: list, bucket: int, reach: np.ndarray | None = None,
+                         filters: bool | None = None) -> None:
+        reach = np.zeros(self.max_slots, np.int64) if reach is None else reach
+        ragged = ragged_pages(self.page_table, reach, self.page_size, bucket)
+        active = active_host = np.array([s is not None for s in seqs]) & self.active
+        if self._sampling_device is None:
+            self._sampling_device = jax.device_put(self._sampling)
+        table, ragged, active = jax.device_put((self.page_table, ragged, active))  # one transfer
+        filters = self._filters(np.flatnonzero(active_host)) if filters is None else filters
+        self.pool, self.state, toks, logprobs, emitted = device_fns.decode(
+            self.decode_cfg, self.decode_steps, filters, self.params, self.pool, table, ragged, self.state, active,
+            self._sampling_device)
+        self._times["decode_calls"] += 1
+        self.inflight.append(_Inflight("decode", seqs, toks, logprobs, emitted, self.weight_version))
 
-    def _append(self, seq: _Sequence, tokens: list[int], logprobs: list[float]) -> None:
-        """Adds sampled tokens, then finishes the sequence at the first stop condition."""
+    # --- reading results -----------------------------------------------------------------
+
+    def _process(self, keep: int) -> None:
+        """Reads the tokens of all but the last `keep` dispatched calls, oldest first."""
+        while len(self.inflight) > keep:
+            call = self.inflight.popleft()
+            start = time.perf_counter()
+            tokens, logprobs = np.asarray(call.tokens), np.asarray(call.logprobs)
+            emitted = None if call.emitted is None else np.asarray(call.emitted)
+            self._times["device_wait_s"] += time.perf_counter() - start
+            for i, seq in enumerate(call.seqs):
+                if seq is None or seq.finish is not None:
+                    continue
+                if call.kind == "prefill":
+                    if self._max_new(seq) <= 0:
+                        self._finish(seq, {"type": "length", "length": 0})
+                    else:
+                        self._append(seq, [int(tokens[i])], [float(logprobs[i])], call.version)
+                elif emitted[i]:
+                    n = int(emitted[i])
+                    self._append(seq, tokens[i, :n].tolist(), logprobs[i, :n].tolist(), call.version)
+
+    def _append(self, seq: _Sequence, tokens: list[int], logprobs: list[float], version: int) -> None:
+        """Adds sampled tokens up to the first stop condition (a stop token past min_new_tokens,
+        max_new_tokens, or the first stop string, whichever comes first) and finishes there."""
         sp = seq.request.sampling
         stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos or self._eos_id() is None else {self._eos_id()})
-        for token, logprob in zip(tokens, logprobs, strict=True):
-            seq.output.append(token)
-            seq.logprobs.append(logprob)
-            seq.versions.append(self.weight_version)
-            if token in stops and len(seq.output) >= sp.min_new_tokens:
-                return self._finish(seq, {"type": "stop", "matched": token})
-            if len(seq.output) >= self._max_new(seq):
-                return self._finish(seq, {"type": "length", "length": len(seq.output)})
-        if sp.stop and self.tokenizer is not None:
-            self._check_stop_strings(seq)
-
-    def _check_stop_strings(self, seq: _Sequence) -> None:
-        text = self.tokenizer.decode(seq.output)
-        hits = [(text.find(s), s) for s in seq.request.sampling.stop if s and s in text]
-        if not hits:
-            return
-        index, stop = min(hits)
-        end = index + len(stop)
-        for keep in range(1, len(seq.output) + 1):  # the first token whose text covers the stop
-            if len(self.tokenizer.decode(seq.output[:keep])) >= end:
-                del seq.output[keep:], seq.logprobs[keep:], seq.versions[keep:]
+        end, reason = len(tokens), None
+        for i, token in enumerate(tokens):
+            count = len(seq.output) + i + 1
+            if token in stops and count >= sp.min_new_tokens:
+                end, reason = i + 1, {"type": "stop", "matched": token}
                 break
-        self._finish(seq, {"type": "stop", "matched": stop})
+            if count >= self._max_new(seq):
+                end, reason = i + 1, {"type": "length", "length": count}
+                break
+        seq.output += tokens[:end]
+        seq.logprobs += logprobs[:end]
+        seq.versions += [version] * end
+        self._times["generated_tokens"] += end
+        hit = None if seq.stops is None else seq.stops.feed(seq.output)
+        if hit is not None:
+            del seq.output[hit[1]:], seq.logprobs[hit[1]:], seq.versions[hit[1]:]
+            reason = {"type": "stop", "matched": hit[0]}
+        if reason is not None:
+            self._finish(seq, reason)
+
+    # --- finishing -----------------------------------------------------------------------
 
     def _finish(self, seq: _Sequence, reason: dict[str, Any]) -> None:
         if seq.finish is not None:
@@ -375,8 +543,13 @@ class Engine:
             self.waiting.remove(seq)
         if seq.slot >= 0 and self.slots[seq.slot] is seq:
             self.slots[seq.slot] = None
+            self.active[seq.slot] = False
+            if reason["type"] != "abort":  # the KV of every token but the last is written: cache it
+                self.prefix.insert(seq.prompt + seq.output[:-1], seq.pages)
+            self.prefix.lock(seq.nodes, -1)
             self.pages.release(seq.pages)
-            seq.pages = []
+            self._reserved -= seq.budget
+            seq.pages, seq.nodes, seq.budget = [], [], 0
         self.finished.append(self._completion(seq, reason))
 
     def _completion(self, seq: _Sequence, finish: dict[str, Any] | None) -> Completion:
@@ -390,3 +563,18 @@ class Engine:
                           output_logprobs=list(seq.logprobs), output_versions=list(seq.versions),
                           finish_reason=finish, cached_tokens=seq.cached_tokens,
                           weight_version=self.weight_version, text=text)
+
+
+def _sampling_table(slots: int) -> dict[str, np.ndarray]:
+    return {"temperature": np.ones(slots, np.float32), "top_k": np.full(slots, -1, np.int32),
+            "top_p": np.ones(slots, np.float32), "min_p": np.zeros(slots, np.float32),
+            "seed": np.zeros(slots, np.int32), "min_new": np.zeros(slots, np.int32),
+            "max_new": np.ones(slots, np.int32), "stop_ids": np.full((slots, MAX_STOP_IDS), -1, np.int32)}
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

@@ -36,18 +36,51 @@ def measure_matmul_peak(dtype: str = "float32", size: int = 1024, repeats: int =
 
     On CPU one matmul uses all cores, so this is the whole machine's figure; on
     accelerators it is per device."""
-    a = jnp.ones((size, size), dtype)
-    matmul = jax.jit(lambda x: x @ x)
-    matmul(a).block_until_ready()
+    return 2 * size**3 / _best_time(jax.jit(lambda x: x @ x), jnp.ones((size, size), dtype), repeats, median)
+
+
+def _best_time(fn, arg, repeats: int, median: bool = False) -> float:
+    """Fastest (or with `median`, the median) of `repeats` calls of jitted `fn(arg)` after a warm-up
+    call (seconds)."""
+    fn(arg).block_until_ready()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        matmul(a).block_until_ready()
+        fn(arg).block_until_ready()
         times.append(time.perf_counter() - t0)
-    return 2 * size**3 / (statistics.median(times) if median else min(times))
+    return statistics.median(times) if median else min(times)
 
 
 def machine_peak(dtype: str = "float32") -> float:
     """Peak FLOP/s of all devices this process drives (CPU devices share the cores)."""
     per_device = measure_matmul_peak(dtype)
     return per_device if jax.devices()[0].platform == "cpu" else per_device * jax.local_device_count()
+
+
+# --- decoding (the rollout engine's roofline) -----------------------------------------------
+#
+# One generated token at context length c (tokens already cached, itself included) costs
+#     FLOPs  = 2 · N_matmul + 4 · L · H · Dh · c         (projections; attention scores + values)
+#     bytes  = c · kv_bytes_per_token  +  weight_bytes / B
+# where B rows share one read of the weights per decode step, and kv_bytes_per_token =
+# L · 2 · KVH · Dh · sizeof(kv dtype). A prompt token costs the FLOPs only (prefill is
+# compute-bound). The roofline time of a token is max(FLOPs / peak FLOP/s, bytes / peak bytes/s).
+
+
+def decode_flops_per_token(cfg: ModelConfig, context: int) -> float:
+    return 2 * matmul_params(cfg) + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "float32") -> int:
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(kv_dtype).itemsize
+
+
+def decode_bytes_per_token(cfg: ModelConfig, context: int, batch: int, kv_dtype: str = "float32") -> float:
+    weights = matmul_params(cfg) * jnp.dtype(cfg.param_dtype).itemsize
+    return context * kv_bytes_per_token(cfg, kv_dtype) + weights / max(batch, 1)
+
+
+def measure_memory_bandwidth(megabytes: int = 256, repeats: int = 10) -> float:
+    """Bytes/s of a streaming read (a sum over a resident float32 array), best of `repeats`."""
+    x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
+    return x.nbytes / _best_time(jax.jit(jnp.sum), x, repeats)

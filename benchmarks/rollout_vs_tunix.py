@@ -1,0 +1,78 @@
+"""Our sampler and Tunix's, side by side in one window, on the fixed config (32 x 64 -> 64 tokens).
+
+    .venv/bin/python benchmarks/rollout_vs_tunix.py [--tunix_python .venv-tunix/bin/python] [--rounds 2]
+
+Needs Tunix in its own venv (ignored by git): `python3 -m venv .venv-tunix &&
+.venv-tunix/bin/pip install google-tunix` (~12 min). Runs the peer's `bench_tunix.py --only sampler`
+(../shared/peers/tunix, its own process: 2 warm-up + 7 timed calls, its median) and our
+`benchmarks/rollout.py --only sampler` (the same model, prompts and call counts) alternately in
+ABBA order, `--rounds` pairs, and prints one JSON line: both medians, each run's figure, and the
+speed-up (median of ours over median of theirs, and per adjacent pair). This machine's speed
+drifts by up to 2x over minutes: only such same-window ratios mean anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# The peer directory beside the checkout (../shared/peers/tunix from the repository root; one level
+# further up from a worktree under wt/).
+PEER = next((p for p in (os.path.join(HERE, *[".."] * up, "shared", "peers", "tunix", "bench_tunix.py")
+                         for up in (2, 3)) if os.path.exists(p)), "bench_tunix.py")
+
+
+def _last_json(cmd: list[str]) -> dict:
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def tunix(python: str) -> float:
+    return _last_json([python, PEER, "--only", "sampler", "--repeats", "1"])["summary"]["sampler_gen_tokens_per_s"]
+
+
+def ours(decode_steps: int) -> dict:
+    record = _last_json([sys.executable, os.path.join(HERE, "rollout.py"), "--only", "sampler",
+                         "--decode_steps", str(decode_steps)])
+    return record["sampler"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tunix_python", default=os.path.join(HERE, "..", ".venv-tunix", "bin", "python"))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--decode_steps", type=int, default=16)
+    args = parser.parse_args()
+    theirs, mine, pairs, order = [], [], [], []
+    t0 = time.perf_counter()
+    for r in range(args.rounds):
+        pair = {}
+        for who in ("tunix", "ours") if r % 2 == 0 else ("ours", "tunix"):
+            if who == "tunix":
+                pair[who] = tunix(args.tunix_python)
+                theirs.append(pair[who])
+            else:
+                result = ours(args.decode_steps)
+                pair[who] = result["tokens_per_s"]
+                mine.append(result)
+            order.append(who)
+        pairs.append(round(pair["ours"] / pair["tunix"], 3))
+    ours_median = statistics.median(m["tokens_per_s"] for m in mine)
+    print(json.dumps({
+        "benchmark": "rollout_vs_tunix", "workload": "32 prompts x 64 tokens -> 64 new tokens, temperature 1, "
+        "bench preset (4.46M params, fp32); 2 warm-up + 7 timed calls per run, median",
+        "order": order, "tunix_tokens_per_s": theirs, "ours_tokens_per_s": [m["tokens_per_s"] for m in mine],
+        "ours_runs": mine, "tunix_median": round(statistics.median(theirs), 1), "ours_median": round(ours_median, 1),
+        "speedup_vs_tunix": round(ours_median / statistics.median(theirs), 3), "speedup_per_pair": pairs,
+        "decode_steps": args.decode_steps, "wall_s": round(time.perf_counter() - t0, 1),
+    }, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()
