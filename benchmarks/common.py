@@ -6,10 +6,9 @@ import json
 import os
 import time
 
-from rlvr.train.flops import measure_matmul_peak
-
 from rlvr.models.config import ModelConfig
 from rlvr.train import flops
+from rlvr.train.flops import measure_matmul_peak
 
 PEER_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "peers", "tunix")
 # Tunix 0.1.7 on the same fixed config and a 2-core CPU (../shared/peers/tunix/results_qwen3_r5.json).
@@ -56,7 +55,7 @@ def _unique_prompt_ranges(prompts: list[list[int]]) -> list[tuple[int, int]]:
     ranges, previous = [], ()
     for p in ordered:
         common = 0
-        for a, b in zip(p, previous):
+        for a, b in zip(p, previous, strict=False):
             if a != b:
                 break
             common += 1
