@@ -118,3 +118,21 @@ def held_back(text: str, stops: list[str]) -> int:
     off if the stop completes)."""
     keep = len(text) - len(text.rstrip("\ufffd"))
     return max([keep, *(_partial_suffix(text, stop) for stop in stops)])
+
+
+def tool_call_regex(tools: list[dict[str, Any]], name: str | None = None) -> str:
+    """The grammar of forced tool calls: with `name`, exactly one block calling that function; else
+    one or more blocks (newline-separated) calling any of `tools`. Each block is
+    `<tool_call>\\n{"name": "<name>", "arguments": <JSON of the function's parameters schema>}\\n</tool_call>`."""
+    from rlvr.rollout.grammar import escape, schema_regex
+
+    calls = []
+    for tool in tools:
+        fn = tool["function"]
+        if name is not None and fn["name"] != name:
+            continue
+        parameters = fn.get("parameters") or {"type": "object", "properties": {}}
+        calls.append(escape(OPEN + '\n{"name": ' + json.dumps(fn["name"], ensure_ascii=False) + ', "arguments": ')
+                     + schema_regex(parameters) + escape("}\n" + CLOSE))
+    one = "(" + "|".join(calls) + ")"
+    return one if name is not None else f"{one}(\\n{one})*"
