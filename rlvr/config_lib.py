@@ -141,6 +141,9 @@ def rl_config() -> ml_collections.ConfigDict:
         "agent_options": ml_collections.ConfigDict(),  # keyword arguments of the agent factory
         # rollout
         "prompts_per_step": 16, "group_size": 8, "max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0,
+        # sample JSON-schema tasks under their schema and tool-call tasks under the tool-call format
+        # (constrained decoding, rlvr.tasks.constraints; needs the "structured" extra)
+        "constrained_decoding": False,
         "seq_len": 32,  # train rows: longest prompt + max_new_tokens must fit
         "backend": "embedded",  # embedded (in-process JAX engine) | sglang (HTTP servers at sglang_urls)
         "sglang_urls": "",  # comma-separated

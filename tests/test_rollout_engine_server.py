@@ -129,6 +129,9 @@ def test_openai_structured_output_tool_choice_and_penalties(chat_server):
     stream = client.chat.completions.create(model="m", messages=messages, response_format={"type": "json_object"},
                                             max_tokens=40, seed=4, stream=True)
     assert isinstance(json.loads("".join(c.choices[0].delta.content or "" for c in stream if c.choices)), dict)
+    for bad in ({"regex": "(unclosed"}, {"json_schema": "{not json"}):
+        reply = httpx.post(chat_server.url + "/generate", json={"input_ids": [1], "sampling_params": bad})
+        assert reply.status_code == 400 and "compile" in reply.json()["error"]["message"]
     greedy = dict(model="m", prompt="abababab", max_tokens=16, temperature=0)
     plain = client.completions.create(**greedy).choices[0].text
     assert client.completions.create(**greedy, frequency_penalty=2.0).choices[0].text != plain

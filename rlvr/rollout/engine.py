@@ -242,20 +242,22 @@ class Engine:
                                    nodes=[], extras=dataclasses.replace(more, carried=carried))
 
     def release_memory(self, tags: list[str]) -> None:
-        """Gives device memory back: "kv_cache" (the page pool; the prefix cache is flushed),
-        "weights" (copied to the host). Needs no running sequence (pause with "retract" or
-        "abort" first); nothing is admitted until every released tag is resumed."""
+        """Gives device memory back: "kv_cache" (the page pool, deleted; the prefix cache is
+        flushed), "weights" (copied to the host and dropped: their device memory is freed unless
+        someone else holds the same arrays, as an in-process trainer does). Needs no running
+        sequence (pause with "retract" or "abort" first); nothing is admitted until every released
+        tag is resumed."""
         if self.num_running:
             raise RuntimeError("release_memory_occupation needs an idle engine: pause with mode 'retract' or "
                                "'abort' first")
         self._process(keep=0)
         if "kv_cache" in tags and "kv_cache" not in self.released:
             self.flush_cache()
-            self._delete(self.pool)
+            for leaf in jax.tree.leaves(self.pool):
+                leaf.delete()
             self.pool = None
         if "weights" in tags and "weights" not in self.released:
             self._host_params = (jax.device_get(self.params), jax.tree.map(lambda x: x.sharding, self.params))
-            self._delete(self.params)
             self.params = None
         self.released |= {t for t in tags if t in ("kv_cache", "weights")}
 
@@ -268,11 +270,6 @@ class Engine:
             host, shardings = self._host_params
             self.params, self._host_params = jax.tree.map(jax.device_put, host, shardings), None
         self.released -= set(tags)
-
-    @staticmethod
-    def _delete(tree) -> None:
-        for leaf in jax.tree.leaves(tree):
-            leaf.delete()
 
     def resume(self) -> None:
         self.paused = False

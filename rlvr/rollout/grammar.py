@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import threading
 import weakref
 from typing import Any
@@ -50,14 +51,116 @@ def escape(text: str) -> str:
 
 
 def schema_regex(schema: str | dict[str, Any]) -> str:
-    """The regex of a JSON schema (outlines-core; whitespace between tokens is at most one space)."""
+    """The regex of a JSON schema (outlines-core; whitespace between tokens is at most one space).
+    Numeric bounds, which outlines-core drops, are enforced here: an integer's minimum / maximum
+    (exclusive ones too) become an exact digit-range regex, a number's with integer bounds one
+    with a fraction, and a bounded number with `multipleOf` its list of values (up to 1024).
+    Not enforced: uniqueItems, other number bounds."""
     from outlines_core.json_schema import build_regex_from_schema
 
-    text = schema if isinstance(schema, str) else json.dumps(schema)
     try:
-        return build_regex_from_schema(text)
+        tree = json.loads(schema) if isinstance(schema, str) else schema
+        ranges: list[str] = []
+        regex = build_regex_from_schema(json.dumps(_bounded(tree, ranges)))
     except Exception as e:  # a malformed schema or one outlines-core cannot express
         raise ValueError(f"json_schema cannot be compiled: {e}") from None
+    for k, pattern in enumerate(ranges):
+        regex = regex.replace(f'"{_RANGE}{k}__"', f"({pattern})")
+    return regex
+
+
+_RANGE = "__rlvr_numeric_range_"
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def _bounded(node: Any, ranges: list[str]) -> Any:
+    """`node` with every bounded numeric subschema replaced by a placeholder constant whose regex
+    is appended to `ranges` (schema_regex puts it back in place of the constant's literal)."""
+    if not isinstance(node, dict):
+        return node
+    pattern = _numeric_pattern(node)
+    if pattern is not None:
+        ranges.append(pattern)
+        return {"const": f"{_RANGE}{len(ranges) - 1}__"}
+    out = dict(node)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            out[key] = {name: _bounded(sub, ranges) for name, sub in node[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            out[key] = [_bounded(sub, ranges) for sub in node[key]]
+    for key in ("items", "additionalProperties", "not"):
+        if isinstance(node.get(key), dict):
+            out[key] = _bounded(node[key], ranges)
+    return out
+
+
+def _numeric_pattern(node: dict[str, Any]) -> str | None:
+    kind = node.get("type")
+    keys = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+    if kind not in ("integer", "number") or not any(k in node for k in keys):
+        return None
+    lo, hi = node.get("minimum"), node.get("maximum")
+    if isinstance(node.get("exclusiveMinimum"), int | float):
+        lo = node["exclusiveMinimum"] + (1 if kind == "integer" else 0)
+    if isinstance(node.get("exclusiveMaximum"), int | float):
+        hi = node["exclusiveMaximum"] - (1 if kind == "integer" else 0)
+    if kind == "integer":
+        return integer_range_regex(None if lo is None else math.ceil(lo), None if hi is None else math.floor(hi))
+    step = node.get("multipleOf")
+    if step and lo is not None and hi is not None and (hi - lo) / step <= 1024:
+        values = [round(k * step, 12) for k in range(math.ceil(lo / step), math.floor(hi / step) + 1)]
+        return "|".join(escape(json.dumps(v)) for v in values)
+    if all(isinstance(b, int) for b in (lo, hi)) and 0 <= lo < hi and not node.get("exclusiveMaximum"):
+        return f"({integer_range_regex(lo, hi - 1)})(\\.[0-9]+)?|{hi}(\\.0+)?"
+    return None
+
+
+def integer_range_regex(lo: int | None, hi: int | None) -> str:
+    """A regex matching exactly the JSON integers in [lo, hi] (None: unbounded on that side)."""
+    parts = []
+    if lo is None or lo < 0:  # negatives: -n for n in [max(1, -hi), -lo]
+        n_lo = 1 if hi is None or hi >= 0 else -hi
+        n_hi = None if lo is None else -lo
+        parts += ["-" + p for p in _nonnegative(n_lo, n_hi)]
+    if hi is None or hi >= 0:
+        parts += _nonnegative(max(lo or 0, 0), hi)
+    return "|".join(parts) if parts else "(?!)"
+
+
+def _nonnegative(lo: int, hi: int | None) -> list[str]:
+    """Patterns of the integers in [lo, hi] (lo >= 0; hi None = unbounded), by digit count."""
+    patterns, start = [], lo
+    while hi is None or start <= hi:
+        digits = len(str(start))
+        if hi is None and start == 10 ** (digits - 1) and digits > 1:
+            return patterns + [f"[1-9][0-9]{{{digits - 1},}}"]
+        end = 10**digits - 1 if hi is None else min(hi, 10**digits - 1)
+        patterns += _same_length(str(start), str(end))
+        start = end + 1
+    return patterns
+
+
+def _same_length(a: str, b: str) -> list[str]:
+    """Patterns of the integers from a to b, both written with the same number of digits."""
+    if a == b:
+        return [a]
+    if len(a) == 1:
+        return [f"[{a}-{b}]"]
+    if a[0] == b[0]:
+        return [a[0] + p for p in _same_length(a[1:], b[1:])]
+    rest = len(a) - 1
+    out, first, last, tail = [], a[0], b[0], []
+    if a[1:] != "0" * rest:
+        out += [a[0] + p for p in _same_length(a[1:], "9" * rest)]
+        first = chr(ord(a[0]) + 1)
+    if b[1:] != "9" * rest:
+        tail = [b[0] + p for p in _same_length("0" * rest, b[1:])]
+        last = chr(ord(b[0]) - 1)
+    if first <= last:
+        out.append((first if first == last else f"[{first}-{last}]") + "[0-9]" * rest)
+    return out + tail
 
 
 def constraint_regex(kind: str, value: Any) -> str:

@@ -140,8 +140,23 @@ class RolloutApp:
 
     # --- running requests -----------------------------------------------------------------
 
+    def precompile(self, requests: list[Request]) -> None:
+        """Compiles the requests' grammars here, on the handler thread (cached for the engine, which
+        would otherwise stall every running request while a large grammar compiles); 400 if one
+        does not compile."""
+        for request in requests:
+            constraint = request.sampling.constraint
+            if constraint is not None:
+                from rlvr.rollout.grammar import compile_constraint
+
+                try:
+                    compile_constraint(*constraint, self.limits.tokenizer, self.limits.vocab_size)
+                except ValueError as e:
+                    raise ApiError(f"{constraint[0]}: {e}") from None
+
     def run(self, requests: list[Request], cancelled: Callable[[], bool] | None = None) -> list[Completion]:
         """Completions of `requests` in order; aborts them if the HTTP client goes away."""
+        self.precompile(requests)
         try:
             futures = self.driver.submit_many(requests)
         except ValueError as e:
@@ -168,6 +183,7 @@ class RolloutApp:
 
     def stream(self, requests: list[Request]) -> Iterator[tuple[int, Completion]]:
         """(index, partial completion) as outputs grow; closing it aborts what is unfinished."""
+        self.precompile(requests)
         try:
             return self.driver.stream_many(requests)
         except ValueError as e:
