@@ -319,6 +319,7 @@ def extras(args) -> dict:
             outputs[name] = (tokens, outs)
     per_token = {name: statistics.median(v) for name, v in runs.items()}
     parsed = sum(1 for c in outputs["json_schema"][1] if _valid_json(tokenizer, c, EXTRA_SCHEMA))
+    roofline = decode_roofline(cfg, prompts, [128] * len(prompts), 32, machine_peaks())
     return {
         "model": "bench_32k preset (34.9M params, fp32); tokenizer: byte-level BPE trained here, "
                  f"{tokenizer.vocab_size} pieces ({round(tokenizer_s, 1)} s)",
@@ -331,6 +332,7 @@ def extras(args) -> dict:
         "regex_vs_plain": round(per_token["regex"] / per_token["plain"], 3),
         "regex_vs_plain_one_step": round(per_token["regex"] / per_token["plain_one_step"], 3),
         "penalties_vs_plain": round(per_token["penalties"] / per_token["plain"], 3),
+        "roofline_plain": roofline, "plain_vs_roofline": round(1 / per_token["plain"] / roofline["tokens_per_s"], 3),
         "json_schema_outputs_valid": f"{parsed}/{len(outputs['json_schema'][1])}",
         "first_call_incl_compile_s": {name: round(v, 2) for name, v in first.items()},
     }

@@ -139,9 +139,11 @@ def test_constrained_outputs_always_parse_on_a_random_model(engine):
 
 
 def test_stop_regex_and_retract_resume_give_the_uninterrupted_tokens(params):
+    """Retract mid-way, flush, release and resume memory: the same tokens as an uninterrupted run."""
     engine = Engine(CFG, params, tokenizer=TOK, **OPTS)
     prompt = TOK.encode("Once upon a time")
-    sampling = SamplingParams(max_new_tokens=40, temperature=1.0, sampling_seed=7, ignore_eos=True)
+    sampling = SamplingParams(max_new_tokens=40, temperature=1.0, sampling_seed=7, ignore_eos=True,
+                              frequency_penalty=0.7)  # the penalty's counts survive the retraction
     [whole] = engine.generate([Request("a", prompt, sampling)])
     engine.submit(Request("b", prompt, sampling))
     while engine.num_running == 0 or not engine.snapshot("b") or len(engine.snapshot("b").output_ids) < 9:

@@ -630,6 +630,30 @@ def test_fuzz_bad_bodies_get_4xx_json(shared, body, path):
     assert shared.http.get("/health").status_code == 200
 
 
+OPENAI_KEYS = ["stream", "n", "logprobs", "top_logprobs", "echo", "tool_choice", "tools", "response_format",
+               "stream_options", "max_tokens", "max_completion_tokens", "seed", "stop", "temperature", "top_p",
+               "presence_penalty", "logit_bias", "rid", "return_token_ids", "model", "unknown_field", "suffix"]
+OPENAI_BODIES = st.builds(
+    lambda chat, extra: {**({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}),
+                         "max_tokens": 3, **extra},
+    st.booleans(), st.dictionaries(st.sampled_from(OPENAI_KEYS), JSON | st.integers(-5, 5), max_size=4))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=OPENAI_BODIES)
+def test_fuzz_openai_fields_never_5xx(shared, body):
+    """Random values of the OpenAI fields (streaming or not): a 2xx answer or a 4xx JSON error."""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    with shared.http.stream("POST", path, content=json.dumps(body).encode()) as reply:
+        data = reply.read()
+    assert reply.status_code < 500, data
+    if reply.status_code >= 400:
+        assert isinstance(json.loads(data)["error"]["message"], str)
+    elif body.get("stream") is True:
+        assert data.rstrip().endswith(b"data: [DONE]")
+    assert shared.http.get("/health").status_code == 200
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=JSON, path=st.sampled_from(["/abort_request", "/pause_generation", "/continue_generation",
                                         "/update_weights_from_disk", "/update_weight_version", "/flush_cache",

@@ -156,6 +156,13 @@ def arm(state, slots, tokens, positions):
     return new_state
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def add_counts(state, slots, counts):
+    """state["counts"][slots[i]] += counts[i]: a retracted sequence's earlier output tokens, for its
+    penalties (prefill and arm start a slot's counts over)."""
+    return {**state, "counts": state["counts"].at[slots].add(counts)}
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def score(cfg: ModelConfig, top: int, params, tokens, ids=None):
     """Raw log-probs of a prompt [T] scoring itself: entry t is log p(token t+1 | tokens <= t) (the

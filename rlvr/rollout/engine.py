@@ -543,6 +543,7 @@ class Engine:
             self.decode_cfg, filters, self.params, self.pool, table, tokens, positions, segments, self.state, slots,
             completes, sampling, self._top(finishing), self._masks(finishing, rows))
         self._times["prefill_calls"] += 1
+        self._restore_counts([s for s in finishing if s is not None])
         if any(finishing):
             self.inflight.append(_Inflight("prefill", finishing, tok, logprob, None, self.weight_version, more))
 
@@ -555,6 +556,17 @@ class Engine:
             seq.prefilled = seq.device_tokens = len(seq.prompt)
             self.active[seq.slot] = True
         self.state = device_fns.arm(self.state, *jax.device_put((slots, tokens, positions)))
+        self._restore_counts(seqs)
+
+    def _restore_counts(self, seqs: list[_Sequence]) -> None:
+        """Penalties of retracted sequences count the output they had before (their slot's counts
+        were just started over)."""
+        carried = [s for s in seqs if s.extras.carried_tokens]
+        if not carried or "counts" not in self.state:
+            return
+        counts = np.stack([np.bincount(s.extras.carried[0], minlength=self.cfg.vocab_size) for s in carried])
+        slots = np.array([s.slot for s in carried], np.int32)
+        self.state = device_fns.add_counts(self.state, jnp.asarray(slots), jnp.asarray(counts, jnp.int32))
 
     def _cache_prompt_pages(self, seq: _Sequence) -> None:
         """Full prompt pages just dispatched go into the prefix cache (later readers are

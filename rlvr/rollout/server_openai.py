@@ -1,9 +1,8 @@
 """OpenAI-compatible `/v1/completions`, `/v1/chat/completions`, `/v1/models` over the engine.
 
-Both generation routes answer with one JSON object, or with `stream: true` an SSE stream of
-chunks (`stream_options.include_usage` adds a last chunk with the usage, `continuous_usage_stats`
-one per chunk), then `data: [DONE]`. Text is streamed as it settles: an incomplete UTF-8 character
-or a suffix that could begin a stop string is held back until known.
+This module parses requests into an `OpenAICall` (engine requests plus how to render them);
+`server_openai_answers.serve` runs it and answers with one JSON object or, with `stream: true`,
+an SSE stream of chunks. Also `/tokenize` and `/detokenize` (SGLang's, also under `/v1/`).
 
 Chat prompts are rendered with the tokenizer's own chat template (tools included), and
 `<tool_call>{json}</tool_call>` blocks in the output become OpenAI `tool_calls` (streamed as one
@@ -22,14 +21,13 @@ structural tags, non-text message parts.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import time
 import uuid
-from collections.abc import Generator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from rlvr.rollout import tool_calls
+from rlvr.rollout.server_openai_answers import OpenAICall, serve
 from rlvr.rollout.server_protocol import (
     ApiError,
     LogprobOptions,
@@ -43,13 +41,9 @@ from rlvr.rollout.server_protocol import (
     expect_object,
     is_int,
     log_ignored,
-    output_text,
     parse_sampling,
     refuse_unsupported,
 )
-from rlvr.rollout.tool_calls import ToolCallStream, held_back, parse_tool_calls  # noqa: F401 (re-export)
-from rlvr.rollout.types import Completion, Request, SamplingParams
-from rlvr.rollout.vocab import token_bytes, token_text
 
 # OpenAI (and SGLang extension) name -> sampling_params name.
 _SAMPLING_NAMES = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -66,29 +60,6 @@ _COMPLETION_FIELDS = {*_COMMON, "prompt", "echo", "json_schema"}
 _CHAT_FIELDS = {*_COMMON, "messages", "tools", "tool_choice", "top_logprobs", "chat_template_kwargs",
                 "max_completion_tokens"}
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
-
-
-@dataclasses.dataclass
-class _Call:
-    """One parsed OpenAI call: the engine requests and how to render their completions."""
-
-    endpoint: str
-    body: dict[str, Any]
-    requests: list[Request]
-    sampling: SamplingParams
-    top: int | None = None  # log-probs: None = none, else the number of alternatives per position
-    echo: list[str] | None = None  # completions: the prompt text per prompt
-    parse_tools: bool = False
-    include_usage: bool = False
-    continuous_usage: bool = False
-    tokenizer: Any = None
-
-    @property
-    def kind(self) -> str:
-        return "chat.completion" if self.endpoint == "/v1/chat/completions" else "text_completion"
-
-    def text(self, c: Completion) -> str:
-        return output_text(c, self.tokenizer, self.sampling.skip_special_tokens, self.sampling.no_stop_trim)
 
 
 def _response_format(value: Any) -> str | None:
@@ -129,27 +100,6 @@ def _rids(body: dict[str, Any], prefix: str, count: int) -> list[str]:
     rid = body.get("rid")
     base = check_str("rid", rid) if rid is not None else f"{prefix}-{uuid.uuid4().hex}"
     return [base] if count == 1 and rid is not None else [f"{base}_{k}" for k in range(count)]
-
-
-def _finish(c: Completion) -> str | None:
-    kind = (c.finish_reason or {}).get("type")
-    return None if kind is None else {"stop": "stop", "length": "length"}.get(kind, "abort")
-
-
-def _extras(choice: dict[str, Any], c: Completion, body: dict[str, Any]) -> dict[str, Any]:
-    if body.get("return_token_ids"):
-        choice["prompt_token_ids"], choice["token_ids"] = list(c.prompt_ids), list(c.output_ids)
-    if body.get("return_meta_info"):
-        choice["meta_info"] = c.meta_info(return_logprob=True)
-    matched = (c.finish_reason or {}).get("matched")
-    choice["matched_stop"] = matched if is_int(matched) or isinstance(matched, str) else None
-    return choice
-
-
-def _usage(completions: list[Completion], n: int) -> dict[str, int]:
-    prompt = sum(c.prompt_tokens for c in completions[::n])  # n samples share one prompt
-    done = sum(c.completion_tokens for c in completions)
-    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
 
 def _common(body: Any, fields: set[str], where: str) -> dict[str, Any]:
@@ -198,7 +148,7 @@ def _prompts(prompt: Any, limits: ModelLimits) -> tuple[list[list[int]], list[st
     return ids, texts
 
 
-def _parse_completion(app: Any, body: Any) -> _Call:
+def _parse_completion(app: Any, body: Any) -> OpenAICall:
     body = _common(body, _COMPLETION_FIELDS, "/v1/completions")
     limits: ModelLimits = app.limits
     logprobs = body.get("logprobs")
@@ -219,44 +169,13 @@ def _parse_completion(app: Any, body: Any) -> _Call:
     echoes = [t if t is not None else (tok.decode(p, skip_special_tokens=True) if tok is not None else "")
               for p, t in zip(ids, texts, strict=True)] if echo else None
     include, continuous = _stream_options(body)
-    return _Call("/v1/completions", body, requests, sp.params, top, echoes, False, include, continuous, tok)
-
-
-def _completion_logprobs(c: Completion, call: _Call, first: int, with_input: bool, at: int = 0) -> dict[str, Any]:
-    """OpenAI's legacy logprobs for output tokens from `first` on (and the prompt's with echo);
-    `at` is the text offset of the first token listed."""
-    tok = call.tokenizer
-    meta = c.meta_info(return_logprob=True)
-    items = (meta["input_token_logprobs"] if with_input else []) + meta["output_token_logprobs"][first:]
-    tops = (meta.get("input_top_logprobs", []) if with_input else []) + meta.get("output_top_logprobs", [])[first:]
-    tokens = [token_text(tok, t) for _, t, _ in items]
-    offsets = []
-    for text in tokens:
-        offsets.append(at)
-        at += len(text)
-    top = None
-    if call.top:
-        top = [None if row is None else {token_text(tok, t): lp for lp, t, _ in row} for row in tops]
-    return {"tokens": tokens, "token_logprobs": [lp for lp, _, _ in items], "text_offset": offsets,
-            "top_logprobs": top}
-
-
-def _completion_choices(app: Any, call: _Call, done: list[Completion]) -> list[dict[str, Any]]:
-    choices = []
-    for k, c in enumerate(done):
-        text = call.text(c)
-        app.record(call.endpoint, call.body, c, text)
-        echo = call.echo[k // call.sampling.n] if call.echo is not None else ""
-        lp = None if call.top is None else _completion_logprobs(c, call, 0, call.echo is not None, 0)
-        text = echo + text
-        choices.append(_extras({"index": k, "text": text, "logprobs": lp, "finish_reason": _finish(c)}, c, call.body))
-    return choices
+    return OpenAICall("/v1/completions", body, requests, sp.params, top, echoes, False, include, continuous, tok)
 
 
 def completions(app: Any, body: Any, cancelled: Any = None) -> dict[str, Any] | Iterator[bytes]:
     """POST /v1/completions: the response, or with stream=true its SSE chunks."""
     call = _parse_completion(app, body)
-    return _serve(app, call, cancelled)
+    return serve(app, call, cancelled)
 
 
 # --- /v1/chat/completions ------------------------------------------------------------------
@@ -343,7 +262,7 @@ def _render(app: Any, body: dict[str, Any], tools: list[dict[str, Any]] | None) 
     return list(ids)
 
 
-def _parse_chat(app: Any, body: Any) -> _Call:
+def _parse_chat(app: Any, body: Any) -> OpenAICall:
     body = _common(body, _CHAT_FIELDS, "/v1/chat/completions")
     limits: ModelLimits = app.limits
     want = check_bool("logprobs", body.get("logprobs") or False)
@@ -365,172 +284,13 @@ def _parse_chat(app: Any, body: Any) -> _Call:
     lp = LogprobOptions(-1, top if want else 0)
     requests = expand([prompt], [sp], _rids(body, "chatcmpl", sp.params.n), limits, [lp])
     include, continuous = _stream_options(body)
-    return _Call("/v1/chat/completions", body, requests, sp.params, top if want else None, None,
+    return OpenAICall("/v1/chat/completions", body, requests, sp.params, top if want else None, None,
                  bool(tools) and choice != "none", include, continuous, limits.tokenizer)
-
-
-def _chat_logprobs(c: Completion, call: _Call, first: int = 0) -> dict[str, Any]:
-    tok = call.tokenizer
-    tops = c.output_top_logprobs or [[] for _ in c.output_ids]
-    content = []
-    for token, lp, row in list(zip(c.output_ids, c.output_logprobs, tops, strict=True))[first:]:
-        content.append({**_entry(tok, token, lp), "top_logprobs": [_entry(tok, t, v) for v, t in row][:call.top]})
-    return {"content": content}
-
-
-def _entry(tokenizer: Any, token: int, logprob: float) -> dict[str, Any]:
-    text = token_text(tokenizer, token)
-    raw = token_bytes(tokenizer)[token] if tokenizer is not None and token < tokenizer.vocab_size else None
-    return {"token": text, "logprob": logprob, "bytes": list(raw if raw is not None else text.encode("utf-8"))}
-
-
-def _chat_choices(app: Any, call: _Call, done: list[Completion]) -> list[dict[str, Any]]:
-    choices = []
-    for k, c in enumerate(done):
-        text = call.text(c)
-        app.record(call.endpoint, call.body, c, text)
-        content, calls = parse_tool_calls(text) if call.parse_tools else (text, [])
-        message: dict[str, Any] = {"role": "assistant", "content": content, "reasoning_content": None}
-        finish = _finish(c)
-        if calls:
-            message["tool_calls"] = calls
-            finish = "tool_calls" if finish == "stop" else finish
-        choice = {"index": k, "message": message, "finish_reason": finish,
-                  "logprobs": _chat_logprobs(c, call) if call.top is not None else None}
-        choices.append(_extras(choice, c, call.body))
-    return choices
 
 
 def chat_completions(app: Any, body: Any, cancelled: Any = None) -> dict[str, Any] | Iterator[bytes]:
     """POST /v1/chat/completions (tools rendered by the chat template, tool calls parsed back)."""
-    return _serve(app, _parse_chat(app, body), cancelled)
-
-
-# --- answers: one object, or a stream of chunks --------------------------------------------
-
-
-def _response(app: Any, call: _Call, done: list[Completion], rid: str) -> dict[str, Any]:
-    build = _chat_choices if call.kind == "chat.completion" else _completion_choices
-    return {"id": rid, "object": call.kind, "created": int(time.time()), "model": app.model_name,
-            "choices": build(app, call, done), "usage": _usage(done, call.sampling.n)}
-
-
-def _serve(app: Any, call: _Call, cancelled: Any) -> dict[str, Any] | Iterator[bytes]:
-    prefix = "chatcmpl" if call.kind == "chat.completion" else "cmpl"
-    rid = f"{prefix}-{uuid.uuid4().hex}"
-    if not call.body.get("stream"):
-        return _response(app, call, app.run(call.requests, cancelled), rid)
-    return _stream(app, call, app.stream(call.requests), rid)
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
-
-
-@dataclasses.dataclass
-class _ChoiceState:
-    """What one streamed choice has sent so far."""
-
-    text: str = ""
-    tokens: int = 0
-    started: bool = False
-    tools: ToolCallStream | None = None
-    calls: int = 0
-
-
-def _delta_text(call: _Call, state: _ChoiceState, c: Completion) -> str:
-    """New settled text of a partial (or the rest of a final) completion."""
-    text = call.text(c)
-    if c.finish_reason is None:
-        text = text[: len(text) - held_back(text, list(call.sampling.stop))]
-    if not text.startswith(state.text):
-        return ""  # the decoded prefix changed (rare: a later token merged with earlier bytes)
-    delta, state.text = text[len(state.text):], text
-    return delta
-
-
-def _chunk(app: Any, call: _Call, rid: str, choice: dict[str, Any], usage: Any = None) -> bytes:
-    chunk = {"id": rid, "object": call.kind + (".chunk" if call.kind == "chat.completion" else ""),
-             "created": int(time.time()), "model": app.model_name, "choices": [choice]}
-    if usage is not None:
-        chunk["usage"] = usage
-    return _sse(chunk)
-
-
-def _chat_deltas(call: _Call, state: _ChoiceState, c: Completion, text: str) -> list[dict[str, Any]]:
-    deltas: list[dict[str, Any]] = []
-    if not state.started:
-        deltas.append({"role": "assistant", "content": ""})
-        state.started = True
-    final = c.finish_reason is not None
-    if state.tools is not None:
-        content, calls = state.tools.feed(text, final)
-        state.calls += len(calls)
-    else:
-        content, calls = text, []
-    if content:
-        deltas.append({"content": content})
-    if calls:
-        deltas.append({"tool_calls": calls})
-    return deltas
-
-
-def _stream_chunks(app: Any, call: _Call, state: _ChoiceState, index: int, c: Completion, rid: str,
-                   usage: Any) -> Iterator[bytes]:
-    """The chunks one partial (or final) completion adds to the stream."""
-    sent = len(state.text)
-    text = _delta_text(call, state, c)
-    first, state.tokens = state.tokens, len(c.output_ids)
-    final = _finish(c)
-    if call.kind == "text_completion":
-        echo = call.echo[index // call.sampling.n] if call.echo is not None else ""
-        with_input = bool(echo) and not state.started
-        lp = None if call.top is None else _completion_logprobs(c, call, first, with_input,
-                                                                 0 if with_input else len(echo) + sent)
-        if not state.started:
-            text, state.started = echo + text, True
-        choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": final}
-        if call.body.get("return_token_ids"):
-            choice["token_ids"] = list(c.output_ids[first:])
-        yield _chunk(app, call, rid, _extras(choice, c, {}) if final else choice, usage)
-        return
-    lp = None if call.top is None else _chat_logprobs(c, call, first)
-    deltas = _chat_deltas(call, state, c, text)
-    if not deltas and lp is not None and lp["content"]:
-        deltas = [{}]  # held-back text: the tokens' log-probs still go out
-    for k, delta in enumerate(deltas):
-        yield _chunk(app, call, rid, {"index": index, "delta": delta, "logprobs": lp if k == 0 else None,
-                                      "finish_reason": None}, usage)
-    if final:
-        reason = "tool_calls" if final == "stop" and state.calls else final
-        yield _chunk(app, call, rid, _extras({"index": index, "delta": {}, "logprobs": None,
-                                              "finish_reason": reason}, c, {}), usage)
-
-
-def _stream(app: Any, call: _Call, partials: Iterator[tuple[int, Completion]],
-            rid: str) -> Generator[bytes, None, dict[str, Any] | None]:
-    """SSE chunks of a streamed call; returns the full response (as if not streamed) at the end."""
-    states = [_ChoiceState(tools=ToolCallStream() if call.parse_tools else None) for _ in call.requests]
-    finals: dict[int, Completion] = {}
-    try:
-        for index, c in partials:
-            usage = _usage([c], 1) if call.continuous_usage else None
-            yield from _stream_chunks(app, call, states[index], index, c, rid, usage)
-            if c.finish_reason is not None:
-                finals[index] = c
-    except Exception as e:
-        yield _sse(app.error_of(e).body())
-        yield b"data: [DONE]\n\n"
-        return None
-    finally:
-        partials.close()  # type: ignore[attr-defined]  # aborts unfinished requests
-    done = [finals[i] for i in range(len(call.requests))]
-    if call.include_usage:
-        yield _sse({"id": rid, "object": f"{call.kind}.chunk" if call.kind == "chat.completion" else call.kind,
-                    "created": int(time.time()), "model": app.model_name, "choices": [],
-                    "usage": _usage(done, call.sampling.n)})
-    yield b"data: [DONE]\n\n"
-    return _response(app, call, done, rid)
+    return serve(app, _parse_chat(app, body), cancelled)
 
 
 # --- models, tokenize, detokenize ----------------------------------------------------------
