@@ -233,7 +233,7 @@ def main(argv: list[str]) -> int:
     request = json.loads(sys.stdin.read())
     import jax
 
-    from rlvr import config_lib
+    from rlvr import config_lib, start
     from rlvr.main import TRAINERS
 
     if jax.device_count() != devices:
@@ -244,6 +244,7 @@ def main(argv: list[str]) -> int:
         config = config_lib.load_config(request["config_spec"], overrides)
         try:
             config_lib.validate(config, devices, TRAINERS)
+            config = start.resolve(config)  # the checkpoint's architecture, the derived RL budgets
         except config_lib.ConfigError as e:
             print(f"config error on {devices} devices: {e}", file=sys.stderr)
             return 2

@@ -60,14 +60,11 @@ def _loss_fn(config, cfg):
 
 
 def model_config_of(config):
-    from rlvr.models.config import ModelConfig
+    """The architecture the job runs: its starting checkpoint's (config.json only: no weights are
+    read), with the config's runtime fields, or model.* for random init (rlvr.start)."""
+    from rlvr import start
 
-    if config.init.hf_checkpoint:
-        from rlvr.models import hf
-
-        with open(os.path.join(config.init.hf_checkpoint, "config.json")) as f:
-            return hf.config_from_hf(json.load(f), attention=config.model.attention)
-    return ModelConfig.from_mapping(config.model)
+    return start.model_config(config)
 
 
 def analyze(config) -> dict[str, Any]:

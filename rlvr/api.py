@@ -21,17 +21,19 @@ from rlvr import sharding
 from rlvr.config_lib import ConfigError, load_config  # noqa: F401  (re-exported)
 from rlvr.models import params as params_lib
 from rlvr.models.config import ModelConfig
-from rlvr.models.tokenizer import Tokenizer, byte_level_tokenizer
+from rlvr.models.tokenizer import Tokenizer
 from rlvr.models.transformer import forward as _forward
 
 
 @dataclasses.dataclass
 class Model:
-    """A model ready to run: architecture, (sharded) params, the mesh they live on."""
+    """A model ready to run: architecture, (sharded) params, the mesh they live on, and (when loaded
+    from a workdir) the tokenizer it was trained with."""
 
     cfg: ModelConfig
     params: Any
     mesh: Mesh
+    tokenizer: Tokenizer | None = None
 
 
 def build_mesh(config: ml_collections.ConfigDict) -> Mesh:
@@ -39,38 +41,62 @@ def build_mesh(config: ml_collections.ConfigDict) -> Mesh:
 
 
 def build_tokenizer(config: ml_collections.ConfigDict) -> Tokenizer:
-    """The tokenizer of `tokenizer.path` (or `init.hf_checkpoint`), else the byte-level one."""
-    path = config.tokenizer.path or config.init.hf_checkpoint
-    return Tokenizer.from_dir(path) if path else byte_level_tokenizer()
+    """The job's tokenizer: `tokenizer.path`, else the starting checkpoint's (init.*), else byte-level;
+    with `tokenizer.chat_template` and `tokenizer.system_prompt` applied (rlvr.start)."""
+    from rlvr import start
+
+    return start.build_tokenizer(start.tokenizer_settings(config))
 
 
 def build_model(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> Model:
-    """Loads `init.hf_checkpoint` if set, else initialises `model.*` from `seed`, sharded."""
+    """The policy the config starts from (rlvr.start): `init.hf_checkpoint`, `init.workdir`'s latest
+    checkpoint, or `model.*` initialised from `seed`; sharded on `mesh`."""
+    from rlvr import start
+    from rlvr.models.config import RUNTIME_FIELDS
+
     mesh = mesh or build_mesh(config)
-    if config.init.hf_checkpoint:
+    cfg, src = start.model_config(config), start.source(config)
+    if src.kind == "hf":
         from rlvr.models import hf
 
-        cfg, params = hf.load_hf_checkpoint(config.init.hf_checkpoint, mesh=mesh,
-                                           overrides={"attention": config.model.attention})
-        return Model(cfg, params, mesh)
-    cfg = ModelConfig.from_mapping(config.model)
-    params = params_lib.init_params(cfg, jax.random.key(config.seed), mesh)
-    return Model(cfg, params, mesh)
+        runtime = {k: getattr(cfg, k) for k in RUNTIME_FIELDS}
+        _, params = hf.load_hf_checkpoint(src.path, mesh=mesh, overrides=runtime)
+    elif src.kind == "workdir":
+        params = load_trained(src.path, mesh=mesh).params
+        params = jax.tree.map(lambda x: x if x.dtype == cfg.param_dtype else x.astype(cfg.param_dtype), params)
+    else:
+        params = params_lib.init_params(cfg, jax.random.key(config.seed), mesh)
+    return with_value_head(Model(dataclasses.replace(cfg, value_head="value_proj" in params), params, mesh),
+                           cfg.value_head)
+
+
+def with_value_head(model: Model, wanted: bool = True) -> Model:
+    """The model with (a zero-initialised) or without a scalar value head on its backbone: the value
+    starts at 0 everywhere and is learned by its loss (PPO's critic, a reward model)."""
+    if model.cfg.value_head == wanted:
+        return model
+    cfg = dataclasses.replace(model.cfg, value_head=wanted)
+    if not wanted:
+        return Model(cfg, {k: v for k, v in model.params.items() if k != "value_proj"}, model.mesh, model.tokenizer)
+    shardings = params_lib.param_shardings(cfg, model.mesh)
+    head = jax.tree.map(lambda sh, a: jax.device_put(jnp.zeros(a.shape, a.dtype), sh),
+                        shardings["value_proj"], params_lib.abstract_params(cfg)["value_proj"])
+    return Model(cfg, {**model.params, "value_proj": head}, model.mesh, model.tokenizer)
 
 
 def load_run_config(workdir: str) -> ml_collections.ConfigDict:
     """The resolved config a job wrote to `workdir/config.json`."""
-    import json
-    import os
+    from rlvr import start
 
-    with open(os.path.join(workdir, "config.json")) as f:
-        return ml_collections.ConfigDict(json.load(f))
+    return start.run_config(workdir)
 
 
 def load_trained(workdir: str, step: int | None = None, mesh: Mesh | None = None) -> Model:
-    """The model a job trained in `workdir`, from its latest (or `step`) checkpoint."""
+    """The model a job trained in `workdir`, from its latest (or `step`) checkpoint, with the
+    tokenizer (chat template and system prompt included) it was trained with."""
     import os
 
+    from rlvr import start
     from rlvr.train import step as step_lib
     from rlvr.train.checkpoint import Checkpointer
     from rlvr.train.optimizer import build_optimizer
@@ -82,16 +108,18 @@ def load_trained(workdir: str, step: int | None = None, mesh: Mesh | None = None
     abstract = step_lib.abstract_state(cfg, optimizer, step_lib.state_shardings(cfg, optimizer, mesh))
     checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"))
     try:
+        if checkpoints.latest_step() is None:
+            raise ConfigError(f"{workdir!r} has no checkpoint yet (checkpoints/ is empty): did its job finish?")
         state, _ = checkpoints.restore(abstract, step)
     finally:
         checkpoints.close()
-    return Model(cfg, state["params"], mesh)
+    return Model(cfg, state["params"], mesh, start.workdir_tokenizer(workdir))
 
 
 def check_vocab(cfg: ModelConfig, tokenizer: Tokenizer) -> None:
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise ConfigError(f"model.vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
-                          f"{tokenizer.vocab_size} ids; raise model.vocab_size.")
+    from rlvr import start
+
+    start.check_vocab(cfg, tokenizer)
 
 
 def forward(model: Model, tokens: list[list[int]] | np.ndarray):

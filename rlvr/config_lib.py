@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable
 
 import ml_collections
+from ml_collections import config_dict
 
 from rlvr.models.config import PRESETS, ModelConfig, validate_attention_mesh
 
@@ -22,33 +23,49 @@ class ConfigError(ValueError):
     """A bad config value; the message names the field and how to fix it."""
 
 
+_FIELD_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
 def model_config_dict(preset: str = "", **overrides) -> ml_collections.ConfigDict:
-    """`model.*` fields: exactly the fields of `ModelConfig`, from its defaults, a named
-    preset (`rlvr.models.config.PRESETS`), then the overrides."""
-    values = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-    if preset:
-        if preset not in PRESETS:
-            raise ConfigError(f"model preset {preset!r} is unknown; presets: {sorted(PRESETS)}")
-        values.update(PRESETS[preset])
-    unknown = set(overrides) - set(values)
+    """`model.*`: `preset` (a named architecture of `rlvr.models.config.PRESETS`, for random init) and
+    one field per `ModelConfig` field. A field left None is not set: it comes from the checkpoint the
+    job starts from (init.*), else the preset, else ModelConfig's default. A field that is set is a
+    choice: a checkpoint that contradicts it is an error (rlvr.start)."""
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    if preset and preset not in PRESETS:
+        raise ConfigError(f"model preset {preset!r} is unknown; presets: {sorted(PRESETS)}")
+    unknown = set(overrides) - set(fields)
     if unknown:
         name = sorted(unknown)[0]
-        close = difflib.get_close_matches(name, values, n=1)
+        close = difflib.get_close_matches(name, fields, n=1)
         hint = f' Did you mean "{close[0]}"?' if close else ""
         raise ConfigError(f"model.{name} is not a model field.{hint}")
-    values.update(overrides)
-    return ml_collections.ConfigDict(values)
+    c = ml_collections.ConfigDict({"preset": preset, **{
+        name: config_dict.placeholder(_FIELD_TYPES[str(f.type)]) for name, f in fields.items()}})
+    for name, value in overrides.items():
+        c[name] = value
+    return c
 
 
 def base_config() -> ml_collections.ConfigDict:
     """All keys a job may read, with defaults. Experiment files override and lock."""
     c = ml_collections.ConfigDict()
     c.job = "sft"  # which trainer: see rlvr.main.TRAINERS
-    c.seed = 0
+    c.seed = 0  # seeds the model init, data order, task streams and sampling
     c.model = model_config_dict()
-    # Weights to start from: an HF dir, or an rlvr workdir's latest checkpoint (e.g. an SFT run).
-    c.init = ml_collections.ConfigDict({"hf_checkpoint": "", "workdir": ""})
-    c.tokenizer = ml_collections.ConfigDict({"path": ""})  # HF dir; "" = built-in byte-level
+    # Where the policy comes from (rlvr.start): both "" = random init from model.*; else one of
+    c.init = ml_collections.ConfigDict({
+        "hf_checkpoint": "",  # a Hugging Face directory: its architecture, weights and tokenizer
+        "workdir": "",  # an rlvr workdir's latest checkpoint, with the architecture and tokenizer it recorded
+    })
+    c.tokenizer = ml_collections.ConfigDict({
+        "path": "",  # a Hugging Face tokenizer dir; "" = the checkpoint's own (random init: byte-level)
+        # the chat template: a jinja template, a .jinja file or "chatml"; "" = the tokenizer's own
+        "chat_template": "",
+        "system_prompt": "",  # put first in every conversation without a system message ("" = none)
+    })
+    # device mesh axis sizes (one may be -1: the remaining devices): data parallel, fully sharded data parallel
+    # (params and optimizer state sharded), tensor parallel, sequence (context) parallel
     c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1, "sequence": 1})
     c.data = ml_collections.ConfigDict({
         "source": "arithmetic",  # arithmetic (synthetic, built in) | jsonl | tfds
@@ -56,42 +73,42 @@ def base_config() -> ml_collections.ConfigDict:
         # preference jobs: {"prompt", "chosen", "rejected"} (strings or chat messages).
         "path": "",
         "eval_path": "",  # held-out records (jsonl) for evaluation; "" = none
-        "tfds_name": "",
-        "tfds_dir": "",
-        "split": "train",
+        "tfds_name": "",  # data.source="tfds": the dataset name
+        "tfds_dir": "",  # data.source="tfds": its data directory
+        "split": "train",  # the training split (tfds)
         "eval_split": "",  # tfds held-out split
         "batch_size": 8,  # sequences (SFT) or pairs (preference) per step
-        "seq_len": 128,
+        "seq_len": 128,  # tokens per training row (SFT, preference pairs)
         "pack": True,  # SFT: several examples per row with segment ids
-        "max_operand": 99,
+        "max_operand": 99,  # data.source="arithmetic": the largest operand
     })
     c.optimizer = ml_collections.ConfigDict({
-        "name": "adamw",
-        "learning_rate": 1e-3,
-        "warmup_steps": 10,
-        "schedule": "cosine",  # cosine | linear | constant
-        "weight_decay": 0.0,
-        "b1": 0.9,
-        "b2": 0.95,
-        "eps": 1e-8,
-        "grad_clip": 1.0,
+        "name": "adamw",  # adamw | adafactor | sgd
+        "learning_rate": 1e-3,  # peak learning rate
+        "warmup_steps": 10,  # linear warmup from 0 to the peak
+        "schedule": "cosine",  # cosine | linear | constant (after the warmup)
+        "weight_decay": 0.0,  # decoupled weight decay (not on norms and biases)
+        "b1": 0.9,  # Adam beta1
+        "b2": 0.95,  # Adam beta2
+        "eps": 1e-8,  # Adam epsilon
+        "grad_clip": 1.0,  # global gradient-norm clipping (0 = off)
     })
     c.train = ml_collections.ConfigDict({
-        "num_steps": 100,
-        "log_every": 10,
+        "num_steps": 100,  # optimizer steps (RL: train steps, each on one rollout batch)
+        "log_every": 10,  # steps between metrics records and progress lines
         "micro_batches": 1,  # gradient accumulation: the batch is split into this many parts
-        "eval_examples": 32,
-        "tensorboard": True,
+        "eval_examples": 32,  # SFT: held-out records (data.eval_path) or arithmetic problems evaluated at the end
+        "tensorboard": True,  # also write metrics as TensorBoard events (workdir/tensorboard)
         # > 0: the SFT/RL losses compute token log-probs in chunks of this many positions (forward and
         # backward) instead of materialising [batch, seq_len, vocab] logits; 0 = full logits
         "logprob_chunk_size": 0,
     })
     c.preference = ml_collections.ConfigDict({
         "loss": "dpo",  # dpo | cdpo | ipo | simpo | orpo (jobs 'dpo'); 'rm' jobs use bradley_terry
-        "beta": 0.1,
+        "beta": 0.1,  # inverse temperature of the implicit reward (dpo, cdpo, ipo, simpo)
         "label_smoothing": 0.0,  # cdpo
-        "simpo_gamma": 0.5,
-        "orpo_lambda": 0.1,
+        "simpo_gamma": 0.5,  # simpo: the target reward margin
+        "orpo_lambda": 0.1,  # orpo: weight of the odds-ratio term
         "reference": "precompute",  # precompute (one pass before training) | online (frozen params)
     })
     c.rl = rl_config()
@@ -99,15 +116,15 @@ def base_config() -> ml_collections.ConfigDict:
     # evaluated per family and level on the held-out stream with pass@k
     c.eval = ml_collections.ConfigDict({
         "levels": "all",  # all | default (each family's level drawn per task) | comma-separated ints
-        "examples_per_level": 32,
+        "examples_per_level": 32,  # held-out tasks per family and level
         "samples": 8,  # per task; pass@k for k = 1, 2, 4, … <= samples (1 = greedy pass@1)
-        "temperature": 1.0,
+        "temperature": 1.0,  # sampling temperature when samples > 1
     })
     c.checkpoint = ml_collections.ConfigDict({
-        "every_steps": 50,
-        "keep": 3,
-        "async_save": True,
-        "resume": True,
+        "every_steps": 50,  # steps between checkpoints (and one at the end)
+        "keep": 3,  # checkpoints kept
+        "async_save": True,  # save in the background while training continues
+        "resume": True,  # rerunning a job resumes from its latest checkpoint
         # on SIGTERM (preemption) a checkpoint is saved at the next step boundary; RL in async mode first
         # waits up to this long for the batch being generated, so it is saved too (rlvr.train.preemption)
         "preemption_grace_s": 30.0,
@@ -129,7 +146,9 @@ def rl_config() -> ml_collections.ConfigDict:
         # where verifiers run: local (threads in this process) | ray (verifier_workers Ray actors, each with
         # its own task mixture; verifier_address = an existing cluster, "" = start a local one)
         "verifier_backend": "local", "verifier_address": "",
-        "prompt_format": "raw",  # raw (task.prompt as text) | chat (task messages through the chat template)
+        # raw (task.prompt as text) | chat (task messages through the chat template); "" = the run in
+        # init.workdir's (an RL or eval run), else raw
+        "prompt_format": "",
         # multi-turn tasks (rlvr.envs: tools, code repair): episodes run concurrently on episode_workers
         # threads; max_new_tokens is then per model turn and seq_len bounds the whole episode;
         # max_turns caps the environment's own turn limit (0 = the environment's)
@@ -139,16 +158,24 @@ def rl_config() -> ml_collections.ConfigDict:
         # task through the embedded engine's OpenAI endpoint; its calls are recorded as token trajectories
         "agent": "", "agent_timeout_s": 600.0,
         "agent_options": ml_collections.ConfigDict(),  # keyword arguments of the agent factory
-        # rollout
-        "prompts_per_step": 16, "group_size": 8, "max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0,
+        # rollout: prompts (tasks) per step, samples per prompt, sampling temperature and top-p
+        "prompts_per_step": 16, "group_size": 8, "temperature": 1.0, "top_p": 1.0,
         # sample JSON-schema tasks under their schema and tool-call tasks under the tool-call format
         # (constrained decoding, rlvr.tasks.constraints; needs the "structured" extra)
         "constrained_decoding": False,
-        "seq_len": 32,  # train rows: longest prompt + max_new_tokens must fit
+        # budgets (rlvr.budgets): the response budget; 0 = the run in init.workdir's (an RL or eval run)
+        "max_new_tokens": 0,
+        "max_prompt_len": 0,  # prompts longer are skipped (and reported); 0 = the longest prompt of rl.task
+        "seq_len": 0,  # train rows (multi-turn: the episode budget); 0 = max_prompt_len + max_new_tokens
         "backend": "embedded",  # embedded (in-process JAX engine) | sglang (HTTP servers at sglang_urls)
         "sglang_urls": "",  # comma-separated
-        "engine": ml_collections.ConfigDict({"max_slots": 128, "max_len": 64, "page_size": 16, "decode_steps": 8,
+        # embedded engine: sequences at once, cache per sequence (0 = rl.seq_len rounded up to page_size),
+        # KV page size, decode steps per host round trip, prefill rows and chunk length
+        "engine": ml_collections.ConfigDict({"max_slots": 128, "max_len": 0, "page_size": 16, "decode_steps": 8,
                                              "prefill_rows": 16, "prefill_chunk": 32}),
+        # what happens: samples_per_step completions of each step (with their reward components) go to
+        # samples.jsonl; the first and every print_samples_every steps, two are printed (0 = never)
+        "samples_per_step": 4, "print_samples_every": 10,
         # loop
         "mode": "sync",  # sync | async
         "max_staleness": 1,  # async: max weight versions between sampling and training a sample
@@ -159,10 +186,10 @@ def rl_config() -> ml_collections.ConfigDict:
         "aggregation": "token_mean",  # token_mean | seq_mean_token_mean | seq_mean_token_sum | token_sum_norm
         "clip_low": 0.2, "clip_high": 0.2,  # clip_high > clip_low: DAPO clip-higher
         "dual_clip": 0.0,  # > 1 enables dual-clip with this c; 0 = off
-        "gspo_clip_low": 3e-4, "gspo_clip_high": 4e-4,
+        "gspo_clip_low": 3e-4, "gspo_clip_high": 4e-4,  # gspo: clip range of the sequence-level ratio
         "kl_coef": 0.0, "kl_estimator": "k3", "kl_mode": "loss",  # loss (term) | reward (penalty)
         "reference_model": False,  # keep the frozen reference even at kl_coef=0 (KL is still reported)
-        "entropy_coef": 0.0,
+        "entropy_coef": 0.0,  # entropy bonus weight in the loss
         "tis_cap": 2.0,  # truncated importance sampling cap on π_trainer/π_sampler; 0 = off
         "tis_level": "token",  # token | sequence
         "dynamic_sampling": False, "max_refill_rounds": 2,  # DAPO: drop zero-variance groups, refill
@@ -183,14 +210,23 @@ def rl_config() -> ml_collections.ConfigDict:
         # the mean round degrades lower priorities: max_new_tokens x budget_fraction, then cut groups
         # at min_group_size finished samples, then skip the lowest-priority domain (0/0 = never)
         "schedule": ml_collections.ConfigDict({
-            "priorities": "", "capacity": 0, "preempt": True, "max_preemptions": 2, "lag_factor": 0.0,
-            "deadline_s": 0.0, "budget_fraction": 0.5, "min_group_size": 2, "skip": True}),
+            "priorities": "",  # "family_or_domain=weight,..." (default 1): higher runs first
+            "capacity": 0,  # in-flight sequences at most (0 = the backend's limit)
+            "preempt": True,  # a waiting higher-priority group aborts lower ones and takes their place
+            "max_preemptions": 2,  # times one group may be preempted
+            "lag_factor": 0.0,  # degrade a round lagging past this x the mean round (0 = never)
+            "deadline_s": 0.0,  # degrade a round running past this many seconds (0 = never)
+            "budget_fraction": 0.5,  # degradation 1: max_new_tokens x this for lower priorities
+            "min_group_size": 2,  # degradation 2: cut groups at this many finished samples
+            "skip": True}),  # degradation 3: skip the lowest-priority domain
         "pack": False,  # several rollouts per train row
         "updates_per_batch": 1,  # PPO mini-batches: optimizer steps per rollout batch (proximal = weights before)
         # evaluation (held-out greedy) and the SFT warm start
         "eval_examples": 128, "eval_every": 0,
         "eval_samples": 1, "eval_temperature": 1.0,  # > 1: also pass@k (k = 1, 2, 4, … <= eval_samples) sampled
+        # SFT warm start on the tasks' demonstrations before RL: steps (0 = none), demonstrations, batch, lr
         "sft_steps": 0, "sft_demos": 256, "sft_batch_size": 16, "sft_learning_rate": 3e-3,
+        "sft_on_checkpoint": False,  # allow the warm start on top of init.hf_checkpoint / init.workdir
         "sft_off_format": 0.0,  # fraction of demonstrations written in a format the verifier rejects
         "sft_seq_len": 0,  # warm-start rows (demonstrations packed); 0 = 4 × rl.seq_len
     })
@@ -209,7 +245,7 @@ def _validate_rl(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(str(e)) from None
     _one_of(config, "rl.backend", ("embedded", "sglang"))
     _one_of(config, "rl.mode", ("sync", "async"))
-    _one_of(config, "rl.prompt_format", ("raw", "chat"))
+    _one_of(config, "rl.prompt_format", ("", "raw", "chat"))
     _one_of(config, "rl.verifier_backend", ("local", "ray"))
     _existing_path(config, "rl.reward_model", "reward-model workdir (a job 'rm' run)")
     if rl.replay_capacity and not 0 < rl.replay_fraction < 1:
@@ -227,9 +263,14 @@ def _validate_rl(config: ml_collections.ConfigDict) -> None:
                           "the in-process engine's OpenAI endpoint)")
     if rl.max_turns < 0:
         raise ConfigError(f"rl.max_turns={rl.max_turns}: must be >= 0 (0 = the environment's own limit).")
-    for path in ("rl.prompts_per_step", "rl.group_size", "rl.max_new_tokens", "rl.seq_len", "rl.eval_examples",
-                 "rl.updates_per_batch", "rl.episode_workers"):
+    for path in ("rl.prompts_per_step", "rl.group_size", "rl.eval_examples", "rl.updates_per_batch",
+                 "rl.episode_workers"):
         _positive(config, path)
+    for path in ("rl.max_new_tokens", "rl.max_prompt_len", "rl.seq_len", "rl.engine.max_len", "rl.samples_per_step",
+                 "rl.print_samples_every"):
+        if _get(config, path) < 0:
+            raise ConfigError(f"{path}={_get(config, path)}: must be >= 0 (0 = derived or inherited: "
+                              "rlvr.budgets).")
     if rl.curriculum and not 0 <= rl.curriculum_band_low < rl.curriculum_band_high <= 1:
         raise ConfigError(f"rl.curriculum_band_low={rl.curriculum_band_low}, rl.curriculum_band_high="
                           f"{rl.curriculum_band_high}: need 0 <= low < high <= 1.")
@@ -241,17 +282,20 @@ def _validate_rl(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"rl.dual_clip={rl.dual_clip}: must be > 1 (or 0 to turn it off).")
     if rl.backend == "sglang" and not rl.sglang_urls.strip():
         raise ConfigError("rl.backend='sglang' needs rl.sglang_urls (comma-separated server URLs).")
-    if rl.seq_len > rl.engine.max_len:
+    if rl.seq_len and rl.engine.max_len and rl.seq_len > rl.engine.max_len:
         raise ConfigError(f"rl.seq_len={rl.seq_len} exceeds rl.engine.max_len={rl.engine.max_len}; raise "
-                          "rl.engine.max_len (a multiple of rl.engine.page_size).")
-    if rl.max_new_tokens >= rl.seq_len:
+                          "rl.engine.max_len (a multiple of rl.engine.page_size), or set it to 0 (derived).")
+    if rl.seq_len and rl.max_new_tokens >= rl.seq_len:
         raise ConfigError(f"rl.max_new_tokens={rl.max_new_tokens} leaves no room for the prompt in "
                           f"rl.seq_len={rl.seq_len}; raise rl.seq_len.")
     if rl.group_size < 2 and rl.advantage in ("grpo", "dr_grpo", "rloo"):
         raise ConfigError(f"rl.advantage={rl.advantage!r} compares samples within a group: set rl.group_size >= 2.")
     _validate_schedule(rl)
-    if rl.sft_steps and config.init.workdir:
-        raise ConfigError("set either rl.sft_steps (warm start here) or init.workdir (start from a run), not both.")
+    checkpoint = config.init.hf_checkpoint and "init.hf_checkpoint" or config.init.workdir and "init.workdir"
+    if config.job == "rl" and rl.sft_steps and checkpoint and not rl.sft_on_checkpoint:
+        raise ConfigError(f"rl.sft_steps={rl.sft_steps} would run an SFT warm start on demonstrations on top of "
+                          f"{checkpoint}: set rl.sft_steps=0 to start RL from the checkpoint as it is, or "
+                          "rl.sft_on_checkpoint=True to warm-start it first.")
 
 
 def _validate_schedule(rl: ml_collections.ConfigDict) -> None:
@@ -313,17 +357,19 @@ def _existing_path(c, path: str, what: str) -> None:
 def validate(config: ml_collections.ConfigDict, num_devices: int,
              jobs: dict[str, Callable] | None = None) -> None:
     """Checks values before any compile. Raises ConfigError naming the field."""
-    from rlvr import sharding  # local: keeps config files importable without jax set-up
+    from rlvr import (
+        sharding,  # local: keeps config files importable without jax set-up
+        start,
+    )
 
     if jobs is not None:
         _one_of(config, "job", jobs)
-    try:
-        ModelConfig.from_mapping(config.model)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    _existing_path(config, "init.hf_checkpoint", "checkpoint directory")
+    _existing_path(config, "init.workdir", "workdir")
+    model = start.model_config(config)  # the checkpoint's architecture when there is one
     try:
         mesh = sharding.mesh_shape_from_config(dict(config.mesh), num_devices)
-        validate_attention_mesh(ModelConfig.from_mapping(config.model), mesh)
+        validate_attention_mesh(model, mesh)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     for path in ("data.batch_size", "data.seq_len", "train.num_steps", "train.log_every",
@@ -363,17 +409,15 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
     if config.data.source == "jsonl" and not config.data.path:
         raise ConfigError("data.path is empty but data.source='jsonl'; give a JSONL file.")
     _existing_path(config, "data.path", "data file")
-    _existing_path(config, "init.hf_checkpoint", "checkpoint directory")
     _existing_path(config, "tokenizer.path", "tokenizer directory")
-    _existing_path(config, "init.workdir", "workdir")
     if config.job in ("rl", "eval"):
         _validate_rl(config)
     if config.job == "eval":
         _validate_eval(config)
-    if config.data.seq_len > config.model.max_position_embeddings:
+    if config.data.seq_len > model.max_position_embeddings:
         raise ConfigError(
             f"data.seq_len={config.data.seq_len} exceeds model.max_position_embeddings="
-            f"{config.model.max_position_embeddings}.")
+            f"{model.max_position_embeddings}.")
 
 
 def load_config(spec: str, overrides: dict | None = None) -> ml_collections.ConfigDict:

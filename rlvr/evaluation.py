@@ -75,7 +75,7 @@ class EvalSettings:
 
 
 def evaluate_tasks(backend, tokenizer, tasks, task_list: Sequence, settings: EvalSettings, *, seed: int = 0,
-                   tag: str = "eval", make_env=None) -> dict[str, Any]:
+                   tag: str = "eval", make_env=None, records: list | None = None) -> dict[str, Any]:
     """Generates and scores `settings.samples` completions per task of `task_list` (greedy if 1).
 
     `tasks` scores (a TaskMixture or a Family). Returns {"overall", "by_family", "by_level",
@@ -83,7 +83,9 @@ def evaluate_tasks(backend, tokenizer, tasks, task_list: Sequence, settings: Eva
     and "value" when the family reports it (arithmetic: right number, any format). Tasks whose
     prompt + max_new_tokens exceeds `max_len` are left out and counted in "skipped_too_long".
     Multi-turn tasks (`task.metadata["env"]`) are played as episodes of their environment
-    (`make_env`, default rlvr.envs.make_env; `max_new_tokens` per turn, `max_len` per episode)."""
+    (`make_env`, default rlvr.envs.make_env; `max_new_tokens` per turn, `max_len` per episode).
+    `records`, when given, receives every single-turn completion with its rewards (for
+    `rlvr.observe.SampleLog`)."""
     from rlvr.rl.producer import is_episode_task
 
     samples, max_new_tokens, max_len = settings.samples, settings.max_new_tokens, settings.max_len
@@ -100,7 +102,7 @@ def evaluate_tasks(backend, tokenizer, tasks, task_list: Sequence, settings: Eva
     skipped = len(task_list) - len(kept) - len(episode_tasks)
     if not kept and not episode_tasks:
         raise ValueError(f"evaluation: all {skipped} prompts are longer than {max_len} - {max_new_tokens} tokens; "
-                         "raise rl.seq_len (and rl.engine.max_len)")
+                         "set rl.seq_len=0 and rl.max_prompt_len=0 (derived from the prompts, rlvr.budgets)")
     for t, ids in zip(kept, prompts, strict=True):
         for k in range(samples):
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0 if greedy else settings.temperature,
@@ -109,8 +111,14 @@ def evaluate_tasks(backend, tokenizer, tasks, task_list: Sequence, settings: Eva
     completions = backend.generate(requests) if requests else []
     rows = []
     for i, t in enumerate(kept):
-        scores = [tasks.score(t, *completion_text(tokenizer, c)) for c in completions[i * samples:(i + 1) * samples]]
+        group = completions[i * samples:(i + 1) * samples]
+        texts = [completion_text(tokenizer, c) for c in group]
+        scores = [tasks.score(t, *text) for text in texts]
         rows.append(_row(t, samples, scores))
+        if records is not None:
+            records += [{"family": t.family, "level": t.level, "task_index": t.index, "prompt_ids": c.prompt_ids,
+                         "output_ids": c.output_ids, "rewards": score, "truncated": text[1]}
+                        for c, text, score in zip(group, texts, scores, strict=True)]
     if episode_tasks:
         rows += _episode_rows(backend, tokenizer, episode_tasks, settings, seed=seed, tag=tag, make_env=make_env)
     result = summarize(rows, default_ks(samples), _domains(tasks))

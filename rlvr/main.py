@@ -1,8 +1,11 @@
 """Entry point: `python -m rlvr.main --config=configs/NAME.py[:arg] --workdir=DIR [--config.a.b=v]`.
 
+Every config key with its type, default and meaning: `python -m rlvr.config configs/NAME.py[:arg]`.
+
 A thin main around importable `run(config, workdir)`, so tests and notebooks call the same
-function. The config is validated before anything compiles; the resolved config and package
-versions are written to the workdir first.
+function. The config is checked and resolved before anything compiles (the starting checkpoint's
+architecture and tokenizer, the derived budgets: rlvr.start); the resolved config, package versions
+and the tokenizer are written to the workdir first, so later jobs can start from it alone.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from rlvr import config_lib, observe
+from rlvr import config_lib, start
 from rlvr.launch import distributed
 from rlvr.train.preemption import PREEMPTED_EXIT_CODE, Preempted
 from rlvr.trainers import evaluate, preference, rl, sft
@@ -23,15 +26,17 @@ from rlvr.trainers import evaluate, preference, rl, sft
 TRAINERS = {"sft": sft.train, "dpo": preference.train, "rm": preference.train, "rl": rl.train,
             "eval": evaluate.train}
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file[:arg].",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Experiment config file[:arg]; override any key with --config.a.b=value. Every key with its "
+    "type, default and meaning: python -m rlvr.config configs/NAME.py[:arg]", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and logs.")
 
 
 def run(config: ml_collections.ConfigDict, workdir: str):
-    """Validates `config`, records it, and runs its job. Returns the job's summary."""
+    """Validates and resolves `config` (rlvr.start), records it, and runs its job. Returns the job's summary."""
     config_lib.validate(config, jax.device_count(), TRAINERS)
-    observe.write_run_info(config, workdir)
+    config = start.resolve(config)
+    start.write_workdir(config, workdir)
     return TRAINERS[config.job](config, workdir)
 
 

@@ -91,6 +91,51 @@ def read_metrics(workdir: str, filename: str = "metrics.jsonl") -> list[dict[str
     return out
 
 
+class SampleLog:
+    """`workdir/samples.jsonl`: sampled completions with their reward components (a few per RL step,
+    every completion of an evaluation), each `{"step", "tag", "family", "level", "task_index",
+    "prompt", "completion", "response_tokens", "truncated", "rewards"}`; `show` prints a few, so a
+    run says what the model writes. Process 0 of a multi-host job writes."""
+
+    def __init__(self, workdir: str, tokenizer, filename: str = "samples.jsonl"):
+        import jax
+
+        self.tokenizer = tokenizer
+        self._file = open(os.path.join(workdir, filename) if jax.process_index() == 0 else os.devnull, "a")
+
+    def records(self, step: int, tag: str, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`samples` ({family, level, task_index, prompt_ids, output_ids, rewards, truncated}) as records."""
+        decode = self.tokenizer.decode
+        return [{"step": int(step), "tag": tag, "family": s["family"], "level": int(s["level"]),
+                 "task_index": int(s["task_index"]), "prompt": decode(s["prompt_ids"]),
+                 "completion": decode(s["output_ids"]), "response_tokens": len(s["output_ids"]),
+                 "truncated": bool(s["truncated"]), "rewards": {k: _to_python(v) for k, v in s["rewards"].items()}}
+                for s in samples]
+
+    def write(self, step: int, tag: str, samples: list[dict[str, Any]], show: int = 0) -> None:
+        records = self.records(step, tag, samples)
+        for record in records:
+            self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        for record in records[:show]:
+            print(describe_sample(record))
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def describe_sample(record: dict[str, Any], width: int = 300) -> str:
+    """Two lines: where the sample is from and its rewards, then the completion (repr, cut at `width`)."""
+    rewards = record["rewards"]
+    parts = ", ".join(f"{k}={_fmt(v)}" for k, v in sorted(rewards.items()) if k != "reward")
+    cut = " (truncated)" if record["truncated"] else ""
+    completion = record["completion"]
+    shown = repr(completion[:width]) + ("..." if len(completion) > width else "")
+    where = f"{record['family']} level {record['level']} #{record['task_index']}"
+    return (f"[{record['tag']} step {record['step']}] {where}: reward={_fmt(rewards.get('reward'))} ({parts}), "
+            f"{record['response_tokens']} tokens{cut}\n    {shown}")
+
+
 def drop_metrics_after(workdir: str, step: int, filename: str = "metrics.jsonl") -> None:
     """On resume from checkpoint `step`: removes records of later steps, which a killed run wrote
     after its last checkpoint and the resumed run is about to write again."""

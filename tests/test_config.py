@@ -60,3 +60,24 @@ def test_cli_reports_config_errors_before_compiling(repo_root, python, tmp_path)
     typo = subprocess.run(cmd[:-1] + ["--config.data.batch_sise=4"], cwd=repo_root,
                           capture_output=True, text=True, timeout=120)
     assert typo.returncode != 0 and 'Did you mean "batch_size"' in typo.stderr
+
+
+def test_every_key_is_listed_with_type_default_and_meaning():
+    from absl import flags
+
+    from rlvr import config as config_cli
+
+    rows = {r["key"]: r for r in config_cli.describe(config_lib.base_config())}
+    assert not [k for k, r in rows.items() if r["meaning"] == "(undocumented)"]
+    leaves = []
+
+    def walk(node, prefix=""):
+        for key, value in node.items():
+            walk(value, f"{prefix}{key}.") if hasattr(value, "items") else leaves.append(f"{prefix}{key}")
+    walk(config_lib.base_config().to_dict())
+    assert sorted(rows) == sorted(leaves)  # every key of the schema, nothing else
+    quickstart = {r["key"]: r for r in config_cli.describe(config_lib.load_config("configs/quickstart.py"))}
+    row = quickstart["rl.max_new_tokens"]
+    assert (row["type"], row["value"], row["default"]) == ("int", 6, 0) and "response budget" in row["meaning"]
+    assert quickstart["model.hidden_size"]["type"] == "int" and quickstart["model.hidden_size"]["value"] is None
+    assert "python -m rlvr.config" in flags.FLAGS["config"].help  # rlvr.main --help points at the listing

@@ -93,7 +93,7 @@ def test_notebook_api_in_a_few_lines(repo_root):
     config = api.load_config(f"{repo_root}/configs/tiny.py:smoke")
     model = api.build_model(config)
     logits, _ = api.forward(model, [[1, 2, 3, 4]])
-    assert logits.shape == (1, 4, config.model.vocab_size)
+    assert logits.shape == (1, 4, 264)  # the tiny preset's vocabulary (configs/tiny.py sets model.preset)
     direct, _ = forward(model.cfg, model.params, jnp.asarray([[1, 2, 3, 4]]))
     np.testing.assert_allclose(logits, direct, atol=1e-6)
     tokenizer = api.build_tokenizer(config)

@@ -643,11 +643,10 @@ def test_gae_batch_matches_brute_force_and_value_loss(setup):
     from rlvr import api
     from rlvr.models.transformer import forward_with_values
     from rlvr.rl import update as update_lib
-    from rlvr.trainers import rl as rl_trainer
 
     gamma, lam = 0.9, 0.8
     mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
-    model = rl_trainer.with_value_head(api.Model(CFG, setup["params"], mesh))
+    model = api.with_value_head(api.Model(CFG, setup["params"], mesh))
     rng = np.random.default_rng(1)
     head = {"kernel": jnp.asarray(rng.normal(size=model.params["value_proj"]["kernel"].shape), jnp.float32),
             "bias": jnp.asarray([0.3], jnp.float32)}

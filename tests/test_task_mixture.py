@@ -221,7 +221,8 @@ def test_eval_job_writes_tables(tmp_path):
     """`job = "eval"` end to end on a random-init tiny model: per-level pass@k JSON and markdown."""
     from rlvr import main
 
-    config = config_lib.load_config("configs/eval_tasks.py:smoke", {"init.workdir": "", "rl.task": "add,sub"})
+    config = config_lib.load_config("configs/eval_tasks.py:smoke", {"init.workdir": "", "rl.task": "add,sub",
+                                                                    "rl.max_new_tokens": 6})  # no run to inherit from
     result = main.run(config, str(tmp_path))
     with open(tmp_path / "eval.json") as f:
         written = json.load(f)
@@ -262,6 +263,6 @@ def test_evaluation_leaves_out_prompts_that_do_not_fit():
     result = evaluation.evaluate_tasks(ScriptedBackend(tokenizer, mixture), tokenizer, mixture, task_list, fits,
                                        tag="t")
     assert result["skipped_too_long"] == 4 and set(result["by_level"]) == {"add@1"}
-    with pytest.raises(ValueError, match="raise rl.seq_len"):
+    with pytest.raises(ValueError, match=r"all 8 prompts are longer.*rl\.seq_len=0 and rl\.max_prompt_len=0"):
         evaluation.evaluate_tasks(ScriptedBackend(tokenizer, mixture), tokenizer, mixture, task_list,
                                   evaluation.EvalSettings(max_new_tokens=8, samples=2, max_len=8), tag="t")

@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import tokenizers  # noqa: E402
 import transformers  # noqa: E402
 
-from rlvr.models.tokenizer import CHATML_TEMPLATE, Tokenizer, byte_level_tokenizer  # noqa: E402
+from rlvr.models.tokenizer import CHATML_TEMPLATE, Tokenizer, byte_level_tokenizer, train_bpe  # noqa: E402
 
 TEXTS = ["héllo wörld — ünïcödé 🎉👍🏽 中文", "  leading spaces\n\ttabs\r\nand 'quotes' it's",
          "x = [1, 2, 3]  # code\n", "<|im_start|>user\nhi<|im_end|>\n", ""]
@@ -151,21 +151,8 @@ def test_template_environment_matches_transformers(tmp_path):
 
 
 def _train_bpe() -> tokenizers.Tokenizer:
-    from tokenizers import Regex, decoders, models, pre_tokenizers, processors, trainers
-
-    split = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-             r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(split), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     corpus = [open(transformers.__file__, encoding="utf-8").read(), *TEXTS] * 3
-    tok.train_from_iterator(corpus, trainer)
-    return tok
+    return train_bpe(corpus, 400).tok
 
 
 @pytest.mark.hf
@@ -195,3 +182,18 @@ def test_special_ids_fall_back_to_generation_and_model_config(tmp_path):
     assert (tok.eos_id, tok.bos_id, tok.pad_id) == (257, 256, 257)
     with pytest.raises(ValueError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+@pytest.mark.hf
+def test_a_system_prompt_in_the_template_renders_the_same_in_transformers(tmp_path):
+    system = 'Answer in "one" line.\nÜbung macht den Meister.'
+    ours = byte_level_tokenizer().with_chat(system_prompt=system)
+    ours.save(str(tmp_path))
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    for name, messages in CONVERSATIONS.items():
+        explicit = messages if messages[0]["role"] == "system" else [{"role": "system", "content": system}, *messages]
+        expected = byte_level_tokenizer().apply_chat_template(explicit, tools=TOOLS, add_generation_prompt=True,
+                                                              tokenize=False)
+        rendered = ours.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+        assert rendered == expected == theirs.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True,
+                                                                  tokenize=False), name

@@ -22,6 +22,35 @@ def render_text(tokenizer: Tokenizer, messages, tools, add_generation_prompt: bo
                                          tokenize=False)
 
 
+_PROBE = {"name": "probe_fn_x7", "argument": "probe_arg_y3", "result": "probe_result_z5"}
+
+
+def check_tool_calls(tokenizer: Tokenizer, why: str) -> None:
+    """Raises ValueError (naming tokenizer.chat_template and the fix) when the chat template cannot
+    render a tool call and its result: a probe call's name, argument and result must all appear in
+    the rendered text. `why` says what in the job uses tools."""
+    call = {"type": "function", "function": {"name": _PROBE["name"], "arguments": {"q": _PROBE["argument"]}}}
+    messages = [{"role": "user", "content": "probe"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": _PROBE["result"]}]
+    tools = [{"type": "function", "function": {"name": _PROBE["name"], "description": "probe", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}]
+    try:
+        text = render_text(tokenizer, messages, tools, True)
+        problem = ", ".join(f"the call's {k}" for k, v in _PROBE.items() if v not in text)
+    except Exception as e:  # a template may refuse tool messages outright
+        problem = f"rendering failed ({type(e).__name__}: {e})"
+    if problem:
+        raise ValueError(f"tokenizer.chat_template cannot render tool calls ({problem} missing from the rendered "
+                         f"text), but {why} uses tools: set tokenizer.chat_template to a template that renders "
+                         "tool_calls and tool messages (e.g. 'chatml').")
+
+
+def uses_tools(record: Mapping[str, Any]) -> bool:
+    """A training record with tool schemas or tool calls."""
+    return bool(record.get("tools")) or any(m.get("tool_calls") or m.get("role") == "tool"
+                                            for m in record.get("messages", ()) if isinstance(m, Mapping))
+
+
 def assistant_spans(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]],
                     tools: Sequence[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the [start, end) character spans of assistant turns."""

@@ -38,49 +38,63 @@ PRESETS: dict[str, dict] = {
 }
 
 
+# How a field relates to a checkpoint: RUNTIME fields choose how the model runs (a job may set them
+# freely); every other field (the architecture, and value_head) is fixed by the weights, so a job that
+# starts from a checkpoint takes them from it and refuses a `model.*` value that contradicts them.
+RUNTIME_FIELDS = ("dtype", "param_dtype", "remat_policy", "scan_unroll", "scan_layers", "attention")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Decoder architecture. Field names follow the config file's `model.*` keys."""
 
-    family: str = "qwen3"
-    vocab_size: int = 1024
-    hidden_size: int = 256
-    intermediate_size: int = 1024
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 64
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1e6
-    rope_scaling_type: str = "none"
-    rope_scaling_factor: float = 1.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_position: int = 8192
-    max_position_embeddings: int = 4096
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = True
+    family: str = "qwen3"  # llama | qwen2 (q/k/v bias) | qwen3 (q/k norm) | mistral (sliding window)
+    vocab_size: int = 1024  # embedding rows (>= the tokenizer's ids)
+    hidden_size: int = 256  # residual width
+    intermediate_size: int = 1024  # MLP width
+    num_layers: int = 4  # decoder layers
+    num_heads: int = 4  # query heads
+    num_kv_heads: int = 2  # key/value heads (GQA; 1 = MQA)
+    head_dim: int = 64  # width of each attention head
+    rms_norm_eps: float = 1e-6  # RMSNorm epsilon
+    rope_theta: float = 1e6  # RoPE base frequency
+    rope_scaling_type: str = "none"  # none | linear | llama3
+    rope_scaling_factor: float = 1.0  # RoPE scaling factor (linear, llama3)
+    rope_low_freq_factor: float = 1.0  # llama3 RoPE scaling: low-frequency factor
+    rope_high_freq_factor: float = 4.0  # llama3 RoPE scaling: high-frequency factor
+    rope_original_max_position: int = 8192  # llama3 RoPE scaling: the original context length
+    max_position_embeddings: int = 4096  # the longest sequence (prompt + response) the model takes
+    tie_word_embeddings: bool = False  # the output projection is the embedding matrix
+    qkv_bias: bool = False  # biases on the q/k/v projections
+    o_bias: bool = False  # a bias on the attention output projection
+    mlp_bias: bool = False  # biases on the MLP projections
+    qk_norm: bool = True  # RMSNorm on queries and keys per head (Qwen3)
     sliding_window: int = 0  # 0 = full attention; Mistral-style local attention otherwise
-    value_head: bool = False
+    value_head: bool = False  # a scalar value head on the backbone (reward models, PPO's critic)
     dtype: str = "float32"  # compute dtype
-    param_dtype: str = "float32"
-    remat_policy: str = "none"
+    param_dtype: str = "float32"  # parameter (master weight) dtype
+    remat_policy: str = "none"  # activation rematerialisation: none | full | dots | dots_with_no_batch_dims
     # Layers are scanned (stacked params, compile time flat in depth); unrolling k layers per
     # scan iteration trades compile time for speed (on CPU, full unroll is ~1.4x faster).
     scan_unroll: int = 1
     scan_layers: bool = True  # False: one module per layer (params layers_0, …), for decoding
-    attention: str = "xla"
+    attention: str = "xla"  # training attention: xla | flash | ring | ulysses (see ATTENTION)
 
     def __post_init__(self):
         validate_model_config(self)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> ModelConfig:
+        """From a `model.*` mapping: its `preset` (a name in PRESETS) first, then every field that
+        is set (None = unset: the preset's value or the default)."""
+        values = dict(values)
+        preset = values.get("preset") or ""
+        if preset and preset not in PRESETS:
+            raise ValueError(f"model.preset: {preset!r} is not one of {sorted(PRESETS)}.")
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in dict(values).items() if k in names})
+        merged = dict(PRESETS.get(preset, {}))
+        merged.update({k: v for k, v in values.items() if k in names and v is not None})
+        return cls(**merged)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

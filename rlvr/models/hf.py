@@ -39,7 +39,7 @@ from safetensors.numpy import save_file
 from rlvr import sharding
 from rlvr.models.config import ModelConfig
 from rlvr.models.params import abstract_params, param_shardings
-from rlvr.models.tokenizer import Tokenizer
+from rlvr.models.tokenizer import TOKENIZER_FILES, Tokenizer, write_chat_template
 
 Params = dict[str, Any]
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -49,8 +49,6 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
 }
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                   "special_tokens_map.json")
 
 
 # --- the name / transpose table ----------------------------------------------------------
@@ -468,11 +466,10 @@ def write_safetensors(tensors: Mapping[str, np.ndarray], out_dir: str, max_shard
         json.dump(index, f, indent=2)
 
 
-def _token_ids(tokenizer_dir: str | None) -> dict[str, Any]:
-    if tokenizer_dir is None:
+def _token_ids(tokenizer: Tokenizer | None) -> dict[str, Any]:
+    if tokenizer is None:
         return {}
-    tok = Tokenizer.from_dir(tokenizer_dir)
-    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
     return {k: v for k, v in ids.items() if v is not None}
 
 
@@ -483,16 +480,21 @@ def export_hf_checkpoint(
     tokenizer_dir: str | None = None,
     max_shard_bytes: int = 5 * 2**30,
     extra_config: Mapping[str, Any] | None = None,
+    chat_template: str | None = None,
 ) -> None:
-    """Writes a HF-layout checkpoint (config, weights, generation config, tokenizer files)."""
+    """Writes a HF-layout checkpoint: config.json, weights, generation_config.json (the tokenizer's
+    special ids: the end-of-turn token stops generation) and the tokenizer files of `tokenizer_dir`,
+    with `chat_template` (when given) as its chat template."""
     os.makedirs(out_dir, exist_ok=True)
-    ids = _token_ids(tokenizer_dir)
+    for name in TOKENIZER_FILES if tokenizer_dir else ():
+        src = os.path.join(tokenizer_dir, name)
+        if os.path.exists(src) and name != "generation_config.json":
+            shutil.copyfile(src, os.path.join(out_dir, name))
+    if chat_template:
+        write_chat_template(out_dir, chat_template)
+    ids = _token_ids(Tokenizer.from_dir(tokenizer_dir) if tokenizer_dir else None)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config_to_hf(cfg, {**ids, **(extra_config or {})}), f, indent=2)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump(ids, f, indent=2)
     write_safetensors(to_hf_tensors(cfg, params), out_dir, max_shard_bytes)
-    for name in TOKENIZER_FILES if tokenizer_dir else ():
-        src = os.path.join(tokenizer_dir, name)
-        if os.path.exists(src):
-            shutil.copyfile(src, os.path.join(out_dir, name))

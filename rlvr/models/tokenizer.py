@@ -58,6 +58,13 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}\n"
 )
 
+# A tokenizer directory's files: what `Tokenizer.from_dir`, transformers and SGLang read.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+
+# Chat templates a config can name (`tokenizer.chat_template="chatml"`), e.g. for a base model without one.
+BUILTIN_TEMPLATES = {"chatml": CHATML_TEMPLATE}
+
 _EOS_FALLBACKS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>", "<|end_of_text|>")
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
@@ -98,6 +105,21 @@ def compile_chat_template(template: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(template)
+
+
+def with_system_prompt(template: str | dict[str, str], system_prompt: str) -> str | dict[str, str]:
+    """`template` that puts `system_prompt` first when a conversation has no system message of its own.
+
+    The system prompt lives in the template itself, so every renderer (SFT, RL, evaluation, the
+    OpenAI endpoint, and transformers or SGLang loading an export) sees the same prompt."""
+    if not system_prompt:
+        return template
+    if isinstance(template, dict):
+        return {name: with_system_prompt(t, system_prompt) for name, t in template.items()}
+    literal = json.dumps(system_prompt)  # a valid jinja string literal (json escapes, ASCII only)
+    return ("{%- if messages and messages[0]['role'] != 'system' %}"
+            f"{{%- set messages = [{{'role': 'system', 'content': {literal}}}] + messages %}}"
+            "{%- endif %}\n" + template)
 
 
 def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -167,6 +189,15 @@ class Tokenizer:
         if special["eos_token"] is None:
             special["eos_token"] = next((t for t in _EOS_FALLBACKS if tok.token_to_id(t) is not None), None)
         return cls(tok, template, special, tok_cfg.get("model_max_length"))
+
+    def with_chat(self, template: str | dict[str, str] | None = None, system_prompt: str = "") -> Tokenizer:
+        """A copy with `template` (None: this one's) and `system_prompt` (see `with_system_prompt`)."""
+        base = self.chat_template if template is None else template
+        if system_prompt and not base:
+            raise ValueError("tokenizer.system_prompt needs a chat template, and this tokenizer has none: set "
+                             "tokenizer.chat_template (a template, a .jinja file, or 'chatml').")
+        chat = with_system_prompt(base, system_prompt) if base else base
+        return Tokenizer(self.tok, chat, self.special_tokens, self.model_max_length)
 
     # --- ids ----------------------------------------------------------------------------
 
@@ -253,6 +284,20 @@ class Tokenizer:
             json.dump(config, f, indent=2, ensure_ascii=False)
 
 
+def write_chat_template(directory: str, template: str) -> None:
+    """Makes `template` a tokenizer directory's chat template: chat_template.jinja (which transformers
+    prefers) and, when there is one, tokenizer_config.json's copy (read by older transformers)."""
+    with open(os.path.join(directory, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(template)
+    path = os.path.join(directory, "tokenizer_config.json")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            values = json.load(f)
+        values["chat_template"] = template
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(values, f, indent=2, ensure_ascii=False)
+
+
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map (the ByteLevel alphabet)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
@@ -280,3 +325,28 @@ def byte_level_tokenizer() -> Tokenizer:
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in BYTE_LEVEL_SPECIAL_TOKENS])
     special = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
     return Tokenizer(tok, CHATML_TEMPLATE, special, model_max_length=32768)
+
+
+# GPT-2/Qwen-style pre-tokenizer split: words, single digits, punctuation runs, newlines, spaces.
+SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def train_bpe(texts: Sequence[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE tokenizer trained on `texts` (up to `vocab_size` ids, the ChatML specials
+    included) with the ChatML template: for models trained from scratch, and realistic test models."""
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(BYTE_LEVEL_SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in BYTE_LEVEL_SPECIAL_TOKENS])
+    return Tokenizer(tok, CHATML_TEMPLATE, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+                     model_max_length=32768)
+

@@ -44,8 +44,8 @@ class RewardModel:
 
     @classmethod
     def from_workdir(cls, workdir: str) -> RewardModel:
-        config = api.load_run_config(workdir)
-        return cls(api.load_trained(workdir), api.build_tokenizer(config), config.data.seq_len)
+        model = api.load_trained(workdir)
+        return cls(model, model.tokenizer, api.load_run_config(workdir).data.seq_len)
 
     def score(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> np.ndarray:
         """Raw scores [N]; a response cut to fit `seq_len` is scored at the cut."""

@@ -304,7 +304,7 @@ class Producer:
             if len(out) < count and drawn > 20 * count + 100:
                 raise ValueError(f"{drawn - len(out)} of {drawn} prompts of rl.task={rl.task!r} are too long for "
                                  f"rl.seq_len={rl.seq_len} with rl.max_new_tokens={rl.max_new_tokens}: "
-                                 "raise rl.seq_len (and rl.engine.max_len)")
+                                 "set rl.max_prompt_len=0 and rl.seq_len=0 (derived from the prompts: rlvr.budgets)")
         return out, prompts
 
     def _episode_samples(self, tasks, groups: list[int], replays: list[int], step: int):

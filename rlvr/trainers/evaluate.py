@@ -15,7 +15,7 @@ from typing import Any
 
 import ml_collections
 
-from rlvr import api, evaluation
+from rlvr import api, evaluation, observe
 from rlvr.tasks import build_tasks
 from rlvr.tasks.base import HELD_OUT
 
@@ -39,24 +39,30 @@ def eval_task_list(tasks, eval_config: ml_collections.ConfigDict) -> list:
 
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    from rlvr.trainers.rl import build_backend
+    from rlvr.trainers.rl import build_backend, policy_pointer
 
     tasks = build_tasks(config.rl, config.seed)
     tokenizer = api.build_tokenizer(config)
-    if config.init.workdir:
-        model, source = api.load_trained(config.init.workdir), f"rlvr-workdir:{config.init.workdir}"
-    else:
-        model, source = api.build_model(config), config.init.hf_checkpoint or f"random-init:seed={config.seed}"
+    model, source = api.build_model(config), policy_pointer(config)
     api.check_vocab(model.cfg, tokenizer)
     backend = build_backend(config, model, model.params, tokenizer, workdir, version=0)
+    records: list[dict[str, Any]] = []
     try:
         task_list = eval_task_list(tasks, config.eval)
         result = evaluation.evaluate_tasks(backend, tokenizer, tasks, task_list,
-                                           evaluation.EvalSettings.for_eval_job(config), seed=config.seed)
+                                           evaluation.EvalSettings.for_eval_job(config), seed=config.seed,
+                                           records=records)
     finally:
         backend.close()
     result["policy"] = source
+    samples_log = observe.SampleLog(workdir, tokenizer)
+    samples_log.write(0, "eval", records, show=3)
+    samples_log.close()
     json_path, md_path = evaluation.write(workdir, result)
     print(evaluation.table(result, "by_level"))
-    print(f"wrote {json_path} and {md_path}")
+    if result["skipped_too_long"]:
+        print(f"WARNING: {result['skipped_too_long']} of {len(task_list)} tasks have prompts longer than "
+              f"rl.max_prompt_len={config.rl.max_prompt_len} and were not evaluated (rl.max_prompt_len=0 fits "
+              "them all)")
+    print(f"wrote {json_path}, {md_path} and samples.jsonl")
     return result

@@ -2,13 +2,16 @@
 
 Read top to bottom:
 
-  initial policy   SFT warm start on demonstrations (rl.sft_steps), an rlvr workdir, an HF
-                   checkpoint, or random init; its copy is the frozen reference policy
+  initial policy   an HF checkpoint, an rlvr workdir or random init (rlvr.start), optionally after
+                   an SFT warm start on demonstrations (rl.sft_steps); its copy is the frozen
+                   reference policy
   each step        producer: sample tasks → rollout (embedded engine or SGLang servers) →
                    verify → advantages (→ drop zero-variance groups and refill)
                    trainer:  batch (pad or pack) → jitted sharded step → weight sync →
                    metrics → checkpoint
   at the end       held-out greedy accuracy before and after RL, summary.json, rl_curve.png
+  throughout       samples.jsonl: a few completions per step (and every evaluation's) with their
+                   reward components, some printed
 
 rl.mode = "sync" generates each batch with the current weights. rl.mode = "async" generates
 on a background thread up to rl.max_staleness versions ahead, overlapping rollout with
@@ -30,7 +33,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from rlvr import api, evaluation, observe
+from rlvr import api, evaluation, observe, start
 from rlvr.envs.sandboxes import pool_counters
 from rlvr.launch.ray_workers import make_verifier_workers
 from rlvr.rl import backends
@@ -105,7 +108,7 @@ def warm_start(config: ml_collections.ConfigDict, workdir: str, tasks) -> str:
     c.train.log_every = max(rl.sft_steps // 4, 1)
     c.checkpoint.every_steps = rl.sft_steps
     print(f"warm start: SFT on {rl.sft_demos} demonstrations for {rl.sft_steps} steps -> {sft_dir}")
-    observe.write_run_info(c, sft_dir)
+    start.write_workdir(c, sft_dir)
     sft.train(c, sft_dir)
     return sft_dir
 
@@ -115,10 +118,13 @@ def initial_model(config: ml_collections.ConfigDict, workdir: str, tasks) -> tup
     if config.rl.sft_steps:
         sft_dir = warm_start(config, workdir, tasks)
         return api.load_trained(sft_dir), f"rlvr-workdir:{sft_dir}"
-    if config.init.workdir:
-        return api.load_trained(config.init.workdir), f"rlvr-workdir:{config.init.workdir}"
-    source = config.init.hf_checkpoint or f"random-init:seed={config.seed}"
-    return api.build_model(config), source
+    return api.build_model(config), policy_pointer(config)
+
+
+def policy_pointer(config: ml_collections.ConfigDict) -> str:
+    """Where the policy came from, for the record: rlvr-workdir:DIR, an HF directory, or random-init."""
+    src = start.source(config)
+    return {"workdir": f"rlvr-workdir:{src.path}", "hf": src.path}.get(src.kind, f"random-init:seed={config.seed}")
 
 
 def build_backend(config: ml_collections.ConfigDict, model: api.Model, params, tokenizer, workdir: str,
@@ -132,19 +138,21 @@ def build_backend(config: ml_collections.ConfigDict, model: api.Model, params, t
                                         seed=config.seed)
     urls = [u.strip() for u in rl.sglang_urls.split(",") if u.strip()]
     backend = backends.SGLangBackend(urls, model.cfg, os.path.join(workdir, "weights"),
-                                     tokenizer_dir=config.tokenizer.path or config.init.hf_checkpoint or None)
+                                     tokenizer_dir=config.tokenizer.path or None)
     backend.update_weights(params, version)  # the servers start from the trainer's policy
     return backend
 
 
 # --- evaluation ----------------------------------------------------------------------------------
 
-def evaluate(backend, tasks, tokenizer, rl: ml_collections.ConfigDict, tag: str, seed: int = 0) -> dict[str, Any]:
+def evaluate(backend, tasks, tokenizer, rl: ml_collections.ConfigDict, tag: str, seed: int = 0,
+             records: list | None = None) -> dict[str, Any]:
     """Held-out evaluation on `rl.eval_examples` tasks (stratified over families): pass@1 greedy,
-    or pass@k over `rl.eval_samples` samples; per family, level and domain (rlvr.evaluation)."""
+    or pass@k over `rl.eval_samples` samples; per family, level and domain (rlvr.evaluation).
+    `records` receives every completion with its rewards."""
     return evaluation.evaluate_tasks(backend, tokenizer, tasks, tasks.held_out(rl.eval_examples),
                                      evaluation.EvalSettings.for_rl(rl), seed=seed, tag=f"eval-{tag}",
-                                     make_env=env_factory(rl))
+                                     make_env=env_factory(rl), records=records)
 
 
 def env_factory(rl: ml_collections.ConfigDict):
@@ -194,6 +202,17 @@ def rollout_metrics(batch: ScoredBatch, version: int) -> dict[str, float]:
     return out
 
 
+def _spread(samples, count: int) -> list[dict[str, Any]]:
+    """`count` samples of the batch, from different groups first, as SampleLog records."""
+    groups: dict[int, list] = {}
+    for s in samples:
+        groups.setdefault(s.group, []).append(s)
+    rounds = max((len(g) for g in groups.values()), default=0)
+    chosen = [g[i] for i in range(rounds) for g in groups.values() if i < len(g)][:count]
+    return [{"family": s.family, "level": s.level, "task_index": s.task_index, "prompt_ids": s.prompt_ids,
+             "output_ids": s.output_ids, "rewards": s.rewards, "truncated": s.truncated} for s in chosen]
+
+
 def write_plot(workdir: str, history: list[dict[str, float]], evals: list[list]) -> str | None:
     """rl_curve.png: training reward per step and held-out accuracy at each evaluation (and,
     with several domains, a third panel: held-out pass rate per domain — capability balance)."""
@@ -224,20 +243,6 @@ def write_plot(workdir: str, history: list[dict[str, float]], evals: list[list])
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
-
-
-def with_value_head(model: api.Model) -> api.Model:
-    """The policy plus a zero-initialised scalar value head on its backbone (PPO's critic): the
-    value starts at 0 everywhere and is learned by the value loss."""
-    from rlvr.models import params as params_lib
-
-    if model.cfg.value_head:
-        return model
-    cfg = dataclasses.replace(model.cfg, value_head=True)
-    shardings = params_lib.param_shardings(cfg, model.mesh)
-    head = jax.tree.map(lambda sh, a: jax.device_put(jnp.zeros(a.shape, a.dtype), sh),
-                        shardings["value_proj"], params_lib.abstract_params(cfg)["value_proj"])
-    return api.Model(cfg, {**model.params, "value_proj": head}, model.mesh)
 
 
 def _record_value_head(workdir: str) -> None:
@@ -278,12 +283,17 @@ class Run:
     history: list[dict[str, float]] = dataclasses.field(default_factory=list)
     evals: list[list] = dataclasses.field(default_factory=list)  # [step, pass@1, value, {domain: pass@1}]
     eval_details: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    samples_log: observe.SampleLog | None = None  # samples.jsonl: completions with their rewards
+    prompts_too_long: float = 0.0  # tasks skipped so far: prompt longer than rl.max_prompt_len
 
     def evaluate(self, step: int, tag: str) -> None:
-        result = evaluate(self.backend, self.tasks, self.tokenizer, self.config.rl, tag, self.config.seed)
+        records: list[dict[str, Any]] = []
+        rl = self.config.rl
+        result = evaluate(self.backend, self.tasks, self.tokenizer, rl, tag, self.config.seed, records)
+        self.samples_log.write(step, f"eval-{tag}", records)
         if result["skipped_too_long"]:
-            print(f"evaluation {tag}: {result['skipped_too_long']} held-out prompts are longer than rl.seq_len "
-                  f"allows and were left out (their families are missing from the tables)")
+            print(f"WARNING: evaluation {tag}: {result['skipped_too_long']} held-out prompts are longer than "
+                  f"rl.max_prompt_len={rl.max_prompt_len} and were left out (rl.max_prompt_len=0 fits them all)")
         self.evals.append(_eval_point(step, result))
         self.eval_details.append({"step": step, **result})
 
@@ -297,7 +307,22 @@ class Run:
         return (mesh.get("data", 1) * mesh.get("fsdp", 1) * self.config.train.micro_batches
                 * self.config.rl.updates_per_batch)
 
+    def log_samples(self, step: int, batch: ScoredBatch, record: dict[str, float]) -> None:
+        """A few of the batch's completions to samples.jsonl (two printed on schedule); a loud line
+        when tasks were skipped as too long."""
+        rl = self.config.rl
+        show = 2 if step == self.start + 1 or (rl.print_samples_every and step % rl.print_samples_every == 0) else 0
+        self.samples_log.write(step, "train", _spread(batch.samples, rl.samples_per_step), show)
+        skipped, before = record.get("prompts_too_long", 0.0), self.prompts_too_long
+        self.prompts_too_long = max(skipped, before)
+        if skipped > before:
+            print(f"WARNING: step {step}: {int(skipped - before)} prompts of rl.task were longer than "
+                  f"rl.max_prompt_len={rl.max_prompt_len} and were skipped ({int(skipped)} so far; "
+                  "rl.max_prompt_len=0 fits every measured prompt)")
+
     def close(self) -> None:
+        if self.samples_log is not None:
+            self.samples_log.close()
         if self.producer is not None:
             self.producer.stop()
         if self.checkpoints is not None:
@@ -328,10 +353,11 @@ def start_run(config: ml_collections.ConfigDict, workdir: str) -> Run:
     tasks = build_tasks(config.rl, config.seed)
     model, reference_pointer = initial_model(config, workdir, tasks)
     if config.rl.advantage == "gae":
-        model = with_value_head(model)
+        model = api.with_value_head(model)
         _record_value_head(workdir)
     api.check_vocab(model.cfg, tokenizer)
     run = Run(config, workdir, tokenizer, tasks, model, reference_pointer)
+    run.samples_log = observe.SampleLog(workdir, tokenizer)
     ref_params = restore_or_init_state(run)
     run.backend = build_backend(config, model, run.state["params"], tokenizer, workdir, version=run.start)
     run.producer = build_producer(run, ref_params)
@@ -358,7 +384,8 @@ def restore_or_init_state(run: Run):
     if config.checkpoint.resume and run.checkpoints.latest_step() is not None:
         run.state, run.extra = run.checkpoints.restore(step_lib.abstract_state(model.cfg, run.optimizer, shardings))
         print(f"resumed from step {int(run.state['step']) // updates} ({run.checkpoints.directory})")
-        observe.drop_metrics_after(run.workdir, int(run.state["step"]) // updates)
+        for log in ("metrics.jsonl", "samples.jsonl"):
+            observe.drop_metrics_after(run.workdir, int(run.state["step"]) // updates, log)
     else:
         run.state = step_lib.init_state(model.params, run.optimizer, shardings)
     model.params = None  # owned (and donated) by `state`
@@ -427,8 +454,8 @@ def run_steps(run: Run) -> int | None:
         if rl.mode == "async":
             run.producer.start(run.start, num_steps, version=run.start)
         for step in range(run.start, num_steps):
-            record, failures = one_step(run, step)
-            for failure in failures:
+            record, batch = one_step(run, step)
+            for failure in batch.failures:
                 failures_log.write(json.dumps({"step": step, **failure}) + "\n")
             failures_log.flush()
             done = step + 1
@@ -438,6 +465,7 @@ def run_steps(run: Run) -> int | None:
                 record.update({f"heldout/{d}": v for d, v in run.evals[-1][3].items()})
             run.history.append({"step": done, "reward": record["reward"]})
             writer.write(done, record)
+            run.log_samples(done, batch, record)
             if done % config.train.log_every == 0 or done == num_steps or done == run.start + 1:
                 progress.update(done, {"reward": record["reward"], "acc": run.evals[-1][1],
                                        "stale": record["staleness_max"]})
@@ -458,9 +486,9 @@ def run_steps(run: Run) -> int | None:
         failures_log.close()
 
 
-def one_step(run: Run, step: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
+def one_step(run: Run, step: int) -> tuple[dict[str, float], ScoredBatch]:
     """A scored batch (waiting for the producer) -> train batch -> policy update -> weight sync.
-    Returns the step's metrics and the batch's recorded failures."""
+    Returns the step's metrics and the scored batch."""
     rl, t0 = run.config.rl, time.perf_counter()
     batch = run.producer.next_batch(step)
     t1 = time.perf_counter()
@@ -477,7 +505,7 @@ def one_step(run: Run, step: int) -> tuple[dict[str, float], list[dict[str, Any]
     record["util/trainer"] = (t3 - t1) / max(t3 - t0, 1e-9)  # busy share: not waiting for rollouts
     record.update(run.backend.health())  # dead servers and rerouted requests
     record.update(pool_counters())  # dead sandboxes and re-run tasks
-    return record, batch.failures
+    return record, batch
 
 
 def write_summary(run: Run, wall_s: float) -> dict[str, Any]:
@@ -497,7 +525,7 @@ def write_summary(run: Run, wall_s: float) -> dict[str, Any]:
                "evals": [e[:3] for e in evals], "wall_s": round(wall_s, 1),
                "reference": run.reference_pointer, "families": len(run.tasks.names),
                "balance": evaluation.balance_report([(e[0], e[3]) for e in evals]),
-               "eval_final": details[-1]}
+               "prompts_too_long": int(run.prompts_too_long), "eval_final": details[-1]}
     if "tool_use" in details[0]["overall"]:  # multi-turn tool tasks: the share of episodes using a tool
         summary["heldout_tool_use_before"] = details[0]["overall"]["tool_use"]
         summary["heldout_tool_use_after"] = details[-1]["overall"]["tool_use"]

@@ -19,7 +19,7 @@ import numpy as np
 
 from rlvr import api, losses
 from rlvr.data.arithmetic import ArithmeticData
-from rlvr.data.chat import encode_record
+from rlvr.data.chat import check_tool_calls, encode_record, uses_tools
 from rlvr.data.sources import load_records
 from rlvr.data.stream import TokenStream
 from rlvr.models.generate import greedy_generate
@@ -51,6 +51,11 @@ def build_data(config: ml_collections.ConfigDict, tokenizer, split: str | None =
     if d.source == "arithmetic":
         return ArithmeticData(tokenizer, d.batch_size, d.seq_len, config.seed, d.max_operand)
     records = load_records(d, split)
+    if any(uses_tools(r) for r in records):
+        try:
+            check_tool_calls(tokenizer, f"the data ({d.path or d.tfds_name})")
+        except ValueError as e:
+            raise api.ConfigError(str(e)) from None
     return TokenStream(records, functools.partial(encode_record, tokenizer), d.batch_size, d.seq_len,
                        tokenizer.pad_id, config.seed, pack=d.pack)
 

@@ -1,0 +1,76 @@
+"""The recipes (configs/recipes/) at their target topology: the ahead-of-time fit check.
+
+    .venv/bin/python benchmarks/recipes_fit.py [--targets v5p-8,8xh100] [--out benchmarks/results/recipes_fit.json]
+
+Qwen3-1.7B's architecture (benchmarks/data/qwen3-1.7b/config.json, its published config.json; no
+weights: only shapes are compiled) with a stand-in BPE tokenizer (the recipes fix the RL prompt
+budget, so the tokenizer only decides which prompts would be skipped). Each recipe stage is compiled
+by `rlvr.launch.fit` (what `rlvr.launch --target=...` runs before writing manifests) for each target
+on fake CPU devices, and its per-device memory compared with the target's HBM x the launch check's
+0.9 headroom. Prints one JSON line (and writes it to --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+TARGETS = {"v5p-8": (4, "v5p"), "8xh100": (8, "h100")}  # devices, accelerator (rlvr.launch.fit.HBM_GIB)
+STAGES = (("configs/recipes/grpo_math.py", ""), ("configs/recipes/chat_sft_dpo.py", ",sft"),
+          ("configs/recipes/chat_sft_dpo.py", ",dpo"))
+HEADROOM = 0.9
+
+
+def model_dir(directory: str) -> str:
+    """Qwen3-1.7B's config.json and a stand-in tokenizer with the ChatML template."""
+    from rlvr.models.tokenizer import train_bpe
+
+    shutil.copy(os.path.join(REPO, "benchmarks", "data", "qwen3-1.7b", "config.json"), directory)
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        train_bpe([f.read()], 2048).save(directory)
+    return directory
+
+
+def main() -> None:
+    from rlvr.launch import fit
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--targets", default=",".join(TARGETS))
+    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "recipes_fit.json"))
+    args = parser.parse_args()
+    record = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
+              "command": "python benchmarks/recipes_fit.py", "model": "Qwen3-1.7B (shapes)", "headroom": HEADROOM,
+              "results": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = model_dir(tmp)
+        for target in args.targets.split(","):
+            devices, accelerator = TARGETS[target]
+            budget = fit.hbm_gib(accelerator) * HEADROOM * fit.GIB
+            for spec, stage in STAGES:
+                t0 = time.perf_counter()
+                [analysis] = fit.analyze_jobs(f"{spec}:{directory}{stage}", [{}], devices, [spec + stage])
+                needed = analysis["needed_bytes"]
+                record["results"].append({
+                    "recipe": os.path.basename(spec) + stage, "target": target, "devices": devices,
+                    "needed_gib": round(needed / fit.GIB, 2), "budget_gib": round(budget / fit.GIB, 2),
+                    "fits": needed <= budget, "components_gib": {k: round(v / fit.GIB, 2)
+                                                               for k, v in analysis["components"].items()},
+                    "compile_s": round(time.perf_counter() - t0, 1)})
+                print(json.dumps(record["results"][-1]), file=sys.stderr)
+    line = json.dumps(record, sort_keys=True)
+    print(line)
+    with open(args.out, "w") as f:
+        f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
