@@ -47,8 +47,9 @@ install: $(VENV)/.installed-core system-deps
 
 install-test: $(VENV)/.installed-test system-deps
 
+# Rerunning resumes the run in QUICKSTART_DIR (a finished run just prints its result again); start
+# fresh with `rm -rf workdirs/quickstart` or another directory: make quickstart QUICKSTART_DIR=workdirs/qs2
 quickstart: install
-	rm -rf $(QUICKSTART_DIR)
 	$(PYTHON) -m rlvr.main --config=configs/quickstart.py --workdir=$(QUICKSTART_DIR)
 
 test: install-test

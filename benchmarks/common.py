@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 
 from rlvr.models.config import ModelConfig
 from rlvr.train import flops
-from rlvr.train.flops import measure_matmul_peak
 
-PEER_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "peers", "tunix")
-# Tunix 0.1.7 on the same fixed config and a 2-core CPU (../shared/peers/tunix/results_qwen3_r5.json).
-# The yardstick-scaled ratio is only an estimate (it read ~1.3x optimistic on 2026-11-30); the real
-# comparison is side by side in one window (benchmarks/rollout_vs_tunix.py).
+# Our own measurement of Tunix 0.1.7 with the peer script on the same fixed config and a 2-core CPU
+# (benchmarks/results/tunix_peer.json; the script is benchmarks/peers/bench_tunix.py). The
+# yardstick-scaled ratio is only an estimate (it read ~1.3x optimistic on 2026-11-30); the real
+# comparison is side by side in one window (benchmarks/rollout_vs_tunix.py for the sampler):
+#   python3 -m venv /tmp/venv-tunix && /tmp/venv-tunix/bin/pip install google-tunix
+#   /tmp/venv-tunix/bin/python benchmarks/peers/bench_tunix.py --only sft,sampler
+# then this repo's benchmarks immediately after.
 TUNIX = {"sft_step_s": 0.7185, "sampler_tokens_per_s": 4047.6, "grpo_step_s": 2.0358,
          "calib_matmul_gflops": 285.15}
 
@@ -21,7 +22,7 @@ TUNIX = {"sft_step_s": 0.7185, "sampler_tokens_per_s": 4047.6, "grpo_step_s": 2.
 def calibrate_matmul_gflops(reps: int = 20) -> float:
     """The peer benchmark's yardstick of machine speed: median fp32 1024³ matmul GFLOP/s
     (`rlvr.train.flops.measure_matmul_peak`, the one the trainer's MFU uses)."""
-    return measure_matmul_peak("float32", 1024, reps, median=True) / 1e9
+    return flops.measure_matmul_peak("float32", 1024, reps, median=True) / 1e9
 
 
 def time_calls(fn, repeats: int) -> tuple[float, list[float]]:
@@ -88,3 +89,42 @@ def decode_roofline(cfg: ModelConfig, prompts: list[list[int]], output_lengths: 
     return {"seconds": round(seconds, 4), "tokens_per_s": round(sum(output_lengths) / seconds, 1),
             "prefill_tokens": prefill_tokens, "prefill_s": round(prefill_flops / peak_flops, 4),
             "decode_compute_s": round(compute_s, 4), "decode_memory_s": round(memory_s, 4)}
+
+
+CHATML_TEMPLATE = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+                   "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def chat_bpe_tokenizer(directory: str, vocab_size: int = 32768, corpus_mb: int = 12) -> str:
+    """A byte-level BPE tokenizer of `vocab_size` ids with ChatML specials and template, trained
+    with `tokenizers` on the Python standard library's sources (offline, ~1 min; kept in
+    `directory` and reused). Returns the directory (tokenizer.json + tokenizer_config.json)."""
+    import glob
+    import os
+    import sysconfig
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if os.path.exists(os.path.join(directory, "tokenizer.json")):
+        return directory
+    split = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+             r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    texts, size = [], 0
+    for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True)):
+        if size > corpus_mb * 2**20 or "site-packages" in path:
+            continue
+        with open(path, encoding="utf-8", errors="ignore") as f:
+            texts.append(f.read())
+        size += len(texts[-1])
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    os.makedirs(directory, exist_ok=True)
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML_TEMPLATE}, f)
+    return directory

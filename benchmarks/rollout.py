@@ -1,6 +1,6 @@
 """Rollout throughput of the embedded engine beside the roofline of the same model and batch.
 
-    .venv/bin/python benchmarks/rollout.py [--only fixed,realistic,sampler,extras] [--repeats 3]
+    .venv/bin/python benchmarks/rollout.py [--only fixed,realistic,sampler,first_calls,extras] [--repeats 3]
 
 fixed (the `bench` preset shared with the Tunix peer: 4 layers, d256, vocab 1024, 4.46M params, fp32):
   batch:   32 prompts x 64 prompt tokens -> 64 new tokens (temperature 1, eos ignored)
@@ -16,6 +16,9 @@ params, fp32): an RL step's rollout, 16 chat prompts x groups of 8 = 128 request
   (the varied stopping of real RL; eos is a stop token too, rarely drawn by a random model);
   temperature 1, top_p 1. Continuous batching runs all 128 at once; static batching runs the
   groups in two batches of 64, each waiting for its longest. Timed calls run in ABBA order.
+
+first_calls: issue 17's probe of compile cost on its 13M-parameter, 8k-vocabulary Qwen3 (see
+`first_calls`).
 
 Every timed call starts with an empty prefix cache (`engine.flush_cache()`): prompts are
 prefilled each time, as the peer's sampler does; sharing inside a call (a group's prompt, the
@@ -159,6 +162,35 @@ def sampler(args) -> dict:
             "compile_counts": _compile_counts()}
 
 
+# Issue 17's user model: a random Qwen3 of 13M parameters with an 8k BPE vocabulary (d384, 4 layers,
+# 6 heads / 2 KV heads, MLP 1024, untied), engine options as an RL run sized for its prompts.
+QWEN3_13M = dict(family="qwen3", vocab_size=8000, hidden_size=384, intermediate_size=1024, num_layers=4,
+                 num_heads=6, num_kv_heads=2, head_dim=64, rope_theta=10_000.0, scan_unroll=4)
+
+
+def first_calls(args) -> dict:
+    """Issue 17's probe: 16 requests x 32 new tokens on the 13M model, the first call (prompts of
+    52-100 tokens), a second with longer prompts (100-192 tokens: another length bucket), a third
+    like the second (warm). Each call's seconds, and the compiles they caused."""
+    cfg = ModelConfig(**QWEN3_13M)
+    params = _params(cfg)
+    engine = Engine(cfg, params, max_slots=16, max_len=256, page_size=16, decode_steps=args.decode_steps,
+                    prefill_rows=16, prefill_chunk=32)
+    rng = np.random.default_rng(0)
+    calls = {}
+    for name, (low, high) in (("first", (52, 100)), ("longer_prompts", (100, 192)), ("warm", (100, 192))):
+        prompts = [rng.integers(3, 8000, int(rng.integers(low, high + 1))).tolist() for _ in range(16)]
+        before = _compile_counts()
+        t0 = time.perf_counter()
+        engine.generate(_requests(prompts, [32] * 16, prefix=name))
+        seconds = time.perf_counter() - t0
+        after = _compile_counts()
+        calls[name] = {"s": round(seconds, 2), "tokens_per_s": round(16 * 32 / seconds, 1),
+                       "new_compiles": {k: after[k] - before[k] for k in after}}
+    return {"model": "random Qwen3, 13M params, vocab 8000 (issue 17's)", "workload": "16 requests x 32 new tokens",
+            "calls": calls, "engine_metrics": _engine_metrics(engine)}
+
+
 SYSTEM_LEN, CHAT_PROMPTS, GROUP, SLOTS = 64, 16, 8, 64
 IM_START, IM_END, EOS, ASSISTANT = 32000, 32001, 32002, 32003  # ids standing in for ChatML specials
 
@@ -249,12 +281,10 @@ EXTRA_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["n
 
 
 def bpe_tokenizer(vocab_size: int = 32000, seed: int = 0):
-    """A byte-level BPE tokenizer trained here on generated words, JSON and numbers (no download):
-    realistic token pieces for the grammar's per-state token sets."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    from rlvr.models.tokenizer import CHATML_TEMPLATE, Tokenizer
+    """A byte-level BPE tokenizer (`rlvr.models.tokenizer.train_bpe`) trained here on generated
+    words, JSON and numbers (no download): realistic token pieces for the grammar's per-state
+    token sets."""
+    from rlvr.models.tokenizer import train_bpe
 
     rng = np.random.default_rng(seed)
     syllables = [a + b for a in "bcdfghjklmnprstvwz" for b in "aeiouy"] + list("aeiou")
@@ -263,13 +293,7 @@ def bpe_tokenizer(vocab_size: int = 32000, seed: int = 0):
     corpus += [json.dumps({"name": str(rng.choice(words)), "age": int(rng.integers(0, 99)),
                            "tags": [str(w) for w in rng.choice(words, 3)], "ok": bool(rng.integers(2))})
                for _ in range(4000)]
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return Tokenizer(tok, CHATML_TEMPLATE, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
+    return train_bpe(corpus, vocab_size)
 
 
 def extras(args) -> dict:
@@ -350,13 +374,14 @@ def _valid_json(tokenizer, completion, schema) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", default="fixed,realistic")
+    parser.add_argument("--only", default="fixed,realistic,first_calls")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--realistic_rounds", type=int, default=2, help="ABBA rounds of static/continuous")
     parser.add_argument("--decode_steps", type=int, default=16)
     args = parser.parse_args()
     record = {"benchmark": "rollout", "devices": str(jax.devices()[0]), "jax": jax.__version__}
-    sections = {"fixed": fixed, "realistic": realistic, "sampler": sampler, "extras": extras}
+    sections = {"fixed": fixed, "realistic": realistic, "sampler": sampler, "first_calls": first_calls,
+                "extras": extras}
     for name in args.only.split(","):
         record[name] = sections[name](args)
     emit(record)

@@ -378,37 +378,11 @@ def jax_copy(params):
 
 
 def _timed_engine(engine, calls: list[tuple[str, float, float]]):
-    """Wraps one engine's prefill, decode and step (instance attributes: timing only) to append
-    ("prefill", rows x chunk, s), ("decode", (running, max_slots), s) and ("step", s of the rest);
-    returns a function that removes the wrappers."""
-    prefill_rows, decode, step = engine._prefill_rows, engine._decode, engine.step
-    inner = [0.0]
-
-    def timed_prefill(seqs):
-        rows, chunk = engine._prefill_shape(seqs)
-        t0 = time.perf_counter()
-        prefill_rows(seqs)
-        inner[0] += time.perf_counter() - t0
-        calls.append(("prefill", rows * chunk, time.perf_counter() - t0))
-
-    def timed_decode():
-        running = sum(s is not None and s.prefilled == len(s.prompt) and bool(s.output) and s.finish is None
-                      for s in engine.slots)
-        t0 = time.perf_counter()
-        decode()
-        inner[0] += time.perf_counter() - t0
-        if running:
-            calls.append(("decode", (running, engine.max_slots), time.perf_counter() - t0))
-
-    def timed_step():
-        inner[0] = 0.0
-        t0 = time.perf_counter()
-        done = step()
-        calls.append(("step", 0.0, time.perf_counter() - t0 - inner[0]))
-        return done
-
-    engine._prefill_rows, engine._decode, engine.step = timed_prefill, timed_decode, timed_step
+    """Times one engine's device calls (`Engine.call_times`: synchronous, no overlap) into `calls`:
+    ("prefill", rows x chunk, s), ("decode", (running, max_slots), s) and ("step", 0, s of the rest);
+    returns a function that stops timing."""
+    engine.call_times = calls
 
     def restore() -> None:
-        del engine._prefill_rows, engine._decode, engine.step
+        engine.call_times = None
     return restore

@@ -158,8 +158,10 @@ def rl_config() -> ml_collections.ConfigDict:
         # task through the embedded engine's OpenAI endpoint; its calls are recorded as token trajectories
         "agent": "", "agent_timeout_s": 600.0,
         "agent_options": ml_collections.ConfigDict(),  # keyword arguments of the agent factory
-        # rollout: prompts (tasks) per step, samples per prompt, sampling temperature and top-p
-        "prompts_per_step": 16, "group_size": 8, "temperature": 1.0, "top_p": 1.0,
+        # rollout: prompts (tasks) per step, samples per prompt; sampling (temperature, top_p, top_k (-1 = all),
+        # min_p): the trainer's log-probs are of the same truncated, tempered distribution
+        # (rlvr.kernels.chunked_logprob.sampling_logits)
+        "prompts_per_step": 16, "group_size": 8, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
         # sample JSON-schema tasks under their schema and tool-call tasks under the tool-call format
         # (constrained decoding, rlvr.tasks.constraints; needs the "structured" extra)
         "constrained_decoding": False,
@@ -184,6 +186,11 @@ def rl_config() -> ml_collections.ConfigDict:
         "value_coef": 0.5, "value_clip": 0.2, "gae_gamma": 1.0, "gae_lambda": 0.95,  # gae: value head + loss
         "policy_loss": "ppo_clip",  # ppo_clip | gspo
         "aggregation": "token_mean",  # token_mean | seq_mean_token_mean | seq_mean_token_sum | token_sum_norm
+        # the policy the PPO ratio is taken (and clipped) against: current (the weights before this batch's
+        # updates; with updates_per_batch = 1 the ratio is 1 and only TIS corrects the sampler) | behaviour
+        # (the sampler's recorded log-probs: clipping bounds the update against the policy that generated
+        # the batch, e.g. stale async rollouts; TIS is then off)
+        "proximal": "current",
         "clip_low": 0.2, "clip_high": 0.2,  # clip_high > clip_low: DAPO clip-higher
         "dual_clip": 0.0,  # > 1 enables dual-clip with this c; 0 = off
         "gspo_clip_low": 3e-4, "gspo_clip_high": 4e-4,  # gspo: clip range of the sequence-level ratio
@@ -233,9 +240,6 @@ def rl_config() -> ml_collections.ConfigDict:
 
 
 def _validate_rl(config: ml_collections.ConfigDict) -> None:
-    from rlvr.rl.advantages import ADVANTAGE_FNS
-    from rlvr.rl.batching import AGGREGATIONS
-    from rlvr.rl.policy_loss import KL_ESTIMATORS
     from rlvr.tasks.mixture import expand
 
     rl = config.rl
@@ -252,12 +256,7 @@ def _validate_rl(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"rl.replay_fraction={rl.replay_fraction}: must be in (0, 1) when replay is on.")
     if rl.eval_samples < 1:
         raise ConfigError(f"rl.eval_samples={rl.eval_samples}: must be >= 1.")
-    _one_of(config, "rl.advantage", [*ADVANTAGE_FNS, "gae"])
-    _one_of(config, "rl.policy_loss", ("ppo_clip", "gspo"))
-    _one_of(config, "rl.aggregation", AGGREGATIONS)
-    _one_of(config, "rl.kl_estimator", KL_ESTIMATORS)
-    _one_of(config, "rl.kl_mode", ("loss", "reward"))
-    _one_of(config, "rl.tis_level", ("token", "sequence"))
+    _validate_objective(config)
     if rl.agent and rl.backend != "embedded":
         raise ConfigError(f"rl.agent={rl.agent!r} needs rl.backend='embedded' (the agent's calls are recorded by "
                           "the in-process engine's OpenAI endpoint)")
@@ -276,10 +275,6 @@ def _validate_rl(config: ml_collections.ConfigDict) -> None:
                           f"{rl.curriculum_band_high}: need 0 <= low < high <= 1.")
     if rl.max_staleness < 0:
         raise ConfigError(f"rl.max_staleness={rl.max_staleness}: must be >= 0 (0 = synchronous).")
-    if rl.policy_loss == "gspo" and rl.aggregation != "seq_mean_token_mean":
-        raise ConfigError("rl.policy_loss='gspo' is a sequence-level loss: set rl.aggregation='seq_mean_token_mean'.")
-    if rl.dual_clip and rl.dual_clip <= 1:
-        raise ConfigError(f"rl.dual_clip={rl.dual_clip}: must be > 1 (or 0 to turn it off).")
     if rl.backend == "sglang" and not rl.sglang_urls.strip():
         raise ConfigError("rl.backend='sglang' needs rl.sglang_urls (comma-separated server URLs).")
     if rl.seq_len and rl.engine.max_len and rl.seq_len > rl.engine.max_len:
@@ -288,14 +283,51 @@ def _validate_rl(config: ml_collections.ConfigDict) -> None:
     if rl.seq_len and rl.max_new_tokens >= rl.seq_len:
         raise ConfigError(f"rl.max_new_tokens={rl.max_new_tokens} leaves no room for the prompt in "
                           f"rl.seq_len={rl.seq_len}; raise rl.seq_len.")
-    if rl.group_size < 2 and rl.advantage in ("grpo", "dr_grpo", "rloo"):
-        raise ConfigError(f"rl.advantage={rl.advantage!r} compares samples within a group: set rl.group_size >= 2.")
     _validate_schedule(rl)
     checkpoint = config.init.hf_checkpoint and "init.hf_checkpoint" or config.init.workdir and "init.workdir"
     if config.job == "rl" and rl.sft_steps and checkpoint and not rl.sft_on_checkpoint:
         raise ConfigError(f"rl.sft_steps={rl.sft_steps} would run an SFT warm start on demonstrations on top of "
                           f"{checkpoint}: set rl.sft_steps=0 to start RL from the checkpoint as it is, or "
                           "rl.sft_on_checkpoint=True to warm-start it first.")
+
+
+def _validate_objective(config: ml_collections.ConfigDict) -> None:
+    """The algorithm's fields: known choices, sampling settings, and combinations that would train
+    on something other than what they say (a KL penalty whose gradient is not the KL's, clip
+    knobs that cannot act)."""
+    from rlvr.rl.advantages import ADVANTAGE_FNS
+    from rlvr.rl.batching import AGGREGATIONS
+    from rlvr.rl.objective import PROXIMAL
+    from rlvr.rl.policy_loss import KL_ESTIMATORS
+
+    rl = config.rl
+    _one_of(config, "rl.advantage", [*ADVANTAGE_FNS, "gae"])
+    _one_of(config, "rl.policy_loss", ("ppo_clip", "gspo"))
+    _one_of(config, "rl.aggregation", AGGREGATIONS)
+    _one_of(config, "rl.kl_estimator", KL_ESTIMATORS)
+    _one_of(config, "rl.kl_mode", ("loss", "reward"))
+    _one_of(config, "rl.tis_level", ("token", "sequence"))
+    _one_of(config, "rl.proximal", PROXIMAL)
+    if not rl.temperature > 0 or not 0 < rl.top_p <= 1 or not 0 <= rl.min_p < 1 or rl.top_k == 0 or rl.top_k < -1:
+        raise ConfigError(f"rl.temperature={rl.temperature}, rl.top_p={rl.top_p}, rl.top_k={rl.top_k}, rl.min_p="
+                          f"{rl.min_p}: need temperature > 0, 0 < top_p <= 1, top_k = -1 (all) or >= 1, "
+                          "0 <= min_p < 1.")
+    if rl.group_size < 2 and rl.advantage in ("grpo", "dr_grpo", "rloo"):
+        raise ConfigError(f"rl.advantage={rl.advantage!r} compares samples within a group: set rl.group_size >= 2.")
+    if rl.policy_loss == "gspo" and rl.aggregation != "seq_mean_token_mean":
+        raise ConfigError("rl.policy_loss='gspo' is a sequence-level loss: set rl.aggregation='seq_mean_token_mean'.")
+    if rl.dual_clip and rl.dual_clip <= 1:
+        raise ConfigError(f"rl.dual_clip={rl.dual_clip}: must be > 1 (or 0 to turn it off).")
+    if rl.kl_mode == "reward" and rl.kl_coef and rl.kl_estimator != "k1":
+        raise ConfigError(f"rl.kl_mode='reward' with rl.kl_estimator={rl.kl_estimator!r}: as a reward penalty only "
+                          "k1 (log π/π_ref) gives the KL's gradient; set rl.kl_estimator='k1' (or rl.kl_mode='loss').")
+    default = rl_config()
+    inert = [f"rl.{k}={rl[k]}" for k in ("clip_low", "clip_high", "dual_clip", "gspo_clip_low", "gspo_clip_high")
+             if rl[k] != default[k]]
+    if inert and rl.updates_per_batch == 1 and rl.proximal == "current":
+        raise ConfigError(f"{', '.join(inert)} never acts: with rl.updates_per_batch=1 and rl.proximal='current' the "
+                          "policy ratio is 1. Set rl.proximal='behaviour' (clip against the policy that sampled the "
+                          "batch) or rl.updates_per_batch > 1.")
 
 
 def _validate_schedule(rl: ml_collections.ConfigDict) -> None:

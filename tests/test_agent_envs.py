@@ -28,12 +28,11 @@ from rlvr.models.config import ModelConfig
 from rlvr.models.params import init_params
 from rlvr.models.tokenizer import byte_level_tokenizer
 from rlvr.rollout.driver import EngineDriver
+from rlvr.rollout.engine import Engine
 from rlvr.rollout.server import serve
 from rlvr.rollout.server_sessions import SessionRecorder
 from rlvr.rollout.tool_calls import parse_tool_calls
 from rlvr.tasks.base import Family, Task
-
-engine_module = pytest.importorskip("rlvr.rollout.engine")
 
 TOK = byte_level_tokenizer()
 EOS = TOK.eos_id
@@ -53,7 +52,7 @@ def letters_only_params():
 
 @pytest.fixture(scope="module")
 def real():
-    engine = engine_module.Engine(CFG, letters_only_params(), tokenizer=TOK, max_len=256, max_slots=8)
+    engine = Engine(CFG, letters_only_params(), tokenizer=TOK, max_len=256, max_slots=8)
     driver = EngineDriver(engine)
     records = []
     server, _ = serve(driver, recorder=records.append)

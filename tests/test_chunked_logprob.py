@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rlvr.kernels.chunked_logprob import token_logprobs, token_logprobs_reference
+from rlvr.kernels.chunked_logprob import Sampling, token_logprobs, token_logprobs_reference
 
 from rlvr import config_lib
 from rlvr.models import params as params_lib
 from rlvr.models.config import ModelConfig
+from rlvr.models.transformer import forward
 from rlvr.rl.objective import Objective, rl_loss
 from rlvr.trainers.sft import sft_loss
 
@@ -33,28 +34,33 @@ def tree_close(a, b, tol):
 # ------------------------------------------------------------------ the kernel vs the reference
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "softcap", "vocab_major"))
-def _values_and_grads(hidden, w, targets, g_logp, g_ent, *, chunk_size, softcap, vocab_major):
+@functools.partial(jax.jit, static_argnames=("chunk_size", "softcap", "vocab_major", "sampling"))
+def _values_and_grads(hidden, w, targets, g_logp, g_ent, *, chunk_size, softcap, vocab_major, sampling):
     """For the chunked and the reference function: (logp, entropy, (d hidden, d w)) of
     Σ g_logp·logp + Σ g_ent·entropy; one compile for both."""
 
     def run(call):
         def f(h, w):
-            logp, ent = call(h, w, targets, softcap=softcap, return_entropy=True, vocab_major=vocab_major)
+            logp, ent = call(h, w, targets, softcap=softcap, return_entropy=True, vocab_major=vocab_major,
+                             sampling=sampling)
             return jnp.sum(g_logp * logp) + jnp.sum(g_ent * ent), (logp, ent)
 
         (_, (logp, ent)), grads = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(hidden, w)
         return logp, ent, grads
 
-    logp_only = token_logprobs(hidden, w, targets, chunk_size=chunk_size, softcap=softcap, vocab_major=vocab_major)
+    logp_only = token_logprobs(hidden, w, targets, chunk_size=chunk_size, softcap=softcap, vocab_major=vocab_major,
+                               sampling=sampling)
     return run(functools.partial(token_logprobs, chunk_size=chunk_size)), run(token_logprobs_reference), logp_only
 
 
 @settings(max_examples=12, deadline=None, derandomize=True)
 @given(batch=st.integers(1, 3), length=st.integers(1, 19), embed=st.sampled_from([8, 16]),
        vocab=st.integers(2, 70), chunk=st.integers(1, 24), softcap=st.sampled_from([0.0, 2.5]),
-       vocab_major=st.booleans(), seed=st.integers(0, 2**16))
-def test_matches_full_logits_reference(batch, length, embed, vocab, chunk, softcap, vocab_major, seed):
+       vocab_major=st.booleans(), seed=st.integers(0, 2**16),
+       sampling=st.sampled_from([Sampling(), Sampling(0.7, -1, 0.9, 0.0), Sampling(1.3, 5, 1.0, 0.05)]))
+def test_matches_full_logits_reference(batch, length, embed, vocab, chunk, softcap, vocab_major, seed, sampling):
+    """Also with the sampler's truncated, tempered distribution (`sampling`): the kept set is
+    recomputed per chunk in the backward pass; the target always counts as kept."""
     rng = np.random.default_rng(seed)
     hidden = jnp.asarray(rng.standard_normal((batch, length, embed)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((vocab, embed) if vocab_major else (embed, vocab)) * 0.7, jnp.float32)
@@ -62,7 +68,7 @@ def test_matches_full_logits_reference(batch, length, embed, vocab, chunk, softc
     g_logp = jnp.asarray(rng.standard_normal((batch, length)), jnp.float32)
     g_ent = jnp.asarray(rng.standard_normal((batch, length)), jnp.float32)
     got, want, logp_only = _values_and_grads(hidden, w, targets, g_logp, g_ent, chunk_size=chunk, softcap=softcap,
-                                             vocab_major=vocab_major)
+                                             vocab_major=vocab_major, sampling=sampling)
     tree_close(got, want, 2e-5)
     close(logp_only, want[0], 2e-5)  # log-probs alone (no entropy): the same values
 
@@ -181,6 +187,66 @@ def test_rl_loss_same_with_and_without_chunking(case):
     assert set(aux_chunk) == set(aux_full)
     tree_close(aux_chunk, aux_full, 1e-4)
     tree_close(g_chunk, g_full, 1e-5)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_bfloat16_model_logits_match_the_chunked_path(tied):
+    """model.dtype="bfloat16": the model's logits (what the engine samples from and the full-logits
+    loss scores) are float32 products of the bf16 hidden states and head, like the chunked
+    log-probs' (before: rounded to bf16, a 3e-2 log-prob gap at logits of this size)."""
+    from rlvr.losses import model_token_logprobs, next_token_logprobs
+
+    cfg = ModelConfig(**{**TINY, "dtype": "bfloat16"}, tie_word_embeddings=tied)
+    params = _init(cfg, 8)
+    head = "embed_tokens" if tied else "lm_head"
+    params[head] = jax.tree.map(lambda w: w * 30.0, params[head])  # logits of a trained model's size (~±20)
+    tokens = jnp.asarray(np.random.default_rng(9).integers(1, TINY["vocab_size"], (B, T)), jnp.int32)
+    logits = forward(cfg, params, tokens)[0]
+    assert logits.dtype == jnp.float32 and float(jnp.max(jnp.abs(logits))) > 10
+    full = next_token_logprobs(logits, tokens)
+    chunked = model_token_logprobs(cfg, params, tokens, chunk_size=8)[0]
+    close(full, chunked, 1e-5)
+
+
+def _longest_vocab_rows(closed_jaxpr, vocab: int) -> int:
+    """The most positions of any [..., L, V] array (V = vocab) anywhere in a jaxpr, sub-jaxprs
+    (loops, custom VJPs, nested jits) included."""
+    longest = 0
+
+    def walk(jaxpr):
+        nonlocal longest
+        for eqn in jaxpr.eqns:
+            for var in eqn.outvars:
+                shape = getattr(var.aval, "shape", ())
+                if len(shape) >= 3 and shape[-1] == vocab:
+                    longest = max(longest, shape[-2])
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, tuple | list) else (param,):
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        walk(sub)
+
+    walk(closed_jaxpr.jaxpr)
+    return longest
+
+
+def test_rl_passes_never_build_full_vocabulary_logits():
+    """The trainer's passes outside the loss (proximal and reference log-probs, GAE values) go
+    through the chunked path: no [B, T, V] array, only [B, chunk, V] ones (or none)."""
+    from rlvr.rl.update import gae_pass, logprobs_pass
+
+    cfg = ModelConfig(**TINY, value_head=True)
+    params = _init(cfg, 6)
+    b = jax.tree.map(jnp.asarray, _batch(np.random.default_rng(7)))
+    args = (params, b["tokens"], b["positions"], b["segment_ids"])
+    for sampling in (Sampling(), Sampling(0.7, -1, 0.9, 0.0)):
+        jaxpr = jax.make_jaxpr(functools.partial(logprobs_pass, cfg, sampling, 4))(*args)
+        assert 0 < _longest_vocab_rows(jaxpr, TINY["vocab_size"]) <= 4
+    jaxpr = jax.make_jaxpr(functools.partial(gae_pass, cfg, 1.0, 0.95))(*args, b["loss_mask"], jnp.zeros((B, T)))
+    assert _longest_vocab_rows(jaxpr, TINY["vocab_size"]) == 0
+    full = jax.make_jaxpr(lambda p, t: forward(cfg, p, t)[0])(params, b["tokens"])  # the check can fail
+    assert _longest_vocab_rows(full, TINY["vocab_size"]) == T
 
 
 def test_config_flag():

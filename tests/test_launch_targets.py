@@ -558,7 +558,8 @@ def test_rl_fit_counts_the_step_the_reference_and_the_engine():
     from rlvr.models import params as params_lib
     from rlvr.models.transformer import init_paged_cache
 
-    config = config_lib.load_config("configs/quickstart.py:smoke", {"rl.kl_coef": 0.1, "rl.kl_mode": "reward"})
+    config = config_lib.load_config("configs/quickstart.py:smoke", {"rl.kl_coef": 0.1, "rl.kl_mode": "reward",
+                                                                         "rl.kl_estimator": "k1"})
     result = fit.analyze_job(config)
     parts = result["components"]
     assert sorted(parts) == ["engine_kv_cache", "engine_params", "reference_params", "train_step"]

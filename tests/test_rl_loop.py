@@ -355,7 +355,7 @@ def test_sglang_backend_against_embedded_server(mode, sync_run, sglang_server, t
 @pytest.mark.parametrize("algorithm", [
     {"rl.advantage": "gae", "rl.updates_per_batch": 2},
     {"rl.advantage": "rloo", "rl.policy_loss": "gspo", "rl.aggregation": "seq_mean_token_mean", "rl.pack": True,
-     "rl.dynamic_sampling": True, "rl.kl_coef": 0.1, "rl.kl_mode": "reward"},
+     "rl.dynamic_sampling": True, "rl.kl_coef": 0.1, "rl.kl_mode": "reward", "rl.kl_estimator": "k1"},
 ], ids=["ppo_gae_minibatches", "rloo_gspo_packed_dynamic_kl_reward"])
 def test_other_algorithms_train(algorithm, sync_run, tmp_path):
     """PPO with a learned value head (GAE, 2 mini-batches) and an RLOO/GSPO/packed/dynamic-sampling/
@@ -399,9 +399,11 @@ def test_task_mixture_with_graph_curriculum_and_replay_resumes_exactly(sync_run,
     replay buffer and per-family curriculum ride in the checkpoint, so a run stopped after step 2
     and resumed to 4 equals an uninterrupted run bitwise; metrics and the summary break pass
     rates down per family and domain."""
+    # seed 2: the 10-step warm start solves few tasks, and replay needs a rare success in the run
+    # (with the engine's inverse-CDF sampler, seed 0 draws none in 4 steps; seeds 1-3 do)
     mixture = {"rl.task": "add:2,sub:1", "rl.curriculum": True, "rl.max_digits": 2, "rl.curriculum_min_samples": 4,
                "rl.replay_capacity": 8, "rl.replay_max_pass_rate": 0.75, "rl.replay_fraction": 0.25,
-               "checkpoint.every_steps": 2, "optimizer.schedule": "constant", "rl.eval_examples": 8}
+               "checkpoint.every_steps": 2, "optimizer.schedule": "constant", "rl.eval_examples": 8, "seed": 2}
     whole = _run(tmp_path / "whole", sft_from=sync_run, **mixture, **{"train.num_steps": 4})
     part = tmp_path / "part"
     _run(part, sft_from=sync_run, **mixture, **{"train.num_steps": 2})

@@ -153,6 +153,28 @@ def test_gae_ignores_masked_padding():
     close(a1[:, 2:], jnp.zeros((1, 2)))
 
 
+def test_gae_multi_turn_observations_are_not_episode_ends():
+    """A packed row: episode A (segment 1) = actions a1 a2, tool observations o1 o2, action a3 with
+    reward 1; episode B (segment 2) = observation, actions b1 b2 with reward 2. The observations
+    are skipped (a2's next state is a3's), not terminal: turn 1 sees the final reward; B does not
+    leak into A."""
+    rewards = jnp.array([[0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 2.0]])
+    values = jnp.array([[0.1, 0.2, 9.0, 9.0, 0.5, 9.0, 0.3, 0.4]])
+    mask = jnp.array([[1, 1, 0, 0, 1, 0, 1, 1]])
+    segments = jnp.array([[1, 1, 1, 1, 1, 2, 2, 2]])
+    gamma, lam = 0.9, 0.8
+    # by hand: a3: 1 - 0.5 = 0.5; a2: 0.9*0.5 - 0.2 + 0.72*0.5 = 0.61; a1: 0.9*0.2 - 0.1 + 0.72*0.61 = 0.5192
+    #          b2: 2 - 0.4 = 1.6; b1: 0.9*0.4 - 0.3 + 0.72*1.6 = 1.212
+    alone, _ = adv_lib.gae(rewards[:, :5], values[:, :5], mask[:, :5], gamma, lam)  # episode A in its own row
+    close(alone[0], [0.5192, 0.61, 0.0, 0.0, 0.5])
+    adv, ret = adv_lib.gae(rewards, values, mask, gamma, lam, segments=segments)
+    close(adv[0], [0.5192, 0.61, 0.0, 0.0, 0.5, 0.0, 1.212, 1.6])
+    close(ret[0], [0.6192, 0.81, 0.0, 0.0, 1.0, 0.0, 1.512, 2.0])
+    # gamma = lam = 1: every action of an episode gets its final reward minus its value
+    adv, _ = adv_lib.gae(rewards, values, mask, 1.0, 1.0, segments=segments)
+    close(adv[0], [0.9, 0.8, 0.0, 0.0, 0.5, 0.0, 1.7, 1.6])
+
+
 # ---------------------------------------------------------------- aggregation (rlvr.rl.batching)
 
 
@@ -283,6 +305,22 @@ def test_kl_k3_unbiased_for_kl():
     lp, lq = jnp.log(jnp.array(p)), jnp.log(jnp.array(q))
     close(jnp.sum(jnp.array(p) * pl.kl_k1(lp, lq)), kl)
     close(jnp.sum(jnp.array(p) * pl.kl_k3(lp, lq)), kl)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_loss_gradient_is_the_gradient_of_the_kl(estimator):
+    """A categorical policy π = softmax(θ) over 5 tokens and a fixed reference: the expected
+    gradient of the KL loss term over samples of π (enumerated: Σ_x π(x)·∇ kl_loss(x)) equals the
+    exact gradient of KL(π ‖ π_ref), and its expected value is the KL for the unbiased k1 and k3."""
+    theta = jnp.array([0.3, -1.2, 2.0, 0.1, -0.4])
+    ref = jax.nn.log_softmax(jnp.array([1.0, 0.5, -0.3, 0.2, 0.0]))
+    kl = lambda t: jnp.sum(jax.nn.softmax(t) * (jax.nn.log_softmax(t) - ref))
+    p = jax.lax.stop_gradient(jax.nn.softmax(theta))
+    term = lambda t: jnp.sum(p * pl.kl_loss(jax.nn.log_softmax(t), ref, estimator))
+    close(jax.grad(term)(theta), jax.grad(kl)(theta))
+    assert float(jnp.max(jnp.abs(jax.grad(kl)(theta)))) > 0.05
+    if estimator != "k2":  # k2 is biased: its value is not the KL
+        close(term(theta), kl(theta))
 
 
 def test_value_loss_hand_computed():

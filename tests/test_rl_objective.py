@@ -268,17 +268,46 @@ def test_rl_loss_matches_row_based_reference(setup, obj, with_old):
             assert float(aux["dual_clip_fraction"]) > 0
 
 
+def test_proximal_behaviour_clips_against_the_sampler(setup):
+    """rl.proximal="behaviour": with one update per batch the ratio is π_θ/π_behaviour (the
+    sampler's recorded log-probs), so the clip acts and clip_fraction reports it; TIS is off.
+    With "current" the ratio is 1 and nothing is clipped."""
+    params, samples = setup["params"], setup["samples"]
+    mask = jnp.asarray(_unpacked_mask(samples, N))
+    behaviour = jnp.asarray(_per_token(samples, [s.behaviour_logp for s in samples], N))
+    adv = jnp.broadcast_to(jnp.asarray([s.advantage for s in samples], jnp.float32)[:, None], mask.shape)
+    batch = _batch(samples)
+    obj = Objective("ppo_clip", 0.2, 0.28, tis_cap=CAP, num_seqs=N, proximal="behaviour")
+    loss_sum, aux, grads = loss_and_grad(obj, params, batch, None, 1)
+
+    def reference(lp):
+        per_token = _hand_ppo(lp, behaviour, adv, 0.2, 0.28, None)
+        clipped = per_token > -adv * jnp.exp(lp - behaviour)
+        return jnp.sum(per_token * mask) / jnp.sum(mask), jnp.sum(clipped * mask)
+
+    logp = trainer_logp(params, batch)
+    (ref_loss, ref_clipped), ref_dlogp = jax.value_and_grad(reference, has_aux=True)(logp)
+    close(loss_sum / aux["weight"], ref_loss)
+    tree_close(scaled(grads, aux["weight"]), logp_vjp(params, batch, ref_dlogp))
+    assert 0 < float(aux["clip_fraction"]) == float(ref_clipped) < float(aux["tokens"])
+    assert "tis_capped_fraction" not in aux
+    _, current, _ = loss_and_grad(dataclasses.replace(obj, proximal="current"), params, batch, None, 1)
+    assert float(current["clip_fraction"]) == 0.0
+
+
 # ---------------------------------------------------------------- 3. KL to the reference policy
 
 
 @functools.partial(jax.jit, static_argnums=(4, 5))
 def _kl_entropy_reference(params, ref_params, batch, mask, kl_coef, entropy_coef):
-    """kl_coef · token-mean k3(π, π_ref) - entropy_coef · token-mean entropy, and its gradient."""
+    """kl_coef · token-mean k3(π, π_ref) - entropy_coef · token-mean entropy, and its gradient, k3
+    weighted by the ratio π/sg(π) = 1 (its gradient is then the KL's, see test_kl_loss_gradient...)."""
     def loss(p):
         logits = _logits(p, batch["tokens"], batch["positions"], batch["segment_ids"])
         logp = next_token_logprobs(logits, batch["tokens"])
         ref_logp = _logp(ref_params, batch["tokens"], batch["positions"], batch["segment_ids"])
-        kl = jnp.sum(pl.kl_k3(logp, ref_logp) * mask) / jnp.sum(mask)
+        k3 = jnp.exp(ref_logp - logp) - (ref_logp - logp) - 1
+        kl = jnp.sum(jnp.exp(logp - jax.lax.stop_gradient(logp)) * k3 * mask) / jnp.sum(mask)
         log_probs = jax.nn.log_softmax(logits[:, :-1], axis=-1)
         entropy = jnp.sum(-jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1) * mask) / jnp.sum(mask)
         return kl_coef * kl - entropy_coef * entropy, (kl, entropy)
@@ -473,6 +502,8 @@ def _validate(config):
 
 def test_quickstart_config_is_valid():
     _validate(_config())
+    _validate(_config(**{"rl.clip_high": 0.28, "rl.proximal": "behaviour"}))  # clip knobs that act
+    _validate(_config(**{"rl.clip_high": 0.28, "rl.updates_per_batch": 2}))
     _validate(_config(**{"rl.policy_loss": "gspo", "rl.aggregation": "seq_mean_token_mean"}))
     _validate(_config(**{"rl.prompts_per_step": 3, "rl.group_size": 2, "rl.pack": True}))  # packed: rows bucketed
 
@@ -483,6 +514,10 @@ def test_quickstart_config_is_valid():
     ({"rl.seq_len": 40}, r"rl\.seq_len=40 exceeds rl\.engine\.max_len=32"),
     ({"rl.backend": "sglang"}, r"rl\.sglang_urls"),
     ({"rl.prompts_per_step": 3, "rl.group_size": 2}, r"rl\.prompts_per_step×rl\.group_size=6"),
+    ({"rl.kl_coef": 0.1, "rl.kl_mode": "reward"}, r"rl\.kl_estimator='k3'.*only k1.*set rl\.kl_estimator='k1'"),
+    ({"rl.clip_high": 0.28}, r"rl\.clip_high=0\.28 never acts.*rl\.proximal='behaviour'"),
+    ({"rl.proximal": "old"}, r"rl\.proximal='old'"),
+    ({"rl.top_p": 0.0}, r"0 < top_p <= 1"),
 ])
 def test_bad_rl_config_names_the_field(overrides, pattern):
     with pytest.raises(config_lib.ConfigError, match=pattern):
@@ -616,22 +651,92 @@ def test_producer_records_failures_and_round_trips():
 
     producer, _, _, _ = _producer(outcome, family=ExplodingFamily(seed=5))
     batch = producer.make_batch(3)
-    K = producer.settings.group_size
     assert len(batch.failures) == 2 * 4
     for g in range(4):
-        group = batch.samples[g * K:(g + 1) * K]
-        assert [s.rewards["reward"] for s in group] == [1.0, 0.0, 0.0, 0.0]
-        assert [s.rewards["verifier_error"] for s in group] == [0.0, 1.0, 0.0, 1.0]
-        assert [s.truncated for s in group] == [False, False, True, True]
+        group = batch.samples[2 * g:2 * (g + 1)]  # the failures are recorded, not trained on
+        assert [s.rewards["reward"] for s in group] == [1.0, 0.0]
+        assert [s.rewards["verifier_error"] for s in group] == [0.0, 0.0]
+        assert [s.truncated for s in group] == [False, True]
         crash, abort = batch.failures[2 * g], batch.failures[2 * g + 1]
         assert crash == {"task_index": g, "family": "add", "rid": f"s3-t{g}-k1", "error": "ValueError: bad verifier"}
         assert abort == {"task_index": g, "family": "add", "rid": f"s3-t{g}-k3",
                          "error": "RuntimeError: rollout aborted: engine died"}
-    close([s.advantage for s in batch.samples], np.asarray(adv_lib.grpo(jnp.asarray(_group_rewards(batch, K))))
-          .reshape(-1))
+    close([s.advantage for s in batch.samples], np.tile([1.0, -1.0], 4))
     restored = ScoredBatch.from_json(json.loads(json.dumps(batch.to_json())))
     assert restored == batch
     assert restored.samples[0] is not batch.samples[0] and isinstance(restored.samples[0], Sample)
+
+
+def test_failed_verifier_is_left_out_of_the_loss_and_the_group_statistics():
+    """Infrastructure failures are not training signal: a batch where one sample's verifier
+    crashed has the loss (and gradient) of the batch without that sample, its group's advantages
+    computed over the other three."""
+    outcome = lambda task, k: (("boom" if k == 1 else task.answer if k != 2 else _wrong(task)), "stop")
+    producer, _, tokenizer, _ = _producer(outcome, family=ExplodingFamily(seed=5))
+    batch = producer.make_batch(0)
+    assert len(batch.failures) == 4 and len(batch.samples) == 12
+    hand = [1 / math.sqrt(2.0), -math.sqrt(2.0), 1 / math.sqrt(2.0)]  # rewards 1, 0, 1: mean 2/3, std √2/3
+    close([s.advantage for s in batch.samples], hand * 4, 1e-4)
+    without = [dataclasses.replace(s, advantage=a) for s, a in zip(batch.samples, hand * 4, strict=True)]
+    cfg = dataclasses.replace(CFG, vocab_size=tokenizer.vocab_size)
+    params = params_lib.init_params(cfg, jax.random.key(1), sharding.make_mesh({"data": 1}, devices=jax.devices()[:1]))
+    loss_fn = jax.jit(jax.value_and_grad(lambda p, b: rl_loss(cfg, Objective(num_seqs=16), p, b, None, None)[0]))
+    (loss, grads), (loss_without, grads_without) = (
+        loss_fn(params, {k: jnp.asarray(v) for k, v in build_batch(b, 24, 0, min_rows=16).items()})
+        for b in (batch.samples, without))
+    assert float(_global_norm(grads)) > 1e-3  # (the loss itself is ~0: advantages sum to 0 per group)
+    close(loss, loss_without)
+    tree_close(grads, grads_without)
+
+
+def test_a_batch_of_failures_trains_on_nothing():
+    """Every verifier call crashes: the producer refills up to rl.max_refill_rounds, then hands over
+    an empty batch (all failures recorded); its metrics say so instead of crashing the step."""
+    from rlvr.trainers.rl import rollout_metrics
+
+    producer, backend, _, _ = _producer(lambda task, k: ("boom", "stop"), family=ExplodingFamily(seed=5))
+    batch = producer.make_batch(0)
+    assert batch.samples == [] and len(batch.failures) == len(backend.requests) == 3 * 4 * 4
+    metrics = rollout_metrics(batch, 0)
+    assert metrics["samples"] == 0.0 and metrics["failures"] == 48.0 and math.isnan(metrics["reward"])
+
+
+def _global_norm(tree):
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
+
+
+def test_kl_penalty_is_added_after_the_group_normalisation():
+    """rl.kl_mode="reward": a group whose samples all solved the task gets advantages -kl_coef·KL_i
+    (small), not ±1 from dividing tiny KL differences by their own std."""
+    from rlvr.rl.producer import group_advantages
+
+    group = [Sample(0, 0, [1], [2, 3], [-0.1, -0.2], [0, 0], False, {"reward": 1.0, "kl_penalty": p})
+             for p in (-0.01, -0.012, -0.008, -0.011)]
+    close(group_advantages([group], "grpo"), [-0.01, -0.012, -0.008, -0.011])
+    producer, _, _, _ = _producer(lambda task, k: (task.answer, "stop"), kl_coef=0.1, kl_mode="reward",
+                                  kl_estimator="k1")
+    producer.ref_logprobs = lambda samples: [np.asarray(s.behaviour_logp) + 0.01 * (i % 3)
+                                             for i, s in enumerate(samples)]
+    batch = producer.make_batch(0)
+    for i, s in enumerate(batch.samples):  # k1 = behaviour - ref = -0.01·(i % 3) per token
+        close(s.rewards["kl_penalty"], 0.1 * 0.01 * (i % 3) * len(s.output_ids))
+        close(s.advantage, s.rewards["kl_penalty"])  # every sample solved its task: no task signal
+        assert s.rewards["reward"] == 1.0
+
+
+def test_reinforce_pp_normalises_over_the_batch_when_groups_are_cut():
+    """Groups of 4, 2 and 3 samples (the scheduler cut two): REINFORCE++'s advantages are the
+    rewards normalised by the mean and std of all 9 samples, as with full groups."""
+    from rlvr.rl.producer import group_advantages
+
+    rewards = [[1.0, 0.0, 0.0, 1.0], [1.0, 1.0], [0.0, 0.5, 0.0]]
+    groups = [[Sample(g, g, [1], [2], [0.0], [0], False, {"reward": r}) for r in rs] for g, rs in enumerate(rewards)]
+    flat = np.concatenate(rewards)
+    close(group_advantages(groups, "reinforce_pp"), (flat - flat.mean()) / (flat.std() + 1e-6))
+    centred = np.concatenate([np.asarray(r) - np.mean(r) for r in rewards])  # the group-baseline variant
+    close(group_advantages(groups, "reinforce_pp_baseline"), (centred - centred.mean()) / (centred.std() + 1e-6))
+    grpo = np.concatenate([(np.asarray(r) - np.mean(r)) / (np.std(r) + 1e-6) for r in rewards])
+    close(group_advantages(groups, "grpo"), grpo)
 
 
 # ---------------------------------------------------------------- 10. GAE with the value head

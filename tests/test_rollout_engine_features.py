@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import jsonschema
 import numpy as np
 import pytest
+from rlvr.kernels.chunked_logprob.reference import Sampling, target_sampling_logits
 
 from rlvr import sharding
 from rlvr.models import params as params_lib
@@ -65,13 +66,28 @@ def test_prompt_and_top_logprobs_match_a_full_forward(engine, params):
         np.testing.assert_allclose([v for v, _ in row], np.sort(ref[p - 1])[::-1][:3], atol=1e-4)
     for i, (token, lp) in enumerate(zip(c.output_ids, c.output_logprobs, strict=True)):
         position = len(prompt) + i - 1
-        assert lp == pytest.approx(ref[position, token], abs=1e-4)  # the sampled token's raw log-prob
+        assert lp == pytest.approx(ref[position, token], abs=1e-4)  # the sampled token's (temperature 1)
         assert [t for _, t in c.output_top_logprobs[i]] == np.argsort(-ref[position])[:3].tolist()
         np.testing.assert_allclose([v for v, _ in c.output_token_ids_logprobs[i]], ref[position, [5, 97]], atol=1e-4)
     scored = engine.generate([Request("s", prompt, SamplingParams(max_new_tokens=0), logprob_start_len=0)])[0]
     assert scored.output_ids == [] and len(scored.input_logprobs) == len(prompt)  # scoring only (choices, RMs)
     np.testing.assert_allclose(scored.input_logprobs[1:], [ref[p - 1, prompt[p]] for p in range(1, len(prompt))],
                                atol=1e-4)
+
+
+def test_penalized_and_constrained_rows_report_the_trainers_logprobs(engine, params):
+    """Penalties and a grammar mask change what is drawn, not the log-prob reported: the policy's
+    at the row's temperature and top-p, the sampled token kept (`target_sampling_logits`, what the
+    trainer scores), from a full forward."""
+    prompt = TOK.encode("Answer: ")
+    kw = dict(max_new_tokens=8, temperature=0.7, top_p=0.8, sampling_seed=1, ignore_eos=True)
+    requests = [Request("mask", prompt, SamplingParams(regex="[a-z]{8}", **kw)),
+                Request("penalty", prompt, SamplingParams(frequency_penalty=1.5, logit_bias={101: 5.0}, **kw))]
+    for c in engine.generate(requests):
+        ref = reference(params, prompt + c.output_ids)[len(prompt) - 1: -1]
+        ids = jnp.asarray(c.output_ids)
+        scored = jax.nn.log_softmax(target_sampling_logits(jnp.asarray(ref), ids, Sampling(0.7, -1, 0.8)), axis=-1)
+        np.testing.assert_allclose(c.output_logprobs, scored[jnp.arange(len(ids)), ids], atol=1e-4)
 
 
 def _greedy_penalized(params, prompt, steps, frequency=0.0, presence=0.0, repetition=1.0, bias=None):

@@ -15,10 +15,9 @@ from rlvr.models.params import init_params
 from rlvr.models.tokenizer import byte_level_tokenizer
 from rlvr.rollout.client import SGLangClient
 from rlvr.rollout.driver import EngineDriver
+from rlvr.rollout.engine import Engine
 from rlvr.rollout.server import serve
 from rlvr.rollout.types import Request, SamplingParams
-
-engine_module = pytest.importorskip("rlvr.rollout.engine")
 
 CFG = ModelConfig(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
                   vocab_size=300, rope_theta=10000.0)
@@ -34,7 +33,7 @@ def make_params(seed):
 def stack():
     """(direct greedy completions, driver, server) for one engine: direct runs come first, on
     the engine itself, before the driver thread owns it."""
-    engine = engine_module.Engine(CFG, make_params(0), tokenizer=byte_level_tokenizer(), max_len=128, max_slots=8)
+    engine = Engine(CFG, make_params(0), tokenizer=byte_level_tokenizer(), max_len=128, max_slots=8)
     direct = engine.generate([Request(f"d{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])
     driver = EngineDriver(engine)
     server, _ = serve(driver)
@@ -54,6 +53,10 @@ def test_greedy_generate_over_http_matches_engine(stack):
         lps = [item[0] for item in out["meta_info"]["output_token_logprobs"]]
         assert lps == pytest.approx(ref.output_logprobs, abs=1e-4)
         assert [item[1] for item in out["meta_info"]["output_token_logprobs"]] == ref.output_ids
+    state = httpx.get(server.url + "/server_info", timeout=30).json()["internal_states"][0]
+    metrics = state["engine_metrics"]  # the engine's counters as of its last step
+    assert metrics["compiles_decode"] >= 1 and metrics["generated_tokens"] >= 2 * sum(len(r.output_ids) for r in direct)
+    assert 0.0 <= metrics["prefix_cache_hit_rate"] <= 1.0
 
 
 def test_stream_over_real_engine(stack):
@@ -96,8 +99,8 @@ ANSWER = {"type": "object", "properties": {"answer": {"type": "integer"}, "sure"
 @pytest.fixture(scope="module")
 def chat_server():
     """A roomier engine (chat templates with tools are long in a byte-level vocabulary)."""
-    engine = engine_module.Engine(CFG, make_params(0), tokenizer=byte_level_tokenizer(), max_len=1024, max_slots=4,
-                                  page_size=16, prefill_chunk=256)
+    engine = Engine(CFG, make_params(0), tokenizer=byte_level_tokenizer(), max_len=1024, max_slots=4, page_size=16,
+                    prefill_chunk=256)
     driver = EngineDriver(engine)
     server, _ = serve(driver)
     yield server

@@ -1,4 +1,4 @@
-"""The engine's sampler (rlvr.rollout.sampling.sample: bounded candidates, no vocabulary sort)
+"""The engine's sampler (rlvr.rollout.sampling.sample_tokens: bounded candidates, no vocabulary sort)
 against the full-sort reference: the same tokens for the same seeds whether a row's kept set fits
 the candidates or falls back; log-probs of the distribution sampled from; empirical frequencies
 against the exact filtered distribution; greedy ties."""
@@ -6,6 +6,7 @@ against the exact filtered distribution; greedy ties."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+from rlvr.kernels.chunked_logprob import sampling_logits
 
 from rlvr.rollout import sampling
 
@@ -29,10 +30,15 @@ def _batch(seed=0):
     return jnp.asarray(logits), columns
 
 
+def _exact(logits, *settings):
+    """The sampled-from log-probs [B, V]: the trainer's definition."""
+    return jax.nn.log_softmax(sampling_logits(logits, *settings), axis=-1)
+
+
 def test_candidates_and_fallback_give_the_reference_tokens_and_logprobs():
     logits, (temperature, top_k, top_p, min_p) = _batch()
-    fast, reference = jax.jit(sampling.sample), jax.jit(sampling.sample_reference)
-    exact = np.asarray(sampling.filter_reference(logits, temperature, top_k, top_p, min_p))
+    fast, reference = jax.jit(sampling.sample_tokens), jax.jit(sampling.sample_reference)
+    exact = np.asarray(_exact(logits, temperature, top_k, top_p, min_p))
     rows = np.arange(len(ROWS))
     for position in range(40):
         seeds, positions = jnp.arange(len(ROWS), dtype=jnp.int32) * 7, jnp.full(len(ROWS), position, jnp.int32)
@@ -57,11 +63,11 @@ def test_frequencies_match_the_filtered_distribution():
 
         @jax.jit
         def draw(seeds, row=row, params=params):
-            return jax.vmap(lambda s: sampling.sample(logits[row:row + 1], *params, s[None],
+            return jax.vmap(lambda s: sampling.sample_tokens(logits[row:row + 1], *params, s[None],
                                                       jnp.zeros(1, jnp.int32))[0][0])(seeds)
 
         counts = np.bincount(np.asarray(draw(jnp.arange(draws, dtype=jnp.int32))), minlength=V) / draws
-        p = np.exp(np.asarray(sampling.filter_reference(logits[row:row + 1], *params))[0])
+        p = np.exp(np.asarray(_exact(logits[row:row + 1], *params))[0])
         assert counts[p == 0].sum() == 0
         # total variation within 4 standard deviations of the sampling noise
         noise = 0.5 * np.sum(np.sqrt(p * (1 - p) / draws)) * np.sqrt(2 / np.pi)

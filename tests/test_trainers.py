@@ -6,6 +6,7 @@ import os
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -33,6 +34,46 @@ def _assert_pulse(workdir, summary):
     assert os.path.exists(os.path.join(workdir, "versions.json"))
 
 
+def _heldout_scores(workdir, config):
+    """Independent reference for the held-out pair metrics: each held-out pair's score recomputed
+    here from the saved policy (and the initial weights, the DPO reference) with a plain forward
+    pass and NumPy: DPO-family log π/π_ref summed over the response, SimPO/ORPO the length-averaged
+    log-prob, the reward model its value at the last response token."""
+    from rlvr import api
+    from rlvr.data.pairs import PairStream
+    from rlvr.data.sources import load_records
+    from rlvr.models.transformer import forward, forward_with_values
+
+    trained, initial, tokenizer = api.load_trained(str(workdir)), api.build_model(config), api.build_tokenizer(config)
+    records = load_records(config.data, "eval")
+    stream = PairStream(records, tokenizer, config.data.batch_size, config.data.seq_len, config.seed, False)
+
+    def side(model, rows):
+        args = [jnp.asarray(rows[k]) for k in ("tokens", "positions", "segment_ids")]
+        mask = rows["loss_mask"][:, 1:] * (rows["segment_ids"][:, 1:] == rows["segment_ids"][:, :-1])
+        if config.job == "rm":
+            values = np.asarray(forward_with_values(model.cfg, model.params, *args)[1])
+            last = np.array([np.nonzero(m)[0].max() for m in rows["loss_mask"]])
+            return values[np.arange(len(last)), last]
+        logits = np.asarray(forward(model.cfg, model.params, *args)[0], np.float64)[:, :-1]
+        logp = logits - logits.max(-1, keepdims=True)
+        logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+        logp = np.take_along_axis(logp, rows["tokens"][:, 1:, None], -1)[..., 0]
+        total = (logp * mask).sum(1)
+        return total / mask.sum(1) if config.preference.loss in ("simpo", "orpo") else total
+
+    scores = {"chosen": [], "rejected": []}
+    for start in range(0, len(records), stream.pairs_per_batch):
+        batch, take = stream.batch_at(start), min(stream.pairs_per_batch, len(records) - start)
+        for name in scores:
+            rows = {k: batch[f"{name}_{k}"] for k in ("tokens", "positions", "segment_ids", "loss_mask")}
+            score = side(trained, rows)
+            if config.job == "dpo" and config.preference.loss in ("dpo", "cdpo", "ipo"):
+                score = score - side(initial, rows)
+            scores[name].append(score[:take])
+    return np.concatenate(scores["chosen"]), np.concatenate(scores["rejected"])
+
+
 def test_sft_chat_has_a_pulse(tmp_path):
     summary = _run("configs/sft_tiny.py:smoke", tmp_path, **{"data.seq_len": 256, "data.batch_size": 8})
     _assert_pulse(tmp_path, summary)
@@ -43,13 +84,22 @@ def test_sft_chat_has_a_pulse(tmp_path):
 def test_preference_losses_have_a_pulse(tmp_path, loss):
     summary = _run(f"configs/dpo_tiny.py:{loss},smoke", tmp_path)
     _assert_pulse(tmp_path, summary)
-    assert summary["loss_type"] == loss and 0.0 <= summary["heldout_accuracy"] <= 1.0
+    assert summary["loss_type"] == loss
+    chosen, rejected = _heldout_scores(tmp_path, config_lib.load_config(f"configs/dpo_tiny.py:{loss},smoke"))
+    assert summary["heldout_accuracy"] == pytest.approx(np.mean((chosen > rejected) + 0.5 * (chosen == rejected)))
+    assert summary["heldout_margin"] == pytest.approx(np.mean(chosen - rejected), rel=1e-4, abs=1e-5)
 
 
 def test_reward_model_has_a_pulse(tmp_path):
     summary = _run("configs/rm_tiny.py:smoke", tmp_path)
     _assert_pulse(tmp_path, summary)
-    assert 0.0 <= summary["heldout_ece"] <= 1.0
+    chosen, rejected = _heldout_scores(tmp_path, config_lib.load_config("configs/rm_tiny.py:smoke"))
+    assert summary["heldout_accuracy"] == pytest.approx(np.mean((chosen > rejected) + 0.5 * (chosen == rejected)))
+    p = 1.0 / (1.0 + np.exp(-(chosen - rejected)))  # ECE over both orders of each pair, 10 equal bins
+    probs, labels = np.concatenate([p, 1 - p]), np.concatenate([np.ones_like(p), np.zeros_like(p)])
+    bins = np.minimum((probs * 10).astype(int), 9)
+    ece = sum(abs(labels[bins == b].mean() - probs[bins == b].mean()) * (bins == b).sum() for b in set(bins))
+    assert summary["heldout_ece"] == pytest.approx(ece / len(probs), abs=1e-5)
 
 
 def test_online_and_precomputed_reference_agree(tmp_path):

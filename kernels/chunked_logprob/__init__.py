@@ -1,9 +1,11 @@
 """Chunked token log-probs and entropies (installed as `rlvr.kernels.chunked_logprob`).
 
 What: `token_logprobs(hidden [B,T,E], lm_head [E,V], targets [B,T], *, chunk_size, softcap=0.0,
-return_entropy=False, vocab_major=False)` returns log p(target) [B, T] float32 (and the entropy
-[B, T] of each position's next-token distribution), differentiable w.r.t. `hidden` and `lm_head`.
-`token_logprobs_reference` computes the same from the full logits.
+return_entropy=False, vocab_major=False, sampling=Sampling())` returns log p(target) [B, T] float32
+(and the entropy [B, T] of each position's next-token distribution), differentiable w.r.t.
+`hidden` and `lm_head`; p is the distribution a sampler with `sampling` (temperature, top-k,
+top-p, min-p) draws from, defined once by `sampling_logits`, which the rollout engine samples
+with. `token_logprobs_reference` computes the same from the full logits.
 
 Why: a loss that calls `forward(...)` materialises float32 logits [B, T, V], and its backward
 holds several more tensors of that size (softmax, its cotangent); at long sequences and large
@@ -26,6 +28,6 @@ B·chunk_size·V·4 bytes times a small constant; pick chunk_size so that is a f
 """
 
 from rlvr.kernels.chunked_logprob.api import token_logprobs
-from rlvr.kernels.chunked_logprob.reference import token_logprobs_reference
+from rlvr.kernels.chunked_logprob.reference import Sampling, sampling_logits, token_logprobs_reference
 
-__all__ = ["token_logprobs", "token_logprobs_reference"]
+__all__ = ["Sampling", "sampling_logits", "token_logprobs", "token_logprobs_reference"]

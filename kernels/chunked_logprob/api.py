@@ -14,13 +14,22 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from rlvr.kernels.chunked_logprob.reference import project, softcap_logits
+from rlvr.kernels.chunked_logprob.reference import (
+    MIN_TEMPERATURE,
+    RAW_POLICY,
+    Sampling,
+    project,
+    target_sampling_logits,
+)
 
 
 def token_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, *, chunk_size: int,
-                   softcap: float = 0.0, return_entropy: bool = False, vocab_major: bool = False):
+                   softcap: float = 0.0, return_entropy: bool = False, vocab_major: bool = False,
+                   sampling: Sampling = RAW_POLICY):
     """log p(targets[b, t] | hidden[b, t]) [B, T] float32, and with `return_entropy` also the
-    entropy [B, T] of each position's distribution (both differentiable).
+    entropy [B, T] of each position's distribution (both differentiable). p is the distribution
+    a sampler with `sampling` draws from (`reference.sampling_logits`: temperature, top-k, top-p,
+    min-p; the target always counts as kept); the default is the model's own softmax.
 
     hidden [B, T, E]; lm_head [E, V], or the input embedding [V, E] with `vocab_major=True`
     (tied weights); targets [B, T] int in [0, V). `softcap` > 0 applies
@@ -37,7 +46,7 @@ def token_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, *,
         hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
         targets = jnp.pad(targets, ((0, 0), (0, pad)))
     out = _chunked(hidden, lm_head, targets.astype(jnp.int32), chunk, float(softcap), bool(return_entropy),
-                   bool(vocab_major))
+                   bool(vocab_major), sampling)
     logp, entropy = (o[:, :t] for o in out)
     return (logp, entropy) if return_entropy else logp
 
@@ -70,63 +79,76 @@ def _put(buf, i, chunk, value):
     return jax.lax.dynamic_update_slice_in_dim(buf, value.astype(buf.dtype), i * chunk, axis=1)
 
 
-def _chunk_stats(h, w, tgt, softcap, with_entropy, vocab_major):
+def _chunk_logits(h, w, tgt, softcap, vocab_major, sampling):
+    """(the sampled distribution's logits [B, chunk, V] (-inf outside the kept set), the soft cap's
+    tanh or None): one chunk, recomputed in the backward pass."""
+    raw = project(h, w, vocab_major)
+    tanh = jnp.tanh(raw / softcap) if softcap else None
+    z = softcap * tanh if softcap else raw
+    return target_sampling_logits(z, tgt, sampling), tanh
+
+
+def _chunk_stats(h, w, tgt, softcap, with_entropy, vocab_major, sampling):
     """One chunk: (log p(target), logsumexp, entropy or None), each [B, chunk] float32."""
-    z = softcap_logits(project(h, w, vocab_major), softcap)
+    z, _ = _chunk_logits(h, w, tgt, softcap, vocab_major, sampling)
     m = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
     lse = m[..., 0] + jnp.log(jnp.sum(jnp.exp(z - m), axis=-1))
     logp = jnp.take_along_axis(z, tgt[..., None], axis=-1)[..., 0] - lse
     entropy = None
     if with_entropy:
-        entropy = lse - jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1)
+        entropy = lse - jnp.sum(jnp.where(jnp.isfinite(z), jnp.exp(z - lse[..., None]) * z, 0.0), axis=-1)
     return logp, lse, entropy
 
 
-def _forward(hidden, lm_head, targets, chunk, softcap, with_entropy, vocab_major):
+def _forward(hidden, lm_head, targets, chunk, softcap, with_entropy, vocab_major, sampling):
     b, t = targets.shape
     zeros = jnp.zeros((b, t), jnp.float32)
 
     def body(i, bufs):
         logp_buf, lse_buf, ent_buf = bufs
         logp, lse, ent = _chunk_stats(_slice(hidden, i, chunk), lm_head, _slice(targets, i, chunk), softcap,
-                                      with_entropy, vocab_major)
+                                      with_entropy, vocab_major, sampling)
         ent_buf = _put(ent_buf, i, chunk, ent) if with_entropy else ent_buf
         return _put(logp_buf, i, chunk, logp), _put(lse_buf, i, chunk, lse), ent_buf
 
     return jax.lax.fori_loop(0, t // chunk, body, (zeros, zeros, zeros))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _chunked(hidden, lm_head, targets, chunk, softcap, with_entropy, vocab_major):
-    logp, _, entropy = _forward(hidden, lm_head, targets, chunk, softcap, with_entropy, vocab_major)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _chunked(hidden, lm_head, targets, chunk, softcap, with_entropy, vocab_major, sampling):
+    logp, _, entropy = _forward(hidden, lm_head, targets, chunk, softcap, with_entropy, vocab_major, sampling)
     return logp, entropy
 
 
-def _chunked_fwd(hidden, lm_head, targets, chunk, softcap, with_entropy, vocab_major):
-    logp, lse, entropy = _forward(hidden, lm_head, targets, chunk, softcap, with_entropy, vocab_major)
+def _chunked_fwd(hidden, lm_head, targets, chunk, softcap, with_entropy, vocab_major, sampling):
+    logp, lse, entropy = _forward(hidden, lm_head, targets, chunk, softcap, with_entropy, vocab_major, sampling)
     return (logp, entropy), (hidden, lm_head, targets, lse, entropy)
 
 
-def _chunked_bwd(chunk, softcap, with_entropy, vocab_major, residuals, cotangents):
-    """d/dz of log p(target) is onehot - p; of the entropy H = lse - Σ p·z it is -p·(z - E_p[z]),
-    with E_p[z] = lse - H; the soft cap multiplies by 1 - tanh²."""
+def _chunked_bwd(chunk, softcap, with_entropy, vocab_major, sampling, residuals, cotangents):
+    """With z the sampled distribution's logits (-inf outside the kept set) and p = softmax(z):
+    d/dz of log p(target) is onehot - p; of the entropy H = lse - Σ p·z it is -p·(z - E_p[z]),
+    with E_p[z] = lse - H; z = logits / temperature on the kept set (the set itself is piecewise
+    constant: no gradient); the soft cap multiplies by 1 - tanh²."""
     hidden, lm_head, targets, lse, entropy = residuals
     g_logp, g_entropy = cotangents
     vocab = lm_head.shape[0] if vocab_major else lm_head.shape[1]
+    inv_temperature = 1.0 / max(sampling.temperature, MIN_TEMPERATURE)
 
     def body(i, carry):
         d_hidden, d_w = carry
         h, tgt = _slice(hidden, i, chunk), _slice(targets, i, chunk)
-        raw = project(h, lm_head, vocab_major)
-        tanh = jnp.tanh(raw / softcap) if softcap else None
-        z = softcap * tanh if softcap else raw
+        z, tanh = _chunk_logits(h, lm_head, tgt, softcap, vocab_major, sampling)
+        kept = jnp.isfinite(z)
         lse_c = _slice(lse, i, chunk)[..., None]
         p = jnp.exp(z - lse_c)
         onehot = jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1) == tgt[..., None]
         dz = _slice(g_logp, i, chunk)[..., None] * (onehot.astype(jnp.float32) - p)
         if with_entropy:
             mean_z = lse_c - _slice(entropy, i, chunk)[..., None]
-            dz = dz - _slice(g_entropy, i, chunk)[..., None] * p * (z - mean_z)
+            dz = dz - _slice(g_entropy, i, chunk)[..., None] * p * jnp.where(kept, z - mean_z, 0.0)
+        if sampling.temperature != 1.0:
+            dz = dz * inv_temperature
         if softcap:
             dz = dz * (1.0 - tanh * tanh)
         w_spec = "ve" if vocab_major else "ev"

@@ -39,6 +39,8 @@ class EpisodeSettings:
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
     max_turns: int = 0  # 0 = the environment's own limit
 
 
@@ -109,7 +111,8 @@ def run_episode(backend, tokenizer, env: Environment, settings: EpisodeSettings,
             truncated, stop = True, "token_budget"
             break
         params = SamplingParams(max_new_tokens=budget, temperature=settings.temperature if seed is not None else 0.0,
-                                top_p=settings.top_p, sampling_seed=_turn_seed(seed, turn))
+                                top_p=settings.top_p, top_k=settings.top_k, min_p=settings.min_p,
+                                sampling_seed=_turn_seed(seed, turn))
         t0 = time.monotonic()
         completion = backend.generate([Request(f"{rid}-turn{turn}", prompt + out, params)])[0]
         generate_s = time.monotonic() - t0

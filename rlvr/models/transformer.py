@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rlvr.kernels.chunked_logprob.reference import project
 from rlvr.models.config import ModelConfig
 from rlvr.sharding import constrain
 
@@ -78,6 +79,9 @@ class Linear(nn.Module):
     use_bias: bool = False
     dtype: str = "float32"
     param_dtype: str = "float32"
+    # the output projection: float32 products and output whatever `dtype` (`project`, the chunked
+    # log-probs' own), so logits in bf16 models are not rounded to bf16
+    float32_output: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -89,7 +93,7 @@ class Linear(nn.Module):
         lead = x.shape[: x.ndim - n_in]
         x2 = x.reshape(-1, math.prod(self.in_shape)).astype(self.dtype)
         w2 = kernel.reshape(math.prod(self.in_shape), -1).astype(self.dtype)
-        y = (x2 @ w2).reshape(*lead, *self.out_shape)
+        y = (project(x2, w2) if self.float32_output else x2 @ w2).reshape(*lead, *self.out_shape)
         if self.use_bias:
             bias = _param(self, "bias", nn.initializers.zeros, self.out_shape, self.out_axes,
                           _dtype(self.param_dtype))
@@ -346,7 +350,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=cfg.param_dtype, name="norm")
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear((cfg.hidden_size,), (cfg.vocab_size,), ("embed",), ("vocab",),
-                                  dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+                                  dtype=cfg.dtype, param_dtype=cfg.param_dtype, float32_output=True)
         if cfg.value_head:
             self.value_proj = Linear((cfg.hidden_size,), (1,), ("embed",), (None,), use_bias=True,
                                      dtype="float32", param_dtype=cfg.param_dtype)
@@ -406,11 +410,14 @@ class Transformer(nn.Module):
         return x, pool
 
     def logits(self, x):
+        """float32 logits [B, T, V]: the output projection in float32 products whatever model.dtype
+        (`rlvr.kernels.chunked_logprob.reference.project`, as the chunked log-probs compute them), so
+        the engine, the full-logits and the chunked trainer paths agree under bf16."""
         if self.cfg.tie_word_embeddings:
-            logits = jnp.einsum("bte,ve->btv", x, self.embed_tokens.astype(x.dtype))
+            logits = project(x, self.embed_tokens.astype(x.dtype), vocab_major=True)
         else:
             logits = self.lm_head(x)
-        return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+        return constrain(logits, ("batch", "length", "vocab"))
 
     def __call__(self, tokens, positions=None, segment_ids=None, cache=None):
         x, cache = self.hidden_states(tokens, positions, segment_ids, cache)

@@ -69,36 +69,43 @@ def reinforce_pp(rewards: jax.Array, group_baseline: bool = False, eps: float = 
     return (x - jnp.mean(x)) / (jnp.std(x) + eps)
 
 
-def gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma: float = 1.0,
-        lam: float = 1.0) -> tuple[jax.Array, jax.Array]:
+def gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma: float = 1.0, lam: float = 1.0, *,
+        segments: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Generalised advantage estimation (Schulman et al. 2016) -> (advantages, returns), each [B, T].
 
-    `values` is [B, T+1] (the last column bootstraps a sequence cut off at T; set it to 0 for one
-    that terminated) or [B, T] (bootstrap 0). `mask` [B, T] marks real tokens; padding after a
-    sequence's end is a terminal state: V there is not used, and the advantages and returns of
-    padded positions are 0. delta_t = r_t + gamma·V_{t+1}·m_{t+1} - V_t and
-    A_t = delta_t + gamma·lam·m_{t+1}·A_{t+1}, computed with a backwards `lax.scan`.
+    `mask` [B, T] marks the policy's actions (sampled tokens). Positions off the mask (a prompt,
+    tool observations between the turns of an episode, padding) are not actions: the recursion
+    skips them, so the state after an action is the next action's state in the same sequence —
+    a tool observation is the environment's transition, not the episode's end. A sequence ends
+    where `segments` [B, T] changes (packed rows; None: one sequence per row) and at the row's end;
+    the value after its last action is 0 (terminal), except that `values` [B, T+1]'s last column
+    bootstraps a sequence whose last action is the row's last position (cut off at T).
+    Over consecutive actions, delta_t = r_t + gamma·V_next - V_t and A_t = delta_t + gamma·lam·A_next
+    (a backwards `lax.scan`); rewards sit on actions; advantages and returns are 0 off the mask.
     """
-    rewards = rewards.astype(jnp.float32)
-    values = values.astype(jnp.float32)
-    mask = mask.astype(jnp.float32)
+    rewards, values, mask = (x.astype(jnp.float32) for x in (rewards, values, mask))
     b, t = rewards.shape
-    if values.shape == (b, t):
-        values = jnp.concatenate([values, jnp.zeros((b, 1), jnp.float32)], axis=1)
-    if values.shape != (b, t + 1):
+    if values.shape not in ((b, t), (b, t + 1)):
         raise ValueError(f"values must be [B, T] or [B, T+1], got {values.shape} for rewards {rewards.shape}")
-    next_mask = jnp.concatenate([mask[:, 1:], jnp.ones((b, 1), jnp.float32)], axis=1)
-    deltas = (rewards + gamma * next_mask * values[:, 1:] - values[:, :-1]) * mask
+    bootstrap = jnp.zeros((b, t), jnp.float32)
+    if values.shape == (b, t + 1):
+        bootstrap = bootstrap.at[:, -1].set(values[:, t] * mask[:, -1])
+        values = values[:, :t]
+    segments = jnp.zeros((b, t), jnp.int32) if segments is None else segments
+    ends = jnp.concatenate([segments[:, 1:] != segments[:, :-1], jnp.ones((b, 1), bool)], axis=1)
 
-    def body(next_adv, xs):
-        delta, m, nm = xs
-        adv = (delta + gamma * lam * nm * next_adv) * m
-        return adv, adv
+    def body(carry, xs):
+        next_value, next_adv = carry
+        r, v, m, end, boot = xs
+        next_value, next_adv = jnp.where(end, boot, next_value), jnp.where(end, 0.0, next_adv)
+        adv = r + gamma * next_value - v + gamma * lam * next_adv
+        act = m > 0
+        return (jnp.where(act, v, next_value), jnp.where(act, adv, next_adv)), jnp.where(act, adv, 0.0)
 
-    _, adv_rev = jax.lax.scan(body, jnp.zeros((b,), jnp.float32), (deltas.T, mask.T, next_mask.T), reverse=True)
+    zeros = jnp.zeros((b,), jnp.float32)
+    _, adv_rev = jax.lax.scan(body, (zeros, zeros), (rewards.T, values.T, mask.T, ends.T, bootstrap.T), reverse=True)
     advantages = adv_rev.T
-    returns = (advantages + values[:, :-1]) * mask
-    return advantages, returns
+    return advantages, (advantages + values) * mask
 
 
 ADVANTAGE_FNS = {

@@ -59,8 +59,11 @@ class EmbeddedBackend:
             self.driver.abort(rid)
 
     def health(self) -> dict[str, float]:
-        """Rollout-side fault metrics for the run's log."""
-        return {"rollout/servers_healthy": float(self.driver.alive)}
+        """Rollout-side metrics for the run's log: liveness, and the engine's compile counts,
+        prefix-cache hit rate and host vs device-wait seconds (cumulative, as of its last step)."""
+        engine = {k: float(v) for k, v in self.driver.metrics().items()
+                  if k.startswith(("compiles_", "prefix_cache_hit_rate", "host_s", "device_wait_s"))}
+        return {"rollout/servers_healthy": float(self.driver.alive), **{f"rollout/{k}": v for k, v in engine.items()}}
 
     def update_weights(self, params, version: int) -> None:
         # A copy: the train step donates (and so invalidates) the state's buffers.

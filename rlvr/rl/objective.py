@@ -10,15 +10,23 @@ computation:
   token_weight [B, T], row_weight [B]         the aggregation: loss = Σ l_t·w_t / Σ row_weight
   seq_index                                   which sequence a token belongs to (GSPO, TIS)
 
-The per-token loss is PPO-clip or GSPO against the proximal policy (the trainer's own
-log-probs, stop-gradient, unless the batch carries `old_logp` from a pass before several
-updates), multiplied by truncated importance weights π_proximal/π_behaviour when `tis_cap > 0`
-(which corrects stale samples from async rollouts and sampler/trainer numerics), plus a KL
-penalty to the frozen reference policy, an entropy bonus, and for PPO with GAE the clipped value
-loss of the value head (which shares the policy's backbone). Metric sums are over tokens;
-`aux["tokens"]` lets the trainer turn them into token means. With `logprob_chunk_size` > 0 the
-log-probs, entropies (and values) come from `rlvr.losses.model_token_logprobs`, which never
-materialises the [B, T, V] logits (same values up to float rounding).
+`token_terms` gives the per-token loss before aggregation: PPO-clip or GSPO against the proximal
+policy, multiplied by truncated importance weights π_proximal/π_behaviour when `tis_cap > 0`
+(which correct stale samples from async rollouts and sampler/trainer numerics), plus a KL term
+to the frozen reference policy whose gradient is the KL's (`policy_loss.kl_loss`), an entropy
+bonus, and for PPO with GAE the clipped value loss of the value head (which shares the policy's
+backbone). The proximal policy (`proximal`) is "current": the weights before this batch's
+updates (the batch's `old_logp` from a pass before several updates, else the trainer's own
+log-probs, stop-gradient: ratio 1, no clipping, TIS corrects the sampler), or "behaviour": the
+policy that generated the batch (its recorded log-probs: the ratio and its clipping are against
+the sampler; TIS then has nothing left to correct and is off).
+
+Every log-prob is of the distribution the sampler draws from (`sampling`: temperature, top-k,
+top-p, min-p; `rlvr.kernels.chunked_logprob.sampling_logits`, the engine's own definition), so
+the trainer's and the sampler's log-probs agree (`logprob_mismatch`). With `logprob_chunk_size`
+> 0 they come from `rlvr.losses.model_token_logprobs`, which never materialises the [B, T, V]
+logits (same values up to float rounding). Metric sums are over tokens; `aux["tokens"]` lets the
+trainer turn them into token means.
 """
 
 from __future__ import annotations
@@ -29,8 +37,12 @@ import jax
 import jax.numpy as jnp
 
 from rlvr import losses
+from rlvr.kernels.chunked_logprob import Sampling
+from rlvr.kernels.chunked_logprob.reference import RAW_POLICY
 from rlvr.models.transformer import forward, forward_with_values
 from rlvr.rl import policy_loss as pl
+
+PROXIMAL = ("current", "behaviour")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +64,8 @@ class Objective:
     # > 0 (`train.logprob_chunk_size`): log-probs and entropies in chunks of this many positions
     # (rlvr.kernels.chunked_logprob), never the [B, T, V] logits; 0 = from the full logits
     logprob_chunk_size: int = 0
+    sampling: Sampling = RAW_POLICY  # the distribution the batch was sampled from (rl.temperature, ...)
+    proximal: str = "current"  # current | behaviour (see the module docstring)
 
     @classmethod
     def from_config(cls, config) -> Objective:
@@ -64,29 +78,44 @@ class Objective:
                    entropy_coef=rl.entropy_coef, tis_cap=rl.tis_cap, tis_level=rl.tis_level,
                    num_seqs=rl.prompts_per_step * rl.group_size,
                    value_coef=rl.value_coef if rl.advantage == "gae" else 0.0, value_clip=rl.value_clip or None,
-                   logprob_chunk_size=config.train.logprob_chunk_size)
+                   logprob_chunk_size=config.train.logprob_chunk_size, sampling=sampling_of(rl),
+                   proximal=rl.proximal)
 
 
-def rl_loss(cfg, obj: Objective, params, batch: dict[str, jax.Array], rng, frozen):
-    """(Σ weighted per-token loss, aux sums); see the module docstring. `frozen` is None or
-    {"ref": reference params}."""
-    del rng
-    tokens = batch["tokens"]
-    logits = entropy = None
+def sampling_of(rl) -> Sampling:
+    """The sampling settings RL rollouts are generated with (`rl.temperature`, `top_k`, `top_p`, `min_p`)."""
+    return Sampling(rl.temperature, rl.top_k, rl.top_p, rl.min_p)
+
+
+def model_logprobs(cfg, obj: Objective, params, batch, *, entropy: bool = False, values: bool = False):
+    """(log-probs [B, T-1] of the sampled distribution, its entropy or None, value-head
+    predictions [B, T] or None): chunked when `obj.logprob_chunk_size`, else from the full logits."""
+    tokens, positions, segment_ids = batch["tokens"], batch["positions"], batch["segment_ids"]
     if obj.logprob_chunk_size:
-        logp, entropy, values = losses.model_token_logprobs(
-            cfg, params, tokens, batch["positions"], batch["segment_ids"], chunk_size=obj.logprob_chunk_size,
-            entropy=True, values=bool(obj.value_coef))
+        return losses.model_token_logprobs(cfg, params, tokens, positions, segment_ids,
+                                           chunk_size=obj.logprob_chunk_size, entropy=entropy, values=values,
+                                           sampling=obj.sampling)
+    predicted = None
+    if values:
+        logits, predicted, _ = forward_with_values(cfg, params, tokens, positions, segment_ids)
     else:
-        if obj.value_coef:
-            logits, values, _ = forward_with_values(cfg, params, tokens, batch["positions"], batch["segment_ids"])
-        else:
-            logits, _ = forward(cfg, params, tokens, batch["positions"], batch["segment_ids"])
-        logp = losses.next_token_logprobs(logits, tokens)
+        logits, _ = forward(cfg, params, tokens, positions, segment_ids)
+    out = losses.next_token_logprobs(logits, tokens, obj.sampling, entropy=entropy)
+    logp, ent = out if entropy else (out, None)
+    return logp, ent, predicted
+
+
+def token_terms(cfg, obj: Objective, params, batch: dict[str, jax.Array], frozen):
+    """(per-token loss [B, T-1], per-token metrics, target mask [B, T-1]) of the batch, before
+    aggregation (see the module docstring)."""
+    logp, entropy, values = model_logprobs(cfg, obj, params, batch, entropy=True, values=bool(obj.value_coef))
     mask = losses.target_mask(batch["loss_mask"], batch["segment_ids"]).astype(jnp.float32)
     shift = lambda name: batch[name][:, 1:]
     advantages, behaviour, seq_index = shift("advantages"), shift("behaviour_logp"), shift("seq_index")
-    proximal = shift("old_logp") if "old_logp" in batch else jax.lax.stop_gradient(logp)
+    if obj.proximal == "behaviour":
+        proximal = behaviour
+    else:
+        proximal = shift("old_logp") if "old_logp" in batch else jax.lax.stop_gradient(logp)
 
     if obj.policy_loss == "gspo":
         loss, metrics = pl.gspo(logp, proximal, advantages, mask, seq_index, obj.num_seqs, obj.clip_low,
@@ -94,36 +123,33 @@ def rl_loss(cfg, obj: Objective, params, batch: dict[str, jax.Array], rng, froze
     else:
         loss, metrics = pl.ppo_clip(logp, proximal, advantages, obj.clip_low, obj.clip_high, obj.dual_clip)
     metrics["logprob_mismatch"] = jnp.abs(jax.lax.stop_gradient(logp) - behaviour)
-    if obj.tis_cap > 0:
+    if obj.tis_cap > 0 and obj.proximal != "behaviour":
         weights, capped = pl.truncated_importance_weights(proximal, behaviour, mask, seq_index, obj.num_seqs,
                                                           obj.tis_cap, obj.tis_level)
         loss = loss * weights
         metrics["tis_capped_fraction"] = capped
     if frozen is not None:
-        if obj.logprob_chunk_size:
-            ref_logp, _, _ = losses.model_token_logprobs(cfg, frozen["ref"], tokens, batch["positions"],
-                                                         batch["segment_ids"], chunk_size=obj.logprob_chunk_size)
-        else:
-            ref_logits, _ = forward(cfg, frozen["ref"], tokens, batch["positions"], batch["segment_ids"])
-            ref_logp = losses.next_token_logprobs(ref_logits, tokens)
+        ref_logp, _, _ = model_logprobs(cfg, obj, frozen["ref"], batch)
         ref_logp = jax.lax.stop_gradient(ref_logp)
-        kl = pl.KL_ESTIMATORS[obj.kl_estimator](logp, ref_logp)
-        metrics["kl"] = kl
+        metrics["kl"] = jax.lax.stop_gradient(pl.KL_ESTIMATORS[obj.kl_estimator](logp, ref_logp))
         if obj.kl_coef:
-            loss = loss + obj.kl_coef * kl
+            loss = loss + obj.kl_coef * pl.kl_loss(logp, ref_logp, obj.kl_estimator)
     if obj.value_coef:  # the value of the state each target token is sampled from
-        v_loss, v_clipped = pl.value_loss(values[:, :-1], shift("old_values"), shift("returns"),
-                                                 obj.value_clip)
+        v_loss, v_clipped = pl.value_loss(values[:, :-1], shift("old_values"), shift("returns"), obj.value_clip)
         loss = loss + obj.value_coef * v_loss
         metrics.update(value_loss=jax.lax.stop_gradient(v_loss), value_clip_fraction=v_clipped)
-    if logits is not None:
-        log_probs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-        entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
     metrics["entropy"] = jax.lax.stop_gradient(entropy)
     if obj.entropy_coef:
         loss = loss - obj.entropy_coef * entropy
+    return loss, metrics, mask
 
-    loss_sum = jnp.sum(loss * shift("token_weight") * mask)
+
+def rl_loss(cfg, obj: Objective, params, batch: dict[str, jax.Array], rng, frozen):
+    """(Σ weighted per-token loss, aux sums); see the module docstring. `frozen` is None or
+    {"ref": reference params}."""
+    del rng
+    loss, metrics, mask = token_terms(cfg, obj, params, batch, frozen)
+    loss_sum = jnp.sum(loss * batch["token_weight"][:, 1:] * mask)
     aux = {k: jnp.sum(v * mask) for k, v in metrics.items()}
     aux.update(weight=jnp.sum(batch["row_weight"]), tokens=jnp.sum(mask))
     return loss_sum, aux

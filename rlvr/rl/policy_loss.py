@@ -100,6 +100,19 @@ def kl_k3(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
 KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
 
 
+def kl_loss(logp: jax.Array, ref_logp: jax.Array, estimator: str = "k3") -> jax.Array:
+    """The KL-to-reference loss term per token: its value is the estimator's (the reported `kl`),
+    and its expected gradient under samples of π is exactly ∇ KL(π ‖ π_ref) = E_π[k1 · ∇log π].
+    k2's own gradient is k1 · ∇log π already; k1's alone is ∇log π (expectation 0) and k3's is
+    (1 - π_ref/π) · ∇log π (the gradient of the reverse KL(π_ref ‖ π)), so they are multiplied by
+    the ratio π/sg(π) (value 1), which adds the score-function term k · ∇log π they lack:
+    (k1 + 1)·∇log π and (k3 + 1 - π_ref/π)·∇log π = k1·∇log π, both of expectation ∇ KL."""
+    k = KL_ESTIMATORS[estimator](logp, ref_logp)
+    if estimator == "k2":
+        return k
+    return jnp.exp(logp - jax.lax.stop_gradient(logp)) * k
+
+
 def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, clip: float | None = 0.2):
     """PPO clipped value loss per token: 0.5·max((v - R)², (clip(v, v_old ± c) - R)²). The clip keeps
     the critic from moving far from the values the advantages were computed with. Returns

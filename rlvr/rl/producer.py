@@ -107,16 +107,18 @@ def _filled_versions(versions: list[int]) -> list[int]:
 
 
 def group_advantages(groups: list[list[Sample]], advantage: str) -> np.ndarray:
-    """Every sample's advantage, group by group (groups cut by the scheduler are smaller); zeros
-    for "gae" (per token, from the value head, set by the trainer before the update)."""
-    sizes = {len(g) for g in groups}
-    rewards = [np.array([s.rewards["reward"] for s in g], np.float32) for g in groups]
+    """Every sample's advantage, group by group, in one estimator call over the batch: group
+    statistics per group (groups cut by the scheduler or left short by failures are smaller),
+    batch statistics (REINFORCE++) over every sample. A KL penalty (rewards["kl_penalty"],
+    rl.kl_mode="reward") is added afterwards, so it never passes through a group's
+    normalisation. Zeros for "gae" (per token, from the value head, set by the trainer)."""
+    rewards = np.array([s.rewards["reward"] for g in groups for s in g], np.float32)
     if advantage == "gae":
-        return np.zeros(sum(len(r) for r in rewards), np.float32)
-    fn = adv_lib.ADVANTAGE_FNS[advantage]
-    if len(sizes) == 1:  # one call for the whole batch
-        return np.asarray(fn(jnp.asarray(np.stack(rewards)))).reshape(-1)
-    return np.concatenate([np.asarray(fn(jnp.asarray(r[None]))).reshape(-1) for r in rewards])
+        return np.zeros_like(rewards)
+    group_ids = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
+    adv = adv_lib.ADVANTAGE_FNS[advantage](jnp.asarray(rewards), group_ids=jnp.asarray(group_ids),
+                                           num_groups=len(groups))
+    return np.asarray(adv) + np.array([s.rewards.get("kl_penalty", 0.0) for g in groups for s in g], np.float32)
 
 
 def _moments_state(reward_model) -> dict[str, float] | None:
@@ -140,8 +142,10 @@ class ProducerSettings:
     group_size: int = 8
     max_new_tokens: int = 8
     seq_len: int = 32
-    temperature: float = 1.0
+    temperature: float = 1.0  # sampling: the objective scores the same distribution (rlvr.rl.objective)
     top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
     constrained_decoding: bool = False  # JSON-schema / tool-call tasks sample under their grammar
     prompt_format: str = "raw"  # raw | chat
     advantage: str = "grpo"
@@ -240,6 +244,7 @@ class Producer:
                 if rl.constrained_decoding else {}
             for k in range(rl.group_size):
                 params = SamplingParams(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, top_p=rl.top_p,
+                                        top_k=rl.top_k, min_p=rl.min_p,
                                         sampling_seed=sample_seed(self.seed, task.index, k, replay), **constraint)
                 out.append(Request(f"s{step}-t{task.index}-k{k}{suffix}", ids, params))
         return out
@@ -317,7 +322,8 @@ class Producer:
             jobs += [episodes_lib.EpisodeJob(task, sample_seed(self.seed, task.index, i, replays[g]),
                                              f"s{step}-t{task.index}-k{i}{suffix}") for i in range(k)]
         settings = episodes_lib.EpisodeSettings(max_new_tokens=rl.max_new_tokens, max_tokens=rl.seq_len,
-                                                temperature=rl.temperature, top_p=rl.top_p, max_turns=rl.max_turns)
+                                                temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,
+                                                min_p=rl.min_p, max_turns=rl.max_turns)
         make_env = self.make_env
         if make_env is None:
             from rlvr.envs import make_env
@@ -340,7 +346,7 @@ class Producer:
         rewards = {key: float(v) for key, v in traj.rewards.items()}
         rewards.setdefault("env_error", 0.0)
         failure = None
-        if "error" in traj.trace:
+        if traj.trace.get("error"):  # (an agent's trace has "error": None when it ran fine)
             failure = {"task_index": task.index, "family": task.family, "rid": traj.trace.get("rid"),
                        "error": traj.trace["error"]}
         prompt = traj.prompt_ids or [self.tokenizer.eos_id]
@@ -396,11 +402,13 @@ class Producer:
         by_group = self._scheduled_groups(tasks, prompts, replays, single, step) if single else {}
         if episodes is not None:
             by_group.update(episodes.result())
-        kept = sorted(by_group)
-        failures = [f for g in kept for _, f in by_group[g] if f is not None]
-        groups = [[s for s, _ in by_group[g]] for g in kept]
+        failures = [f for g in sorted(by_group) for _, f in by_group[g] if f is not None]
+        # an infrastructure failure (verifier crash, aborted rollout, environment error) is recorded in
+        # `failures`, never trained on: it leaves its group (and the group's statistics)
+        kept = [g for g in sorted(by_group) if any(f is None for _, f in by_group[g])]
+        groups = [[s for s, f in by_group[g] if f is None] for g in kept]
         if self.settings.overlong_buffer:
-            self._overlong_penalty([s for g in kept if g in single for s, _ in by_group[g]])
+            self._overlong_penalty([s for g, group in zip(kept, groups, strict=True) if g in single for s in group])
         if self.reward_model is not None:
             self._reward_model_term([tasks[g] for g in kept], groups)
         for n, g in enumerate(kept):
@@ -492,8 +500,9 @@ class Producer:
             s.rewards["reward"] += self.settings.reward_model_weight * score
 
     def _kl_penalty(self, samples: list[Sample]) -> None:
-        """reward -= kl_coef · Σ_t k(behaviour_t, ref_t): the KL to the reference as a reward penalty
-        (one estimator call over all tokens of the batch, then per-sample sums)."""
+        """rewards["kl_penalty"] = -kl_coef · Σ_t k(behaviour_t, ref_t): the KL to the reference as a
+        penalty, kept apart from the task reward: `group_advantages` adds it to the advantage after
+        the group statistics (one estimator call over all tokens of the batch, then per-sample sums)."""
         from rlvr.rl.policy_loss import KL_ESTIMATORS
 
         ref = np.concatenate(self.ref_logprobs(samples))
@@ -504,7 +513,6 @@ class Producer:
         starts = np.cumsum([0] + [len(s.behaviour_logp) for s in samples[:-1]])
         for s, kl in zip(samples, np.add.reduceat(per_token, starts).tolist(), strict=True):
             s.rewards["kl_penalty"] = -self.settings.kl_penalty_coef * kl
-            s.rewards["reward"] += s.rewards["kl_penalty"]
 
     # --- synchronous / asynchronous production ------------------------------------------------
 

@@ -17,29 +17,34 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from rlvr.kernels.chunked_logprob import Sampling
 from rlvr.rl.batching import build_batch
 from rlvr.rl.objective import Objective, rl_loss
 from rlvr.train import step as step_lib
 
+PASS_CHUNK = 512  # positions per chunk of the passes' log-probs when train.logprob_chunk_size is 0
 
-def logprobs_fn(cfg):
-    """(params, batch) -> the policy's log-prob of every token [B, T] (0 at position 0), aligned
-    like behaviour_logp: the proximal policy of PPO mini-batch updates."""
+
+def logprobs_pass(cfg, sampling: Sampling, chunk_size: int, params, tokens, positions, segment_ids):
+    """The policy's log-prob of every token [B, T] (0 at position 0) under the sampled
+    distribution, aligned like behaviour_logp: the proximal policy of PPO mini-batch updates, the
+    reference policy of a KL penalty. Chunked: never the [B, T, V] logits."""
     from rlvr import losses
-    from rlvr.models.transformer import forward
 
-    @jax.jit
-    def logprobs(params, tokens, positions, segment_ids):
-        logits, _ = forward(cfg, params, tokens, positions, segment_ids)
-        lp = losses.next_token_logprobs(logits, tokens)
-        return jnp.pad(lp, ((0, 0), (1, 0)))
+    lp, _, _ = losses.model_token_logprobs(cfg, params, tokens, positions, segment_ids,
+                                           chunk_size=chunk_size or PASS_CHUNK, sampling=sampling)
+    return jnp.pad(lp, ((0, 0), (1, 0)))
 
+
+def logprobs_fn(cfg, sampling: Sampling, chunk_size: int = 0):
+    """(params, batch) -> `logprobs_pass` on the host."""
+    logprobs = jax.jit(functools.partial(logprobs_pass, cfg, sampling, chunk_size))
     return lambda params, b: np.asarray(logprobs(params, b["tokens"], b["positions"], b["segment_ids"]))
 
 
-def reference_logprobs_fn(cfg, ref_params, seq_len: int, pad_id: int):
+def reference_logprobs_fn(cfg, ref_params, seq_len: int, pad_id: int, sampling: Sampling, chunk_size: int = 0):
     """samples -> per-token reference log-probs of their outputs (for rl.kl_mode="reward")."""
-    logprobs = logprobs_fn(cfg)
+    logprobs = logprobs_fn(cfg, sampling, chunk_size)
 
     def fn(samples):
         lp = logprobs(ref_params, build_batch(samples, seq_len, pad_id))
@@ -47,25 +52,27 @@ def reference_logprobs_fn(cfg, ref_params, seq_len: int, pad_id: int):
     return fn
 
 
-def gae_fn(cfg, gamma: float, lam: float):
-    """(params, batch, samples) -> batch with per-token GAE advantages (whitened over tokens),
-    returns and old values: the reward sits on each sequence's last sampled token, values come
-    from the value head before the update."""
+def gae_pass(cfg, gamma: float, lam: float, params, tokens, positions, segment_ids, loss_mask, final_reward):
+    """(advantages whitened over tokens, returns, old values), each [B, T] aligned like the batch:
+    values from the value head (no logits), GAE over each sequence's sampled tokens (tool
+    observations between turns are not episode ends; rlvr.rl.advantages.gae)."""
     from rlvr import losses
-    from rlvr.models.transformer import forward_with_values
     from rlvr.rl.advantages import gae
 
-    @jax.jit
-    def compute(params, tokens, positions, segment_ids, loss_mask, final_reward):
-        _, values, _ = forward_with_values(cfg, params, tokens, positions, segment_ids)
-        mask = losses.target_mask(loss_mask, segment_ids).astype(jnp.float32)
-        values = values[:, :-1]
-        adv, returns = gae(final_reward[:, 1:], values, mask, gamma, lam)
-        mean = jnp.sum(adv * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-        std = jnp.sqrt(jnp.sum(jnp.square(adv - mean) * mask) / jnp.maximum(jnp.sum(mask), 1.0))
-        adv = (adv - mean) / (std + 1e-6) * mask
-        pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)))
-        return pad(adv), pad(returns), pad(values * mask)
+    values = losses.model_values(cfg, params, tokens, positions, segment_ids)[:, :-1]
+    mask = losses.target_mask(loss_mask, segment_ids).astype(jnp.float32)
+    adv, returns = gae(final_reward[:, 1:], values, mask, gamma, lam, segments=segment_ids[:, 1:])
+    mean = jnp.sum(adv * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    std = jnp.sqrt(jnp.sum(jnp.square(adv - mean) * mask) / jnp.maximum(jnp.sum(mask), 1.0))
+    adv = (adv - mean) / (std + 1e-6) * mask
+    pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)))
+    return pad(adv), pad(returns), pad(values * mask)
+
+
+def gae_fn(cfg, gamma: float, lam: float):
+    """(params, batch, samples) -> batch with `gae_pass`'s advantages, returns and old values: the
+    sequence's reward (task reward + KL penalty) sits on its last sampled token."""
+    compute = jax.jit(functools.partial(gae_pass, cfg, gamma, lam))
 
     def fn(params, arrays, samples):
         final_reward = np.zeros_like(arrays["advantages"])
@@ -73,7 +80,8 @@ def gae_fn(cfg, gamma: float, lam: float):
         seqs = arrays["seq_index"][rows, cols]
         _, from_end = np.unique(seqs[::-1], return_index=True)
         last = len(seqs) - 1 - from_end  # each sequence's last sampled token (multi-turn: of its last turn)
-        final_reward[rows[last], cols[last]] = [samples[i].rewards["reward"] for i in seqs[last]]
+        final_reward[rows[last], cols[last]] = [samples[i].rewards["reward"] + samples[i].rewards.get("kl_penalty", 0.0)
+                                                for i in seqs[last]]
         adv, returns, old_values = compute(params, arrays["tokens"], arrays["positions"], arrays["segment_ids"],
                                            arrays["loss_mask"], final_reward)
         return {**arrays, "advantages": np.asarray(adv), "returns": np.asarray(returns),
@@ -101,8 +109,11 @@ class PolicyUpdate:
         self.config, self.model, self.optimizer, self.shardings = config, model, optimizer, shardings
         self.frozen, self.learning_rate, self.updates = frozen, learning_rate, rl.updates_per_batch
         self.frozen_sharding = {"ref": shardings["params"]} if frozen is not None else None
-        self.loss_fn = functools.partial(rl_loss, model.cfg, Objective.from_config(config))
-        self.old_logprobs = logprobs_fn(model.cfg) if self.updates > 1 else None
+        objective = Objective.from_config(config)
+        self.loss_fn = functools.partial(rl_loss, model.cfg, objective)
+        self.old_logprobs = None  # the proximal policy of several mini-batch updates: the weights before them
+        if self.updates > 1 and objective.proximal == "current":
+            self.old_logprobs = logprobs_fn(model.cfg, objective.sampling, objective.logprob_chunk_size)
         self.gae = gae_fn(model.cfg, rl.gae_gamma, rl.gae_lambda) if rl.advantage == "gae" else None
         self.rng = jax.random.key(config.seed)
         self._steps: dict[tuple[int, ...], Any] = {}

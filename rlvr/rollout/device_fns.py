@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from rlvr.models.config import ModelConfig
 from rlvr.models.transformer import forward, forward_last
 from rlvr.rollout.logit_process import count_tokens, extra_logprobs, process, reset_counts
-from rlvr.rollout.sampling import sample
+from rlvr.rollout.sampling import policy_logprob, sample_tokens
 
 
 def init_state(slots: int, vocab: int | None = None) -> dict[str, jax.Array]:
@@ -54,15 +54,27 @@ def _mask_stops(logits, sampling, count):
 
 
 def _sample(logits, sampling, count, positions, filters, counts=None, mask=None):
-    """(token, raw policy log-prob) with the row's sampling parameters, penalties (`counts`) and
-    grammar `mask` (`logit_process`); stop tokens masked before min_new_tokens. The raw log-prob
-    (temperature 1, unfiltered, unpenalized) is the trainer's."""
+    """(tokens, their log-probs under the distribution sampled from: temperature, top-k, top-p,
+    min-p; see rlvr.rollout.sampling). Stop tokens forbidden by min_new_tokens are outside that
+    distribution too (the trainer does not model min_new_tokens: RL requests leave it at 0).
+    Penalties (`counts`), a grammar `mask` and logit_bias (`logit_process`) change the logits drawn
+    from, not the log-probs reported: those stay the policy's (`sampling.policy_logprob`), which is
+    what the trainer scores. Greedy rows (temperature 0, which RL never samples with) report the
+    policy's log-prob at temperature 1, as SGLang and OpenAI do."""
     processed = process(logits, sampling, counts, mask)
-    token, _ = sample(_mask_stops(processed, sampling, count), sampling["temperature"], sampling["top_k"],
-                      sampling["top_p"], sampling["min_p"], sampling["seed"], positions, filters)
+    args = (sampling["temperature"], sampling["top_k"], sampling["top_p"], sampling["min_p"])
+    token, logprob = sample_tokens(_mask_stops(processed, sampling, count), *args, sampling["seed"], positions,
+                                   filters)
+    if processed is not logits:
+        logprob = policy_logprob(logits, token, *args, filters)
+    greedy = args[0] <= 0.0
+    return token, jax.lax.cond(jnp.any(greedy), lambda: jnp.where(greedy, _raw_logprob(logits, token), logprob),
+                               lambda: logprob)
+
+
+def _raw_logprob(logits, token):
     logits = logits.astype(jnp.float32)
-    raw = jnp.take_along_axis(logits, token[:, None], -1)[:, 0] - jax.nn.logsumexp(logits, axis=-1)
-    return token, raw
+    return jnp.take_along_axis(logits, token[:, None], -1)[:, 0] - jax.nn.logsumexp(logits, axis=-1)
 
 
 def _finished(token, count, sampling):
@@ -76,23 +88,23 @@ def prefill(cfg: ModelConfig, filters: bool, params, pool, page_table, tokens, p
     """Writes a chunk of prompt tokens [R, C] (valid tokens first in each row) into the pages.
     For rows with `completes` the chunk ends the prompt: the first output token is sampled from
     its last position and the row's slot (`slots`) gets its decode state. Returns the pool, the
-    state, the sampled tokens and raw log-probs [R], and the extra log-probs [R, ...] asked for
+    state, the sampled tokens and log-probs [R], and the extra log-probs [R, ...] asked for
     (`top` alternatives, `sampling["logprob_ids"]`; see `logit_process.extra_logprobs`).
-    `filters`: see `sampling.sample`; `mask`: the rows' grammar masks (packed) or None."""
+    `filters`: see `sampling.sample_tokens`; `mask`: the rows' grammar masks (packed) or None."""
     last = jnp.maximum(jnp.sum(segment_ids != 0, axis=1) - 1, 0)
     logits, cache = forward_last(cfg, params, tokens, positions, segment_ids, _cache(pool, page_table), last)
     next_pos = jnp.take_along_axis(positions, last[:, None], axis=1)[:, 0] + 1
     one = jnp.ones_like(next_pos)
     penalized = "counts" in state
     counts = jnp.zeros((tokens.shape[0], logits.shape[-1]), jnp.int32) if penalized else None
-    token, raw = _sample(logits, sampling, one - 1, next_pos, filters, counts, mask)
-    extras = extra_logprobs(logits, top, sampling.get("logprob_ids"))
+    token, logprob = _sample(logits, sampling, one - 1, next_pos, filters, counts, mask)
+    extras = extra_logprobs(logits, sampling["temperature"], top, sampling.get("logprob_ids"))
     target = jnp.where(completes, slots, state["token"].shape[0])  # out of range: dropped
     updates = {"token": token, "position": next_pos, "count": one, "done": _finished(token, one, sampling)}
     new_state = {name: state[name].at[target].set(value, mode="drop") for name, value in updates.items()}
     if penalized:
         new_state["counts"] = reset_counts(state["counts"], target, token)
-    return {"k": cache["k"], "v": cache["v"]}, new_state, token, raw, extras
+    return {"k": cache["k"], "v": cache["v"]}, new_state, token, logprob, extras
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 10), donate_argnums=(4, 7))
@@ -101,10 +113,10 @@ def decode(cfg: ModelConfig, steps: int, filters: bool, params, pool, page_table
     """Up to `steps` decode steps for every slot [S]; rows not `active` are treated as done. A
     row stops (and writes nothing more) after a stop token (past min_new_tokens) or at
     max_new_tokens; the loop ends when all rows have. Returns the pool, the new state, the
-    sampled tokens and raw log-probs [S, steps], how many tokens each row emitted, and the
-    extra log-probs [S, steps, ...] asked for (`top`, `sampling["logprob_ids"]`).
-    `filters`: see `sampling.sample`. `mask` (packed grammar masks, see `logit_process`) holds
-    for one token: the host passes steps=1 with it. Penalties run when the state has counts."""
+    sampled tokens and log-probs [S, steps], how many tokens each row emitted, and the extra
+    log-probs [S, steps, ...] asked for (`top`, `sampling["logprob_ids"]`).
+    `filters`: see `sampling.sample_tokens`. `mask` (packed grammar masks, see `logit_process`)
+    holds for one token: the host passes steps=1 with it. Penalties run when the state has counts."""
     slots = state["token"].shape[0]
     start = jnp.where(active, state["count"], 0)
     empty = {}
@@ -122,13 +134,14 @@ def decode(cfg: ModelConfig, steps: int, filters: bool, params, pool, page_table
         segment = (~done).astype(jnp.int32)[:, None]
         logits, cache = forward(cfg, params, token[:, None], pos[:, None], segment,
                                 _cache(pool, page_table, ragged))
-        nxt, raw = _sample(logits[:, 0], sampling, count, pos + 1, filters, counts, mask)
+        nxt, logprob = _sample(logits[:, 0], sampling, count, pos + 1, filters, counts, mask)
         counts = count_tokens(counts, nxt, ~done)
         extras = {k: jax.lax.dynamic_update_slice(extras[k], v[:, None], (0, i, *([0] * (v.ndim - 1))))
-                  for k, v in extra_logprobs(logits[:, 0], top, sampling.get("logprob_ids")).items()}
+                  for k, v in extra_logprobs(logits[:, 0], sampling["temperature"], top,
+                                             sampling.get("logprob_ids")).items()}
         count = count + (~done).astype(jnp.int32)
         toks = jax.lax.dynamic_update_slice(toks, nxt[:, None], (0, i))
-        logprobs = jax.lax.dynamic_update_slice(logprobs, raw[:, None], (0, i))
+        logprobs = jax.lax.dynamic_update_slice(logprobs, logprob[:, None], (0, i))
         pool = {"k": cache["k"], "v": cache["v"]}
         return (i + 1, pool, jnp.where(done, token, nxt), pos + (~done).astype(jnp.int32), count,
                 done | _finished(nxt, count, sampling), toks, logprobs, counts, extras)
@@ -165,7 +178,7 @@ def add_counts(state, slots, counts):
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def score(cfg: ModelConfig, top: int, params, tokens, ids=None):
-    """Raw log-probs of a prompt [T] scoring itself: entry t is log p(token t+1 | tokens <= t) (the
+    """Raw log-probs (temperature 1) of a prompt [T] scoring itself: entry t is log p(token t+1 | tokens <= t) (the
     last is meaningless), plus the extras of every position (`top` alternatives, the log-probs of
     `ids` [M]; see `logit_process.extra_logprobs`). Padding after the prompt does not change them
     (causal attention)."""
@@ -175,7 +188,7 @@ def score(cfg: ModelConfig, top: int, params, tokens, ids=None):
     nxt = jnp.concatenate([tokens[1:], tokens[-1:]])
     own = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), nxt[:, None], axis=-1)[:, 0]
     wanted = None if ids is None else jnp.broadcast_to(ids, (tokens.shape[0], ids.shape[0]))
-    return own, extra_logprobs(logits, top, wanted)
+    return own, extra_logprobs(logits, None, top, wanted)
 
 
 @functools.partial(jax.jit, donate_argnums=0)

@@ -75,6 +75,7 @@ class EngineDriver:
         self._retry_at = 0.0
         self._closed = False
         self._stats = {"num_running_reqs": 0, "num_waiting_reqs": 0}
+        self._metrics: dict[str, Any] = {}
         self._weight_version = int(getattr(engine, "weight_version", 0))
         self._paused = bool(getattr(engine, "paused", False))
         self.last_progress = time.monotonic()
@@ -182,8 +183,9 @@ class EngineDriver:
     def _refresh_stats(self) -> None:
         stats = {"num_running_reqs": int(self.engine.num_running), "num_waiting_reqs": int(self.engine.num_waiting)}
         version, paused = int(self.engine.weight_version), bool(self.engine.paused)
+        metrics = self.engine.metrics() if hasattr(self.engine, "metrics") else {}
         with self._cond:
-            self._stats, self._weight_version, self._paused = stats, version, paused
+            self._stats, self._weight_version, self._paused, self._metrics = stats, version, paused, metrics
 
     # --- commands -------------------------------------------------------------------------
 
@@ -347,6 +349,11 @@ class EngineDriver:
             stats = dict(self._stats)
             stats["num_waiting_reqs"] += self._pending_submits
         return stats
+
+    def metrics(self) -> dict[str, Any]:
+        """The engine's `metrics()` as of its last step (compiles, prefix cache, host/device time)."""
+        with self._cond:
+            return dict(self._metrics)
 
     @property
     def weight_version(self) -> int:

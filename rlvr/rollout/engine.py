@@ -15,8 +15,16 @@ log-probs equal the trainer's for the same tokens. One `step()`:
 Single-threaded: call it from one thread (`rlvr.rollout.driver.EngineDriver` does).
 
 Compiled shapes are a bounded set (`warmup()` compiles them all up front): prefill [1 or
-prefill_rows, prefill_chunk/4 or prefill_chunk] and decode for at most RAGGED_BUCKETS sizes of the
-ragged page list (each x2 when some request uses top-k/top-p/min-p). `metrics()` reports compile counts, the prefix-cache hit rate and host vs device time.
+prefill_rows, prefill_chunk/4 or prefill_chunk] and one decode program (its attention loops over
+the pages held, `kernels/paged_attention/ragged.py`); each x2 when a request uses
+top-k/top-p/min-p. `metrics()` reports compile counts, the prefix-cache hit rate and host vs
+device time.
+
+Beyond plain sampling (each on only while a running request asks for it, so the plain path
+compiles without it): penalties and logit_bias (`logit_process`), constrained decoding (grammar
+masks, `grammar`; a batch with a constrained request decodes one token per call), prompt / top /
+requested-id log-probs and stop_regex (`extras`, `sequence.Sequence.accept`), pause mode
+"retract" and the release / resume of device memory.
 """
 
 from __future__ import annotations
@@ -37,40 +45,13 @@ from rlvr.models.transformer import init_paged_cache, unstack_layers
 from rlvr.rollout import device_fns
 from rlvr.rollout import extras as extras_lib
 from rlvr.rollout.pages import PagePool, PrefixCache
+from rlvr.rollout.sequence import Sequence, penalty_arrays, sampling_table, write_sampling_row
 from rlvr.rollout.stops import StopStrings
 from rlvr.rollout.types import Completion, Request
 
-MAX_STOP_IDS = 8
-# Decode compiles once per size of the ragged page list: RAGGED_BUCKETS multiples of an eighth of
-# the whole table's pages (at least 16), so a list is padded by less than an eighth of the table.
-RAGGED_BUCKETS, MIN_RAGGED_BUCKET = 8, 16
-
-
-@dataclasses.dataclass(eq=False)
-class _Sequence:
-    request: Request
-    seed: int
-    slot: int = -1
-    pages: list[int] = dataclasses.field(default_factory=list)
-    nodes: list = dataclasses.field(default_factory=list)  # prefix-cache nodes this sequence reads
-    prefilled: int = 0  # prompt tokens whose KV is written (or dispatched)
-    cached_tokens: int = 0  # prompt tokens taken from cached or shared pages
-    device_tokens: int = 0  # upper bound of prompt + output tokens on the device
-    budget: int = 0  # pages still reserved for this sequence's worst case
-    output: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-    stops: StopStrings | None = None
-    finish: dict[str, Any] | None = None
-    extras: extras_lib.Extras = dataclasses.field(default_factory=extras_lib.Extras)
-
-    @property
-    def prompt(self) -> list[int]:
-        return self.request.input_ids
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt) + len(self.output)
+# The decode attention's page list comes in chunks of max(RAGGED_MIN_CHUNK, table / RAGGED_CHUNKS)
+# entries, looped over on device: one compiled program whatever the pages held, padded by < 1 chunk.
+RAGGED_CHUNKS, RAGGED_MIN_CHUNK = 16, 64
 
 
 @dataclasses.dataclass
@@ -116,10 +97,10 @@ class Engine:
         self.page_table = np.zeros((max_slots, self.pages_per_row), np.int32)
         self.state = device_fns.init_state(max_slots)
         self.active = np.zeros(max_slots, bool)
-        self._sampling = _sampling_table(max_slots)
+        self._sampling = sampling_table(max_slots)
         self._sampling_device = None  # the table on device, refreshed after admissions change it
-        self.waiting: collections.deque[_Sequence] = collections.deque()
-        self.slots: list[_Sequence | None] = [None] * max_slots
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.slots: list[Sequence | None] = [None] * max_slots
         self.finished: list[Completion] = []
         self.inflight: collections.deque[_Inflight] = collections.deque()
         self.weight_version, self.paused, self.model_path = 0, False, model_path
@@ -129,6 +110,9 @@ class Engine:
         self._reserved = 0  # pages promised to running sequences' worst cases, not yet allocated
         self._times = {"host_s": 0.0, "device_wait_s": 0.0, "steps": 0, "decode_calls": 0, "prefill_calls": 0,
                        "generated_tokens": 0}
+        # Set to a list to time every device call synchronously (no overlap; for calibration):
+        # ("prefill", rows x chunk, s), ("decode", (rows decoding, max_slots), s), ("step", 0, host s).
+        self.call_times: list[tuple[str, Any, float]] | None = None
 
     def _decode_params(self, params):
         params = unstack_layers(params)
@@ -153,14 +137,19 @@ class Engine:
                              f"[0, {self.cfg.vocab_size})")
         seed = request.sampling.sampling_seed
         seed = int(self._seed_rng.integers(2**31)) if seed is None else int(seed)
-        seq = _Sequence(request, seed % 2**31, extras=extras_lib.prepare(request, self.tokenizer, self.cfg.vocab_size))
-        if request.sampling.stop and self.tokenizer is not None:
-            seq.stops = StopStrings(self.tokenizer, list(request.sampling.stop))
+        sp = request.sampling
+        eos = set() if sp.ignore_eos or self._eos_id() is None else {self._eos_id()}
+        stops = None
+        if (sp.stop or sp.stop_regex) and self.tokenizer is not None:
+            stops = StopStrings(self.tokenizer, list(sp.stop), list(sp.stop_regex))
+        budget = min(sp.max_new_tokens, self.max_len - len(request.input_ids))
+        seq = Sequence(request, seed % 2**31, budget, frozenset(sp.stop_token_ids) | eos, stops,
+                       extras=extras_lib.prepare(request, self.tokenizer, self.cfg.vocab_size))
         if request.logprob_start_len >= 0:
             self._score_prompt(seq)
         self.waiting.append(seq)
 
-    def _score_prompt(self, seq: _Sequence) -> None:
+    def _score_prompt(self, seq: Sequence) -> None:
         """Prompt log-probs (and their extras) by one forward over the prompt, padded to a power
         of two (a few compiled shapes)."""
         request = seq.request
@@ -175,6 +164,7 @@ class Engine:
     def step(self) -> list[Completion]:
         """One scheduling iteration; returns the completions finished in it."""
         start, wait = time.perf_counter(), self._times["device_wait_s"]
+        timed = 0.0 if self.call_times is None else sum(t for kind, _, t in self.call_times if kind != "step")
         dispatched = False
         if not self.paused and not self.released:
             self._prune_extras()
@@ -184,6 +174,9 @@ class Engine:
         self._process(keep=1 if dispatched else 0)
         self._times["steps"] += 1
         self._times["host_s"] += time.perf_counter() - start - (self._times["device_wait_s"] - wait)
+        if self.call_times is not None:
+            calls = sum(t for kind, _, t in self.call_times if kind != "step") - timed
+            self.call_times.append(("step", 0.0, time.perf_counter() - start - calls))
         done, self.finished = self.finished, []
         return done
 
@@ -229,17 +222,10 @@ class Engine:
         self.paused = True
         return count
 
-    def _retract(self, seq: _Sequence) -> _Sequence:
+    def _retract(self, seq: Sequence) -> Sequence:
         """A running sequence as a waiting one that continues from its prompt plus its output."""
         self._release_slot(seq, cache=True)
-        if not seq.output:
-            return dataclasses.replace(seq, slot=-1, prefilled=0, cached_tokens=0, device_tokens=0, pages=[], nodes=[])
-        more = seq.extras
-        carried = tuple(list(a) + list(b) for a, b in zip(more.carried, (seq.output, seq.logprobs, seq.versions),
-                                                          strict=True))
-        return dataclasses.replace(seq, request=extras_lib.retracted(seq.request, seq.output), slot=-1, prefilled=0,
-                                   cached_tokens=0, device_tokens=0, output=[], logprobs=[], versions=[], pages=[],
-                                   nodes=[], extras=dataclasses.replace(more, carried=carried))
+        return seq.retracted()
 
     def release_memory(self, tags: list[str]) -> None:
         """Gives device memory back: "kv_cache" (the page pool, deleted; the prefix cache is
@@ -336,13 +322,12 @@ class Engine:
             for rows in sorted({1, self.prefill_rows}):
                 for chunk in sorted({self._small_chunk(), self.prefill_chunk}):
                     self._dispatch_prefill([], rows, chunk, variant)
-            for bucket in self._ragged_buckets():
-                self._dispatch_decode([None] * self.max_slots, bucket, filters=variant)
+            self._dispatch_decode([None] * self.max_slots, filters=variant)
         self._process(keep=0)
 
     # --- scheduling ----------------------------------------------------------------------
 
-    def _running(self) -> list[_Sequence]:
+    def _running(self) -> list[Sequence]:
         return [s for s in self.slots if s is not None]
 
     def _admit(self) -> None:
@@ -361,7 +346,7 @@ class Engine:
             self._place(seq, nodes, twin, need)
         self.waiting.extendleft(reversed(deferred))
 
-    def _place(self, seq: _Sequence, nodes: list, twin: _Sequence | None, budget: int) -> None:
+    def _place(self, seq: Sequence, nodes: list, twin: Sequence | None, budget: int) -> None:
         slot = self.slots.index(None)
         seq.slot, self.slots[slot] = slot, seq
         seq.budget = budget
@@ -375,7 +360,7 @@ class Engine:
         self._sampling_row(slot, seq)
         self._sync_table(seq)
 
-    def _prefix_pending(self, seq: _Sequence, cached: int) -> bool:
+    def _prefix_pending(self, seq: Sequence, cached: int) -> bool:
         """True if a running prefill will soon cache more of this prompt than is cached now
         (a page more, or all of it but the last token for an identical prompt)."""
         for other in self._running():
@@ -386,14 +371,14 @@ class Engine:
                 return True
         return False
 
-    def _twin(self, seq: _Sequence) -> _Sequence | None:
+    def _twin(self, seq: Sequence) -> Sequence | None:
         """A running sequence with the same prompt whose prompt (but the last token) is written."""
         for other in self._running():
             if other.prompt == seq.prompt and other.prefilled >= len(seq.prompt) - 1:
                 return other
         return None
 
-    def _copy_partial_page(self, seq: _Sequence, twin: _Sequence) -> None:
+    def _copy_partial_page(self, seq: Sequence, twin: Sequence) -> None:
         """The twin's partly filled prompt page, copied (copy-on-write): only the last prompt
         token is recomputed, its logits giving this sample's own first token."""
         index = len(seq.pages)
@@ -402,8 +387,8 @@ class Engine:
         seq.pages.append(page)
         seq.prefilled = seq.cached_tokens = len(seq.prompt) - 1
 
-    def _worst_case_pages(self, seq: _Sequence) -> int:
-        return math.ceil(min(len(seq.prompt) + self._max_new(seq), self.max_len) / self.page_size)
+    def _worst_case_pages(self, seq: Sequence) -> int:
+        return math.ceil(min(len(seq.prompt) + seq.max_new, self.max_len) / self.page_size)
 
     def _reserve(self, count: int) -> bool:
         shortfall = self._reserved + count - len(self.pages.free)
@@ -412,34 +397,24 @@ class Engine:
         self._reserved += count
         return True
 
-    def _allocate(self, seq: _Sequence, count: int) -> list[int]:
+    def _allocate(self, seq: Sequence, count: int) -> list[int]:
         seq.budget -= count
         self._reserved -= count
         return self.pages.allocate(count)
 
-    def _ensure_pages(self, seq: _Sequence, tokens: int) -> None:
+    def _ensure_pages(self, seq: Sequence, tokens: int) -> None:
         needed = min(math.ceil(tokens / self.page_size), self.pages_per_row) - len(seq.pages)
         if needed > 0:
             seq.pages += self._allocate(seq, needed)
             self._sync_table(seq)
 
-    def _sync_table(self, seq: _Sequence) -> None:
+    def _sync_table(self, seq: Sequence) -> None:
         self.page_table[seq.slot, :] = 0
         self.page_table[seq.slot, : len(seq.pages)] = seq.pages
 
-    def _sampling_row(self, slot: int, seq: _Sequence) -> None:
-        sp, table = seq.request.sampling, self._sampling
-        table["temperature"][slot], table["top_k"][slot], table["top_p"][slot] = sp.temperature, sp.top_k, sp.top_p
-        table["min_p"][slot], table["seed"][slot], table["min_new"][slot] = sp.min_p, seq.seed, sp.min_new_tokens
-        table["max_new"][slot] = self._max_new(seq)
-        stops = list(sp.stop_token_ids)
-        if not sp.ignore_eos and self._eos_id() is not None:
-            stops.append(self._eos_id())
-        table["stop_ids"][slot] = -1
-        table["stop_ids"][slot, : len(stops[:MAX_STOP_IDS])] = stops[:MAX_STOP_IDS]
+    def _sampling_row(self, slot: int, seq: Sequence) -> None:
         self._enable_extras(seq.request)
-        extras_lib.penalty_row(table, slot, seq.request)
-        extras_lib.ids_row(table, slot, seq.request)
+        write_sampling_row(self._sampling, slot, seq)
         self._sampling_device = None
 
     def _enable_extras(self, request: Request) -> None:
@@ -447,7 +422,7 @@ class Engine:
         decode state; requested log-prob ids) while some running request uses them."""
         table, slots, vocab = self._sampling, self.max_slots, self.cfg.vocab_size
         if request.sampling.penalized and "frequency_penalty" not in table:
-            table.update(extras_lib.penalty_arrays(slots, vocab))
+            table.update(penalty_arrays(slots, vocab))
             self.state = {**self.state, "counts": jnp.zeros((slots, vocab), jnp.int32)}
         width = table["logprob_ids"].shape[1] if "logprob_ids" in table else 0
         if len(request.token_ids_logprob) > width:
@@ -460,7 +435,7 @@ class Engine:
         running = [s.request for s in self._running()]
         table = self._sampling
         if "frequency_penalty" in table and not any(r.sampling.penalized for r in running):
-            for key in extras_lib.penalty_arrays(1, 1):
+            for key in penalty_arrays(1, 1):
                 del table[key]
             self.state = {k: v for k, v in self.state.items() if k != "counts"}
             self._sampling_device = None
@@ -479,8 +454,8 @@ class Engine:
         masks = np.full((rows, -(-self.cfg.vocab_size // 8)), 255, np.uint8)
         for i, seq in enumerate(seqs):
             if seq is not None and seq.extras.grammar is not None:
-                budget = self._max_new(seq) - len(seq.output)
-                masks[i] = seq.extras.grammar.mask(seq.extras.state, budget, sorted(self._stop_ids(seq)))
+                budget = seq.max_new - len(seq.output)
+                masks[i] = seq.extras.grammar.mask(seq.extras.state, budget, sorted(seq.stop_ids))
         return jnp.asarray(masks)
 
     def _constrained(self) -> bool:
@@ -490,9 +465,6 @@ class Engine:
         """Whether any of these rows asks for top-k, top-p or min-p (compiles the filter paths)."""
         table = self._sampling
         return bool(np.any((table["top_k"][slots] > 0) | (table["top_p"][slots] < 1) | (table["min_p"][slots] > 0)))
-
-    def _max_new(self, seq: _Sequence) -> int:
-        return min(seq.request.sampling.max_new_tokens, self.max_len - len(seq.prompt))
 
     def _eos_id(self) -> int | None:
         return None if self.tokenizer is None else self.tokenizer.eos_id
@@ -515,7 +487,7 @@ class Engine:
             self._dispatch_prefill(seqs, rows, self._small_chunk() if longest <= self._small_chunk()
                                    else self.prefill_chunk)
 
-    def _dispatch_prefill(self, seqs: list[_Sequence], rows: int, chunk: int, filters: bool | None = None) -> None:
+    def _dispatch_prefill(self, seqs: list[Sequence], rows: int, chunk: int, filters: bool | None = None) -> None:
         tokens, positions, segments = (np.zeros((rows, chunk), np.int32) for _ in range(3))
         table = np.zeros((rows, self.pages_per_row), np.int32)
         slots, completes = np.zeros(rows, np.int32), np.zeros(rows, bool)
@@ -538,16 +510,18 @@ class Engine:
         sampling = {k: v[slots] for k, v in self._sampling.items()}
         table, tokens, positions, segments, slots, completes, sampling = jax.device_put(
             (table, tokens, positions, segments, slots, completes, sampling))  # one transfer
-        filters = self._filters(host_slots) if filters is None else filters
+        start = time.perf_counter()
         self.pool, self.state, tok, logprob, more = device_fns.prefill(
-            self.decode_cfg, filters, self.params, self.pool, table, tokens, positions, segments, self.state, slots,
-            completes, sampling, self._top(finishing), self._masks(finishing, rows))
+            self.decode_cfg, self._filters(host_slots) if filters is None else filters, self.params, self.pool,
+            table, tokens, positions, segments, self.state, slots, completes, sampling, self._top(finishing),
+            self._masks(finishing, rows))
         self._times["prefill_calls"] += 1
+        self._time_call("prefill", rows * chunk, start, tok)
         self._restore_counts([s for s in finishing if s is not None])
         if any(finishing):
             self.inflight.append(_Inflight("prefill", finishing, tok, logprob, None, self.weight_version, more))
 
-    def _arm(self, seqs: list[_Sequence]) -> None:
+    def _arm(self, seqs: list[Sequence]) -> None:
         """Prompts with one token left go straight to decoding (`device_fns.arm`)."""
         slots = np.full(self.max_slots, self.max_slots, np.int32)
         tokens, positions = np.zeros(self.max_slots, np.int32), np.zeros(self.max_slots, np.int32)
@@ -558,7 +532,7 @@ class Engine:
         self.state = device_fns.arm(self.state, *jax.device_put((slots, tokens, positions)))
         self._restore_counts(seqs)
 
-    def _restore_counts(self, seqs: list[_Sequence]) -> None:
+    def _restore_counts(self, seqs: list[Sequence]) -> None:
         """Penalties of retracted sequences count the output they had before (their slot's counts
         were just started over)."""
         carried = [s for s in seqs if s.extras.carried_tokens]
@@ -568,7 +542,7 @@ class Engine:
         slots = np.array([s.slot for s in carried], np.int32)
         self.state = device_fns.add_counts(self.state, jnp.asarray(slots), jnp.asarray(counts, jnp.int32))
 
-    def _cache_prompt_pages(self, seq: _Sequence) -> None:
+    def _cache_prompt_pages(self, seq: Sequence) -> None:
         """Full prompt pages just dispatched go into the prefix cache (later readers are
         dispatched after the writes, so they see them)."""
         full = seq.prefilled // self.page_size
@@ -592,34 +566,37 @@ class Engine:
         reach = np.zeros(self.max_slots, np.int64)  # tokens whose KV this call may write, per row
         for i, seq in enumerate(seqs):
             if seq is not None:
-                final = len(seq.prompt) + self._max_new(seq)
+                final = len(seq.prompt) + seq.max_new
                 reach[i] = min(seq.device_tokens + steps, final, self.max_len + 1) - 1
                 self._ensure_pages(seq, reach[i])
                 seq.device_tokens = min(seq.device_tokens + steps, final)
-        pages = int(np.minimum(-(-reach // self.page_size), self.pages_per_row).sum())
-        self._dispatch_decode(seqs, next(b for b in self._ragged_buckets() if b >= pages), reach, steps=steps)
+        self._dispatch_decode(seqs, reach, steps=steps)
         return True
 
-    def _ragged_buckets(self) -> list[int]:
-        step = -(-self.max_slots * self.pages_per_row // RAGGED_BUCKETS)
-        step = max(-(-step // MIN_RAGGED_BUCKET) * MIN_RAGGED_BUCKET, MIN_RAGGED_BUCKET)
-        return [step * k for k in range(1, RAGGED_BUCKETS + 1)]
-
-    def _dispatch_decode(self, seqs: list, bucket: int, reach: np.ndarray | None = None,
-                         filters: bool | None = None, steps: int | None = None) -> None:
+    def _dispatch_decode(self, seqs: list, reach: np.ndarray | None = None, filters: bool | None = None,
+                         steps: int | None = None) -> None:
         reach = np.zeros(self.max_slots, np.int64) if reach is None else reach
-        ragged = ragged_pages(self.page_table, reach, self.page_size, bucket)
+        entries = self.max_slots * self.pages_per_row
+        chunk = max(RAGGED_MIN_CHUNK, -(-entries // RAGGED_CHUNKS))
+        ragged = ragged_pages(self.page_table, reach, self.page_size, chunk, -(-entries // chunk))
         active = active_host = np.array([s is not None for s in seqs]) & self.active
         if self._sampling_device is None:
             self._sampling_device = jax.device_put(self._sampling)
         table, ragged, active = jax.device_put((self.page_table, ragged, active))  # one transfer
         filters = self._filters(np.flatnonzero(active_host)) if filters is None else filters
         mask = self._masks(seqs, self.max_slots)
+        start = time.perf_counter()
         self.pool, self.state, toks, logprobs, emitted, more = device_fns.decode(
             self.decode_cfg, 1 if mask is not None else steps or self.decode_steps, filters, self.params, self.pool,
             table, ragged, self.state, active, self._sampling_device, self._top(seqs), mask)
         self._times["decode_calls"] += 1
+        self._time_call("decode", (int(active_host.sum()), self.max_slots), start, emitted)
         self.inflight.append(_Inflight("decode", seqs, toks, logprobs, emitted, self.weight_version, more))
+
+    def _time_call(self, kind: str, size: Any, start: float, output: jax.Array) -> None:
+        if self.call_times is not None:
+            jax.block_until_ready(output)
+            self.call_times.append((kind, size, time.perf_counter() - start))
 
     # --- reading results -----------------------------------------------------------------
 
@@ -636,7 +613,7 @@ class Engine:
                 if seq is None or seq.finish is not None:
                     continue
                 if call.kind == "prefill":
-                    if self._max_new(seq) <= 0:
+                    if seq.max_new <= 0:
                         self._finish(seq, {"type": "length", "length": seq.extras.carried_tokens})
                     else:
                         self._append(seq, [int(tokens[i])], [float(logprobs[i])], call.version,
@@ -646,48 +623,17 @@ class Engine:
                     self._append(seq, tokens[i, :n].tolist(), logprobs[i, :n].tolist(), call.version,
                                  {k: v[i, :n] for k, v in more.items()})
 
-    def _append(self, seq: _Sequence, tokens: list[int], logprobs: list[float], version: int,
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[float], version: int,
                 more: dict[str, np.ndarray]) -> None:
-        """Adds sampled tokens up to the first stop condition (a stop token past min_new_tokens,
-        max_new_tokens, or the first stop string or stop_regex match, whichever comes first) and
-        finishes there."""
-        sp, carried = seq.request.sampling, seq.extras.carried_tokens
-        stops = self._stop_ids(seq)
-        end, reason = len(tokens), None
-        for i, token in enumerate(tokens):
-            count = len(seq.output) + i + 1
-            if token in stops and count >= sp.min_new_tokens:
-                end, reason = i + 1, {"type": "stop", "matched": token}
-                break
-            if count >= self._max_new(seq):
-                end, reason = i + 1, {"type": "length", "length": carried + count}
-                break
-        seq.output += tokens[:end]
-        seq.logprobs += logprobs[:end]
-        seq.versions += [version] * end
-        self._times["generated_tokens"] += end
-        extras_lib.record_outputs(seq.extras, seq.request, more, end)
-        if not extras_lib.advance(seq.extras, tokens[:end], stops):
-            reason = {"type": "abort", "message": "constrained decoding: a token outside the grammar was sampled",
-                      "status_code": 500}
-        full = list(seq.extras.carried[0]) + seq.output
-        hit = None if seq.stops is None else seq.stops.feed(full)
-        hit = hit or extras_lib.regex_stop(seq.extras, self.tokenizer, full)
-        if hit is not None:
-            keep = hit[1] - carried
-            del seq.output[keep:], seq.logprobs[keep:], seq.versions[keep:]
-            del seq.extras.output_top[hit[1]:], seq.extras.output_ids[hit[1]:]
-            reason = {"type": "stop", "matched": hit[0]}
+        before = len(seq.output)
+        reason = seq.accept(tokens, logprobs, version, more)
+        self._times["generated_tokens"] += len(seq.output) - before
         if reason is not None:
             self._finish(seq, reason)
 
-    def _stop_ids(self, seq: _Sequence) -> set[int]:
-        sp = seq.request.sampling
-        return set(sp.stop_token_ids) | (set() if sp.ignore_eos or self._eos_id() is None else {self._eos_id()})
-
     # --- finishing -----------------------------------------------------------------------
 
-    def _finish(self, seq: _Sequence, reason: dict[str, Any]) -> None:
+    def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:
         if seq.finish is not None:
             return
         seq.finish = reason
@@ -696,7 +642,7 @@ class Engine:
         self._release_slot(seq, cache=reason["type"] != "abort")
         self.finished.append(self._completion(seq, reason))
 
-    def _release_slot(self, seq: _Sequence, cache: bool) -> None:
+    def _release_slot(self, seq: Sequence, cache: bool) -> None:
         """Frees a running sequence's slot and pages; with `cache`, the prefix cache keeps the KV
         of every token but the last (all of it is written)."""
         if seq.slot < 0 or self.slots[seq.slot] is not seq:
@@ -710,7 +656,7 @@ class Engine:
         self._reserved -= seq.budget
         seq.pages, seq.nodes, seq.budget = [], [], 0
 
-    def _completion(self, seq: _Sequence, finish: dict[str, Any] | None) -> Completion:
+    def _completion(self, seq: Sequence, finish: dict[str, Any] | None) -> Completion:
         c = extras_lib.fill(Completion(
             rid=seq.request.rid, prompt_ids=list(seq.prompt), output_ids=list(seq.output),
             output_logprobs=list(seq.logprobs), output_versions=list(seq.versions), finish_reason=finish,
@@ -721,13 +667,6 @@ class Engine:
             if isinstance(matched, str) and not seq.request.sampling.no_stop_trim and matched in c.text:
                 c.text = c.text[: c.text.rfind(matched)]
         return c
-
-
-def _sampling_table(slots: int) -> dict[str, np.ndarray]:
-    return {"temperature": np.ones(slots, np.float32), "top_k": np.full(slots, -1, np.int32),
-            "top_p": np.ones(slots, np.float32), "min_p": np.zeros(slots, np.float32),
-            "seed": np.zeros(slots, np.int32), "min_new": np.zeros(slots, np.int32),
-            "max_new": np.ones(slots, np.int32), "stop_ids": np.full((slots, MAX_STOP_IDS), -1, np.int32)}
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -2,21 +2,20 @@
 
 * constrained decoding: the request's `grammar.Grammar` and its automaton state, advanced by every
   output token; the engine masks the logits with `mask(...)` (one token per device call);
-* `stop_regex`: the output text is searched after every batch of new tokens;
 * log-probs beyond the sampled token's: prompt log-probs (computed once at submission by one
   forward over the prompt, `device_fns.score`), the `top_logprobs_num` alternatives and the
   `token_ids_logprob` ids at every output position (collected from the device calls);
 * a retracted request (pause mode "retract") carries the output it had, and continues from its
   prompt plus that output.
 
-`sampling_arrays` adds the per-slot arrays of penalties and logit_bias to the engine's sampling
-table, only while some running request uses them (see `logit_process`).
+A `sequence.Sequence` holds its `Extras`; `Sequence.accept` advances them with every new token.
+(`stop_regex` is matched with the stop strings, `stops.StopStrings`; penalties and logit_bias are
+per-slot arrays of the sampling table, `sequence.penalty_arrays`.)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 import numpy as np
@@ -32,7 +31,6 @@ class Extras:
 
     grammar: Any = None  # grammar.Grammar
     state: int | None = None  # its automaton state
-    stop_regex: list[re.Pattern] = dataclasses.field(default_factory=list)
     input_logprobs: list[float | None] | None = None
     input_top: list[TopLogprobs | None] | None = None
     input_ids: list[TopLogprobs | None] | None = None
@@ -46,7 +44,7 @@ class Extras:
 
 
 def prepare(request: Request, tokenizer: Any, vocab_size: int) -> Extras:
-    """The extras of a new request; ValueError for a constraint or regex that does not compile."""
+    """The extras of a new request; ValueError for a constraint that does not compile."""
     extras = Extras()
     constraint = request.sampling.constraint
     if constraint is not None:
@@ -54,11 +52,6 @@ def prepare(request: Request, tokenizer: Any, vocab_size: int) -> Extras:
 
         extras.grammar = compile_constraint(*constraint, tokenizer, vocab_size)
         extras.state = extras.grammar.initial
-    for pattern in request.sampling.stop_regex:
-        try:
-            extras.stop_regex.append(re.compile(pattern))
-        except re.error as e:
-            raise ValueError(f"stop_regex {pattern!r} does not compile: {e}") from None
     return extras
 
 
@@ -111,21 +104,6 @@ def advance(extras: Extras, tokens: list[int], stops: set[int]) -> bool:
     return True
 
 
-def regex_stop(extras: Extras, tokenizer: Any, output: list[int]) -> tuple[str, int] | None:
-    """(the matched text, tokens to keep) for the first stop_regex match in the output, or None."""
-    if not extras.stop_regex or tokenizer is None:
-        return None
-    text = tokenizer.decode(output)
-    hits = [(m.end(), m.group(0)) for pattern in extras.stop_regex if (m := pattern.search(text))]
-    if not hits:
-        return None
-    end, matched = min(hits)
-    for keep in range(1, len(output) + 1):  # the first token whose text covers the match
-        if len(tokenizer.decode(output[:keep])) >= end:
-            return matched, keep
-    return matched, len(output)
-
-
 def fill(c: Completion, extras: Extras, request: Request) -> Completion:
     """The completion with the extras it asked for, and any output carried over a retraction."""
     if extras.carried_tokens:
@@ -154,32 +132,3 @@ def retracted(request: Request, output: list[int]) -> Request:
                                    min_new_tokens=max(sp.min_new_tokens - n, 0))
     return dataclasses.replace(request, input_ids=list(request.input_ids) + list(output), sampling=sampling,
                                logprob_start_len=-1)
-
-
-# --- per-slot sampling arrays ----------------------------------------------------------------
-
-
-def penalty_arrays(slots: int, vocab: int) -> dict[str, np.ndarray]:
-    return {"frequency_penalty": np.zeros(slots, np.float32), "presence_penalty": np.zeros(slots, np.float32),
-            "repetition_penalty": np.ones(slots, np.float32), "logit_bias": np.zeros((slots, vocab), np.float32)}
-
-
-def penalty_row(table: dict[str, np.ndarray], slot: int, request: Request | None) -> None:
-    sp = request.sampling if request is not None else None
-    if "frequency_penalty" not in table:
-        return
-    table["frequency_penalty"][slot] = sp.frequency_penalty if sp else 0.0
-    table["presence_penalty"][slot] = sp.presence_penalty if sp else 0.0
-    table["repetition_penalty"][slot] = sp.repetition_penalty if sp else 1.0
-    table["logit_bias"][slot] = 0.0
-    for token, bias in (sp.logit_bias.items() if sp else ()):
-        if 0 <= token < table["logit_bias"].shape[1]:
-            table["logit_bias"][slot, token] = bias
-
-
-def ids_row(table: dict[str, np.ndarray], slot: int, request: Request | None) -> None:
-    if "logprob_ids" not in table:
-        return
-    ids = list(request.token_ids_logprob) if request is not None else []
-    table["logprob_ids"][slot] = 0
-    table["logprob_ids"][slot, : len(ids)] = ids

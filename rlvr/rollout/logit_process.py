@@ -3,8 +3,9 @@
 Applied in SGLang's order before sampling: penalties on the tokens generated so far (frequency
 subtracts `f * count`, presence subtracts `p` once a token occurred, repetition divides positive
 logits by `r` and multiplies negative ones; the prompt does not count, as in SGLang), then the
-grammar mask (`grammar.Grammar.mask`: tokens outside it get -inf), then `logit_bias`. The raw
-log-probs the engine reports stay those of the unprocessed logits (the trainer's).
+grammar mask (`grammar.Grammar.mask`: tokens outside it get -inf), then `logit_bias`. The
+log-probs the engine reports stay those of the unprocessed logits (`sampling.policy_logprob`: the
+trainer's).
 
 Each piece is present only when a batch row uses it (its arrays exist in `sampling` / the decode
 state / as a mask argument), so jit compiles the plain path without any of this work.
@@ -58,12 +59,17 @@ def reset_counts(counts: jax.Array | None, slots: jax.Array, tokens: jax.Array |
     return counts.at[slots].set(rows, mode="drop")
 
 
-def extra_logprobs(logits: jax.Array, top: int, ids: jax.Array | None) -> dict[str, jax.Array]:
-    """Raw log-probs beyond the sampled token's: the `top` most likely (values, ids) and those of
-    the requested `ids` [S, M]; {} when neither is asked."""
+def extra_logprobs(logits: jax.Array, temperature: jax.Array | None, top: int,
+                   ids: jax.Array | None) -> dict[str, jax.Array]:
+    """Log-probs beyond the sampled token's: the `top` most likely (values, ids) and those of the
+    requested `ids` [S, M]; {} when neither is asked. As SGLang reports them: of the policy at the
+    row's `temperature` [S] (1 for greedy rows and when None), before top-k/top-p/min-p."""
     if not top and ids is None:
         return {}
-    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    logits = logits.astype(jnp.float32)
+    if temperature is not None:
+        logits = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
     out = {}
     if top:
         out["top_values"], out["top_ids"] = jax.lax.top_k(logprobs, top)

@@ -105,7 +105,7 @@ class PrefixCache:
         cached for the same tokens is kept and the new one left to its owner. Returns the nodes
         on the path (the caller's to lock while it reads them)."""
         nodes, node, now = [], self.root, next(self._clock)
-        for key, page in zip(self._keys(tokens), pages):
+        for key, page in zip(self._keys(tokens), pages, strict=False):
             child = node.children.get(key)
             if child is None:
                 child = node.children[key] = _Node(key, page, node)

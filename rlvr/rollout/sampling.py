@@ -4,25 +4,29 @@ Every row carries its own parameters, so one jitted decode step serves a batch o
 with different settings. A row's random number is `uniform(fold_in(key(seed), position))`:
 the same seed and prompt give the same tokens whatever else is in the batch.
 
-Semantics (`filter_reference`, the definition): logits / temperature, sorted descending (ties:
-lower id first); a token is kept while its rank < top_k, the probability mass strictly before
-it < top_p, and its probability >= min_p x the largest; the first is always kept. The token is
-the inverse CDF of the kept distribution at the row's uniform, in sorted order for filtered
-rows and in id order for unfiltered ones (top_k=-1, top_p=1, min_p=0). Temperature 0 is greedy
-(the lowest id among the largest logits).
+The distribution sampled from is `rlvr.kernels.chunked_logprob.sampling_logits` (softmax of
+logits / temperature over the kept set of top-k, top-p and min-p: a prefix of the tokens by
+probability, ties by id, `kept_prefix`), the one definition the trainer scores with too; the
+log-prob reported for each token (float32) is under that distribution, so the trainer's and the
+sampler's log-probs agree (`logprob_mismatch`) at any sampling settings. The token is the inverse
+CDF of that distribution at the row's uniform, in probability order for filtered rows and in id
+order for unfiltered ones (top_k=-1, top_p=1, min_p=0). Temperature 0 is greedy (the lowest id
+among the largest logits; log-prob 0).
 
-Cost (`sample`, what the engine runs): nothing sorts the vocabulary. Unfiltered rows take the
-inverse CDF over blocks of `BLOCK` ids (block masses, then one block), O(V). Filtered rows are
-resolved among the `CANDIDATES` largest logits (`lax.top_k`): since a kept set is a prefix of the
-sorted order, it lies inside the candidates exactly when the last candidate is dropped; when a
-row's kept set is larger (a wide nucleus), the batch falls back to the sorted reference
-(`lax.cond`), so the semantics never change. Log-probs are float32.
+Cost (`sample_tokens`, what the engine runs): nothing sorts the vocabulary. Unfiltered rows take
+the inverse CDF over blocks of `BLOCK` ids (block masses, then one block), O(V). Filtered rows are
+resolved among the `CANDIDATES` most likely tokens (`lax.top_k`): since a kept set is a prefix of
+the sorted order, it lies inside the candidates exactly when the last candidate is dropped; when a
+row's kept set is larger (a wide nucleus), the batch falls back to the sorted definition
+(`sample_reference`, through `lax.cond`), so the semantics never change.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from rlvr.kernels.chunked_logprob.reference import MIN_TEMPERATURE, kept_prefix, kept_tokens, sampling_logits
 
 CANDIDATES = 64
 BLOCK = 128
@@ -60,93 +64,86 @@ def inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
     return (block * BLOCK + jnp.minimum(offset, last_positive)).astype(jnp.int32)
 
 
-def keep_sorted(sorted_scaled: jax.Array, log_norm: jax.Array, top_k, top_p, min_p) -> jax.Array:
-    """Kept mask over logits sorted descending [B, N] (N = V or a candidate prefix), with
-    probabilities exp(x - log_norm) normalised over the whole vocabulary."""
-    probs = jnp.exp(sorted_scaled - log_norm[:, None])
-    rank = jax.lax.broadcasted_iota(jnp.int32, probs.shape, 1)
-    keep = rank < jnp.where(top_k > 0, top_k, probs.shape[1] + 1)[:, None]
-    keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
-    keep &= probs >= min_p[:, None] * probs[:, :1]
-    return keep | (rank == 0)
-
-
 def _scaled(logits, temperature):
-    return logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)[:, None]
+    return logits.astype(jnp.float32) / jnp.maximum(temperature, MIN_TEMPERATURE)[:, None]
 
 
-def _pick_sorted(sorted_scaled, sorted_ids, keep, u):
-    """(token, log-prob under the kept distribution) by inverse CDF in sorted order."""
-    kept = jnp.where(keep, sorted_scaled, -jnp.inf)
-    top = kept[:, :1]
-    index = inverse_cdf(jnp.exp(kept - top), u)
+def _pick_sorted(sorted_kept, sorted_ids, u):
+    """(token, log-prob under the kept distribution) by inverse CDF over logits sorted descending
+    [B, N], -inf outside the kept set."""
+    index = inverse_cdf(jnp.exp(sorted_kept - sorted_kept[:, :1]), u)
     token = jnp.take_along_axis(sorted_ids, index[:, None], -1)[:, 0]
-    logprob = jnp.take_along_axis(kept, index[:, None], -1)[:, 0] - jax.nn.logsumexp(kept, axis=-1)
+    logprob = jnp.take_along_axis(sorted_kept, index[:, None], -1)[:, 0] - jax.nn.logsumexp(sorted_kept, axis=-1)
     return token.astype(jnp.int32), logprob
 
 
-def _sorted_path(scaled, log_norm, top_k, top_p, min_p, u):
-    order = jnp.argsort(-scaled, axis=-1, stable=True)
-    sorted_scaled = jnp.take_along_axis(scaled, order, -1)
-    return _pick_sorted(sorted_scaled, order, keep_sorted(sorted_scaled, log_norm, top_k, top_p, min_p), u)
+def _sorted_path(logp, top_k, top_p, min_p, u):
+    """The definition, by a full sort: the kept set of `sampling_logits` (`kept_tokens` of the
+    tempered log-probs [B, V]), drawn in probability order."""
+    kept = jnp.where(kept_tokens(logp, top_k, top_p, min_p), logp, -jnp.inf)
+    order = jnp.argsort(-kept, axis=-1, stable=True)
+    return _pick_sorted(jnp.take_along_axis(kept, order, -1), order, u)
 
 
-def _candidate_path(scaled, log_norm, top_k, top_p, min_p, u, filtered):
-    values, ids = jax.lax.top_k(scaled, min(CANDIDATES, scaled.shape[-1]))
-    keep = keep_sorted(values, log_norm, top_k, top_p, min_p)
-    covered = ~keep[:, -1] | ~filtered | (values.shape[-1] == scaled.shape[-1])
-    token, logprob = _pick_sorted(values, ids, keep, u)
+def _candidate_path(logp, top_k, top_p, min_p, u, filtered):
+    values, ids = jax.lax.top_k(logp, min(CANDIDATES, logp.shape[-1]))  # ties: lower id first
+    keep = kept_prefix(jnp.exp(values), top_k, top_p, min_p)
+    covered = ~keep[:, -1] | ~filtered | (values.shape[-1] == logp.shape[-1])
+    token, logprob = _pick_sorted(jnp.where(keep, values, -jnp.inf), ids, u)
 
     def with_fallback(_):
-        slow_token, slow_logprob = _sorted_path(scaled, log_norm, top_k, top_p, min_p, u)
+        slow_token, slow_logprob = _sorted_path(logp, top_k, top_p, min_p, u)
         return jnp.where(covered, token, slow_token), jnp.where(covered, logprob, slow_logprob)
 
     return jax.lax.cond(jnp.all(covered), lambda _: (token, logprob), with_fallback, None)
 
 
-def sample(logits: jax.Array, temperature, top_k, top_p, min_p, seeds, positions, filters: bool = True):
-    """(tokens [B] int32, log-prob of each token under the distribution it was sampled from
-    [B] float32; 0 for greedy rows) from logits [B, V] (entries of -inf are never drawn).
-    `filters=False` (static) compiles without the top-k/top-p/min-p paths: only for batches whose
-    rows all have top_k=-1, top_p=1, min_p=0 (half the compile time of the decode step)."""
-    scaled = _scaled(logits, temperature)
-    log_norm = jax.nn.logsumexp(scaled, axis=-1)
+def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                  min_p: jax.Array, seeds: jax.Array, positions: jax.Array,
+                  filters: bool = True) -> tuple[jax.Array, jax.Array]:
+    """(tokens [B] int32, their log-probs [B] float32 under the distribution sampled from; 0 for
+    greedy rows) from logits [B, V] (entries of -inf are never drawn). `filters=False` (static)
+    compiles without the top-k/top-p/min-p paths: only for batches whose rows all have top_k=-1,
+    top_p=1, min_p=0 (half the compile time of the decode step)."""
+    logp = jax.nn.log_softmax(_scaled(logits, temperature), axis=-1)
     u = uniforms(seeds, positions)
-    token = inverse_cdf(jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), u)
-    logprob = jnp.take_along_axis(scaled, token[:, None], -1)[:, 0] - log_norm
+    token = inverse_cdf(jnp.exp(logp), u)
+    logprob = jnp.take_along_axis(logp, token[:, None], -1)[:, 0]
     if filters:
         filtered = (top_k > 0) | (top_p < 1.0) | (min_p > 0.0)
         token, logprob = jax.lax.cond(
             jnp.any(filtered),
-            lambda: tuple(jnp.where(filtered, a, b) for a, b in
-                          zip(_candidate_path(scaled, log_norm, top_k, top_p, min_p, u, filtered), (token, logprob),
-                              strict=True)),
+            lambda: tuple(jnp.where(filtered, a, b) for a, b in zip(
+                _candidate_path(logp, top_k, top_p, min_p, u, filtered), (token, logprob),
+                strict=True)),
             lambda: (token, logprob))
     greedy = temperature <= 0.0
     token = jax.lax.cond(jnp.any(greedy), lambda: jnp.where(greedy, first_argmax(logits), token), lambda: token)
     return token, jnp.where(greedy, 0.0, logprob)
 
 
+def policy_logprob(logits: jax.Array, tokens: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                   top_p: jax.Array, min_p: jax.Array, filters: bool = True) -> jax.Array:
+    """log-probs [B] of `tokens` [B] under each row's distribution of `logits` [B, V] as the
+    trainer scores a sampled token (`sampling_logits`, the token always kept): for rows that drew
+    from other logits (penalties, a grammar mask). `filters`: as in `sample_tokens` (without it,
+    top-k/top-p/min-p are taken to be off; the sort only runs with it)."""
+    keep = None
+    if filters:
+        keep = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1) == tokens[:, None]
+    settings = (top_k, top_p, min_p) if filters else ()
+    logp = jax.nn.log_softmax(sampling_logits(logits, temperature, *settings, keep=keep), axis=-1)
+    return jnp.take_along_axis(logp, tokens[:, None], -1)[:, 0]
+
+
 def sample_reference(logits: jax.Array, temperature, top_k, top_p, min_p, seeds, positions):
-    """`sample` with every filtered row through the full sort: the definition tests compare to."""
-    scaled = _scaled(logits, temperature)
-    log_norm = jax.nn.logsumexp(scaled, axis=-1)
+    """`sample_tokens` with every filtered row through the full sort: the definition tests compare to."""
+    logp = jax.nn.log_softmax(_scaled(logits, temperature), axis=-1)
     u = uniforms(seeds, positions)
-    token, logprob = _sorted_path(scaled, log_norm, top_k, top_p, min_p, u)
-    plain = inverse_cdf(jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), u)
-    plain_logprob = jnp.take_along_axis(scaled, plain[:, None], -1)[:, 0] - log_norm
+    token, logprob = _sorted_path(logp, top_k, top_p, min_p, u)
+    plain = inverse_cdf(jnp.exp(logp), u)
     filtered = (top_k > 0) | (top_p < 1.0) | (min_p > 0.0)
-    token, logprob = jnp.where(filtered, token, plain), jnp.where(filtered, logprob, plain_logprob)
+    token = jnp.where(filtered, token, plain)
+    logprob = jnp.where(filtered, logprob, jnp.take_along_axis(logp, plain[:, None], -1)[:, 0])
     greedy = temperature <= 0.0
     return jnp.where(greedy, jnp.argmax(logits, axis=-1), token).astype(jnp.int32), jnp.where(greedy, 0.0, logprob)
-
-
-def filter_reference(logits: jax.Array, temperature, top_k, top_p, min_p) -> jax.Array:
-    """The sampled-from log-probabilities [B, V] (-inf outside the kept set), by a full sort."""
-    scaled = _scaled(logits, temperature)
-    log_norm = jax.nn.logsumexp(scaled, axis=-1)
-    order = jnp.argsort(-scaled, axis=-1, stable=True)
-    sorted_scaled = jnp.take_along_axis(scaled, order, -1)
-    keep_in_order = keep_sorted(sorted_scaled, log_norm, top_k, top_p, min_p)
-    keep = jnp.zeros_like(keep_in_order).at[jnp.arange(scaled.shape[0])[:, None], order].set(keep_in_order)
-    return jax.nn.log_softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)

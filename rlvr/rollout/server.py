@@ -411,7 +411,7 @@ class RolloutApp:
 
     def server_info(self, raw: bytes, cancelled: Any) -> Reply:
         state = {**self.driver.load(), "weight_version": self.label(self.driver.weight_version),
-                 "paused": self.driver.paused}
+                 "paused": self.driver.paused, "engine_metrics": self.driver.metrics()}
         return Reply(200, {"host": self.address[0], "port": self.address[1], "model_path": self.model_path,
                            "served_model_name": self.model_name, "context_length": self.limits.context_length,
                            "vocab_size": self.limits.vocab_size, "engine": "rlvr", "version": "rlvr-0.1.0",

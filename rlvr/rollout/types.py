@@ -114,9 +114,11 @@ def _items(pairs: TopLogprobs | None) -> list[list[Any]] | None:
 
 @dataclasses.dataclass
 class Completion:
-    """A finished (or aborted) sequence. `output_logprobs[i]` is log π(output_ids[i]) under
-    the raw policy (temperature 1, no top-p/k), i.e. exactly what the trainer computes;
-    `output_versions[i]` is the weight version that produced token i (partial rollouts)."""
+    """A finished (or aborted) sequence. `output_logprobs[i]` is the log-prob of output_ids[i]
+    under the distribution it was sampled from (the policy at the request's temperature, top-k,
+    top-p and min-p; `rlvr.kernels.chunked_logprob.sampling_logits`), which is what the trainer
+    scores with the same settings; `output_versions[i]` is the weight version that produced
+    token i (partial rollouts)."""
 
     rid: str
     prompt_ids: list[int]

@@ -36,12 +36,12 @@ def measure_matmul_peak(dtype: str = "float32", size: int = 1024, repeats: int =
 
     On CPU one matmul uses all cores, so this is the whole machine's figure; on
     accelerators it is per device."""
-    return 2 * size**3 / _best_time(jax.jit(lambda x: x @ x), jnp.ones((size, size), dtype), repeats, median)
+    return 2 * size**3 / _call_time(jax.jit(lambda x: x @ x), jnp.ones((size, size), dtype), repeats, median)
 
 
-def _best_time(fn, arg, repeats: int, median: bool = False) -> float:
-    """Fastest (or with `median`, the median) of `repeats` calls of jitted `fn(arg)` after a warm-up
-    call (seconds)."""
+def _call_time(fn, arg, repeats: int, median: bool = False) -> float:
+    """Seconds of one call of jitted `fn(arg)` after a warm-up call: the fastest of `repeats`, or
+    their median."""
     fn(arg).block_until_ready()
     times = []
     for _ in range(repeats):
@@ -80,7 +80,8 @@ def decode_bytes_per_token(cfg: ModelConfig, context: int, batch: int, kv_dtype:
     return context * kv_bytes_per_token(cfg, kv_dtype) + weights / max(batch, 1)
 
 
-def measure_memory_bandwidth(megabytes: int = 256, repeats: int = 10) -> float:
-    """Bytes/s of a streaming read (a sum over a resident float32 array), best of `repeats`."""
+def measure_memory_bandwidth(megabytes: int = 256, repeats: int = 10, median: bool = False) -> float:
+    """Bytes/s of a streaming read (a sum over a resident float32 array): best of `repeats`, or
+    their median."""
     x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
-    return x.nbytes / _best_time(jax.jit(jnp.sum), x, repeats)
+    return x.nbytes / _call_time(jax.jit(jnp.sum), x, repeats, median)

@@ -38,7 +38,7 @@ from rlvr.envs.sandboxes import pool_counters
 from rlvr.launch.ray_workers import make_verifier_workers
 from rlvr.rl import backends
 from rlvr.rl.batching import build_batch
-from rlvr.rl.objective import token_means
+from rlvr.rl.objective import sampling_of, token_means
 from rlvr.rl.producer import Producer, ProducerSettings, ScoredBatch, load_moments, passed
 from rlvr.rl.replay import ReplayBuffer
 from rlvr.rl.update import PolicyUpdate, reference_logprobs_fn
@@ -178,6 +178,8 @@ def _eval_point(step: int, result: dict[str, Any]) -> list:
 def rollout_metrics(batch: ScoredBatch, version: int) -> dict[str, float]:
     """Reward (total and components), pass rates, lengths and staleness of one batch."""
     samples = batch.samples
+    if not samples:  # every sample was an infrastructure failure: nothing was trained on
+        return {"reward": float("nan"), "samples": 0.0, "failures": float(len(batch.failures)), **batch.stats}
     out: dict[str, float] = {}
     for key in sorted({k for s in samples for k in s.rewards}):  # components present in each family's samples
         out[f"reward/{key}" if key != "reward" else "reward"] = float(np.mean(
@@ -192,6 +194,7 @@ def rollout_metrics(batch: ScoredBatch, version: int) -> dict[str, float]:
     out["pass_at_group"] = float(np.mean([max(g) for g in by_group.values()]))
     out["samples"] = float(len(samples))
     out["response_length"] = float(np.mean([len(s.output_ids) for s in samples]))
+    out["prompt_length"] = float(np.mean([len(s.prompt_ids) for s in samples]))
     out["truncated_fraction"] = float(np.mean([s.truncated for s in samples]))
     oldest = [min(s.versions) if s.versions else version for s in samples]
     out["staleness_mean"] = float(np.mean([version - v for v in oldest]))
@@ -410,7 +413,8 @@ def build_producer(run: Run, ref_params) -> Producer:
         load_moments(reward_model, producer_state.get("reward_model_moments"))
     ref_fn = None
     if rl.kl_mode == "reward" and ref_params is not None:
-        ref_fn = reference_logprobs_fn(run.model.cfg, ref_params, rl.seq_len, run.tokenizer.pad_id)
+        ref_fn = reference_logprobs_fn(run.model.cfg, ref_params, rl.seq_len, run.tokenizer.pad_id, sampling_of(rl),
+                                       config.train.logprob_chunk_size)
     if rl.curriculum:
         run.curriculum = Curriculum(run.tasks.levels(), mixture=run.tasks.weights,
                                     band=(rl.curriculum_band_low, rl.curriculum_band_high), floor=rl.curriculum_floor,
@@ -468,7 +472,7 @@ def run_steps(run: Run) -> int | None:
             run.log_samples(done, batch, record)
             if done % config.train.log_every == 0 or done == num_steps or done == run.start + 1:
                 progress.update(done, {"reward": record["reward"], "acc": run.evals[-1][1],
-                                       "stale": record["staleness_max"]})
+                                       "stale": record.get("staleness_max", 0.0)})
             if done % config.checkpoint.every_steps == 0 or done == num_steps:
                 if done == num_steps:
                     run.evaluate(done, "after")
