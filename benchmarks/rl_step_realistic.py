@@ -43,10 +43,11 @@ TASKS = "rg/gsm_symbolic,rg/knights_knaves,rg/basic_arithmetic,rg/string_manipul
 PROMPTS, GROUP, NEW_TOKENS, SEQ_LEN = 4, 8, 128, 1024
 
 
-def bench_config(tokenizer_dir: str, num_steps: int):
+def bench_config(tokenizer_dir: str, num_steps: int, model_json: str = ""):
     c = config_lib.base_config()
     c.job = "rl"
-    c.model = config_lib.model_config_dict(preset="bench_32k")
+    c.model = (config_lib.model_config_dict(**json.loads(model_json)) if model_json
+               else config_lib.model_config_dict(preset="bench_32k"))
     c.tokenizer.path = tokenizer_dir
     rl = c.rl
     rl.task, rl.prompt_format = TASKS, "chat"
@@ -69,46 +70,53 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1, help="steps skipped (compiles)")
     parser.add_argument("--steps", type=int, default=2, help="measured steps")
     parser.add_argument("--tokenizer_dir", default=os.path.join(tempfile.gettempdir(), "rlvr_bench_bpe32k"))
+    parser.add_argument("--model_json", default="", help="the model's fields (for a tree without bench_32k)")
+    parser.add_argument("--timing_only", action="store_true",
+                        help="no roofline (to time another tree's trainer with PYTHONPATH=that tree)")
     args = parser.parse_args()
     t0 = time.perf_counter()
     tokenizer_dir = chat_bpe_tokenizer(args.tokenizer_dir)
-    peaks = [machine_peaks()]
-    config = bench_config(tokenizer_dir, args.warmup + args.steps)
+    peaks = [] if args.timing_only else [machine_peaks()]
+    config = bench_config(tokenizer_dir, args.warmup + args.steps, args.model_json)
     with tempfile.TemporaryDirectory(prefix="rl_step_realistic_") as workdir:
         with contextlib.redirect_stdout(sys.stderr):
             rl_trainer.train(config, workdir)
         with open(os.path.join(workdir, "metrics.jsonl")) as f:
             records = [json.loads(line) for line in f if '"step_s"' in line]
-    peaks.append(machine_peaks())
     timed = records[args.warmup:]
     med = lambda key: statistics.median(r[key] for r in timed)  # noqa: E731
     generate_s = statistics.median(r["generate_s"] - r.get("verify_s", 0.0) for r in timed)
-    samples, prompt_len, response_len = med("samples"), med("prompt_length"), med("response_length")
-    generated = samples * response_len
+    samples, response_len = med("samples"), med("response_length")
+    timing = {
+        "step_s": round(med("step_s"), 3),
+        "breakdown_median_s": {"generate": round(generate_s, 3), "verify": round(med("verify_s"), 4),
+                               "train": round(med("train_s"), 3), "sync": round(med("sync_s"), 4)},
+        "warmup_step_s": [round(r["step_s"], 2) for r in records[:args.warmup]],
+        "step_s_all": [round(r["step_s"], 3) for r in records], "response_length_mean": round(response_len, 1),
+        "generated_tokens_per_step": int(samples * response_len),
+        "generated_tokens_per_s": round(samples * response_len / generate_s, 1)}
+    if args.timing_only:
+        emit({"benchmark": "rl_step_realistic", **timing, "total_runtime_s": round(time.perf_counter() - t0, 1)})
+        return
+    peaks.append(machine_peaks())
+    prompt_len = med("prompt_length")
     cfg = ModelConfig.from_mapping(config.model)
     prompts = [[g] * int(prompt_len) for g in range(PROMPTS) for _ in range(GROUP)]  # groups share a prompt
     best = {k: max(p[k] for p in peaks) for k in peaks[0]}
     typical = {k: statistics.median(p[k] for p in peaks) for k in peaks[0]}
     roofline = decode_roofline(cfg, prompts, [int(response_len)] * len(prompts), PROMPTS * GROUP, typical)
-    tokens_per_s = generated / generate_s
     emit({
         "benchmark": "rl_step_realistic", "devices": str(jax.devices()[0]), "cpu_count": os.cpu_count(),
         "model": "bench_32k preset (6 layers, d512, GQA 8:2, tied vocab 32768, 34.9M params, fp32, random init)",
         "tokenizer": "byte-level BPE, 32768 ids, ChatML template (common.chat_bpe_tokenizer)",
         "workload": f"{PROMPTS} chat prompts ({TASKS}) x group {GROUP}, {NEW_TOKENS} new tokens, packed "
                     f"{SEQ_LEN}-token train rows, 1 AdamW update/step, sync",
-        "warmup_steps": args.warmup, "measured_steps": args.steps,
-        "step_s": round(med("step_s"), 3),
-        "breakdown_median_s": {"generate": round(generate_s, 3), "verify": round(med("verify_s"), 4),
-                               "train": round(med("train_s"), 3), "sync": round(med("sync_s"), 4)},
-        "warmup_step_s": [round(r["step_s"], 2) for r in records[:args.warmup]],
-        "step_s_all": [round(r["step_s"], 3) for r in records],
-        "prompt_length_mean": round(prompt_len, 1), "response_length_mean": round(response_len, 1),
-        "generated_tokens_per_step": int(generated), "generated_tokens_per_s": round(tokens_per_s, 1),
+        "warmup_steps": args.warmup, "measured_steps": args.steps, **timing,
+        "prompt_length_mean": round(prompt_len, 1),
         "machine_peaks_median": {k: round(v, 1) for k, v in typical.items()},
         "machine_peaks_best": {k: round(v, 1) for k, v in best.items()},
         "generation_roofline": roofline,
-        "generation_vs_roofline": round(tokens_per_s / roofline["tokens_per_s"], 4),
+        "generation_vs_roofline": round(timing["generated_tokens_per_s"] / roofline["tokens_per_s"], 4),
         "total_runtime_s": round(time.perf_counter() - t0, 1),
     })
 

@@ -191,20 +191,20 @@ def first_calls(args) -> dict:
             "calls": calls, "engine_metrics": _engine_metrics(engine)}
 
 
-SYSTEM_LEN, CHAT_PROMPTS, GROUP, SLOTS = 64, 16, 8, 64
+SYSTEM_LEN, GROUP, SLOTS = 64, 8, 64
 IM_START, IM_END, EOS, ASSISTANT = 32000, 32001, 32002, 32003  # ids standing in for ChatML specials
 
 
-def chat_workload(seed: int = 0) -> tuple[list[list[int]], list[int]]:
-    """(prompts, max_new_tokens) of one RL step: CHAT_PROMPTS prompts x GROUP samples."""
+def chat_workload(chat_prompts: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """(prompts, max_new_tokens) of one RL step: `chat_prompts` prompts x GROUP samples."""
     rng = np.random.default_rng(seed)
     system = [IM_START, 9125, *rng.integers(100, 32000, SYSTEM_LEN - 4).tolist(), IM_END, 198]
     prompts = []
-    for _ in range(CHAT_PROMPTS):
+    for _ in range(chat_prompts):
         total = int(math.exp(rng.uniform(math.log(100), math.log(1000))))
         user = rng.integers(100, 32000, total - len(system) - 6).tolist()
         prompts.append(system + [IM_START, 882, *user, IM_END, IM_START, ASSISTANT])
-    max_new = rng.integers(128, 513, CHAT_PROMPTS * GROUP).tolist()
+    max_new = rng.integers(128, 513, chat_prompts * GROUP).tolist()
     return prompts, max_new
 
 
@@ -215,24 +215,27 @@ def _chat_requests(prompts, max_new, groups: range, prefix: str) -> list[Request
             for i in groups for j in range(GROUP)]
 
 
-def realistic(args) -> dict:
-    cfg = ModelConfig(**PRESETS["bench_32k"])
+def realistic_timing(args) -> dict:
+    """The realistic rollout timed, nothing else (no roofline): it runs on older versions of the
+    engine too (PYTHONPATH=another tree), with `--model_json` giving the model's fields (a preset
+    older trees lack); `--modes` picks the timed calls (continuous, static: ABBA order over
+    `--realistic_rounds` rounds)."""
+    cfg = ModelConfig(**(json.loads(args.model_json) if args.model_json else PRESETS["bench_32k"]))
     params = _params(cfg)
-    prompts, max_new = chat_workload()
+    prompts, max_new = chat_workload(args.chat_prompts)
     engine = Engine(cfg, params, max_slots=SLOTS, max_len=1536, page_size=16, decode_steps=args.decode_steps,
                     prefill_rows=4, prefill_chunk=256)
-    peaks = [machine_peaks()]
-    outputs = {}
+    groups, outputs = range(args.chat_prompts), {}
 
     def continuous():
-        outs = engine.generate(_chat_requests(prompts, max_new, range(CHAT_PROMPTS), "c"))
-        outputs["continuous"] = outs
-        return sum(len(c.output_ids) for c in outs)
+        outputs["continuous"] = engine.generate(_chat_requests(prompts, max_new, groups, "c"))
+        return sum(len(c.output_ids) for c in outputs["continuous"])
 
-    def static():
-        half = CHAT_PROMPTS // 2
-        outs = engine.generate(_chat_requests(prompts, max_new, range(half), "s"))
-        outs += engine.generate(_chat_requests(prompts, max_new, range(half, CHAT_PROMPTS), "s"))
+    def static():  # batches of SLOTS requests, each waiting for its longest
+        per_batch, outs = SLOTS // GROUP, []
+        for start in range(0, args.chat_prompts, per_batch):
+            chunk = range(start, min(start + per_batch, args.chat_prompts))
+            outs += engine.generate(_chat_requests(prompts, max_new, chunk, "s"))
         return sum(len(c.output_ids) for c in outs)
 
     def timed(fn):
@@ -241,35 +244,49 @@ def realistic(args) -> dict:
         tokens = fn()
         return tokens, time.perf_counter() - t0
 
-    first_tokens, first_s = timed(continuous)
-    runs = {"continuous": [], "static": []}
+    modes = {"continuous": continuous, "static": static}
+    names = args.modes.split(",")
+    first_tokens, first_s = timed(modes[names[0]])
+    runs = {name: [] for name in names}
     for r in range(args.realistic_rounds):
-        for name in ("static", "continuous") if r % 2 == 0 else ("continuous", "static"):
-            runs[name].append(timed(continuous if name == "continuous" else static))
-        peaks.append(machine_peaks())
-    best = {k: max(p[k] for p in peaks) for k in peaks[0]}
-    outs = outputs["continuous"]
-    roofline = decode_roofline(cfg, [c.prompt_ids for c in outs], [len(c.output_ids) for c in outs], SLOTS, best)
-    result = {name: {"tokens_per_s": round(statistics.median(t / s for t, s in rs), 1),
-                     "median_s": round(statistics.median(s for _, s in rs), 3),
-                     "tokens": rs[-1][0]} for name, rs in runs.items()}
+        for name in names if r % 2 == 0 else names[::-1]:
+            runs[name].append(timed(modes[name]))
+    outs = outputs.get("continuous", [])
     finish = [c.finish_reason["type"] for c in outs]
     return {
-        "model": "bench_32k preset (6 layers, d512, GQA 8:2, tied vocab 32768, 34.9M params, fp32)",
-        "workload": f"{CHAT_PROMPTS} chat prompts (shared {SYSTEM_LEN}-token system prompt, 100-1000 tokens) x "
-                    f"group {GROUP} on {SLOTS} slots, max_new_tokens uniform [128, 512], temperature 1",
+        "workload": f"{args.chat_prompts} chat prompts (shared {SYSTEM_LEN}-token system prompt, 100-1000 tokens) "
+                    f"x group {GROUP} on {SLOTS} slots, max_new_tokens uniform [128, 512], temperature 1",
         "prompt_tokens_mean": round(statistics.mean(len(p) for p in prompts), 1),
-        "output_tokens_mean": round(statistics.mean(len(c.output_ids) for c in outs), 1),
+        "output_lengths": [len(c.output_ids) for c in outs],
         "finish_reasons": {k: finish.count(k) for k in sorted(set(finish))},
-        "decode_steps_per_call": args.decode_steps,
-        "first_call_incl_compile_s": round(first_s, 2),
-        "continuous": result["continuous"], "static": result["static"],
-        "continuous_vs_static": round(result["continuous"]["tokens_per_s"] / result["static"]["tokens_per_s"], 3),
-        "machine_peaks_best": {k: round(v, 1) for k, v in best.items()},
-        "roofline": roofline,
-        "vs_roofline": round(result["continuous"]["tokens_per_s"] / roofline["tokens_per_s"], 3),
+        "decode_steps_per_call": args.decode_steps, "first_call_incl_compile_s": round(first_s, 2),
+        **{name: {"tokens_per_s": round(statistics.median(t / s for t, s in rs), 1),
+                  "median_s": round(statistics.median(s for _, s in rs), 3),
+                  "all_s": [round(s, 2) for _, s in rs], "tokens": rs[-1][0]} for name, rs in runs.items()},
         "compile_counts": _compile_counts(), "engine_metrics": _engine_metrics(engine),
     }
+
+
+def realistic(args) -> dict:
+    """`realistic_timing` with the roofline of the same model and workload, measured before and
+    after the timed calls (best of the two)."""
+    cfg = ModelConfig(**PRESETS["bench_32k"])
+    peaks = [machine_peaks()]
+    result = realistic_timing(args)
+    peaks.append(machine_peaks())
+    best = {k: max(p[k] for p in peaks) for k in peaks[0]}
+    prompts, _ = chat_workload(args.chat_prompts)
+    lengths = result.pop("output_lengths")
+    roofline = decode_roofline(cfg, [p for p in prompts for _ in range(GROUP)], lengths, SLOTS, best)
+    result.update({
+        "model": "bench_32k preset (6 layers, d512, GQA 8:2, tied vocab 32768, 34.9M params, fp32)",
+        "output_tokens_mean": round(statistics.mean(lengths), 1),
+        "machine_peaks_best": {k: round(v, 1) for k, v in best.items()},
+        "roofline": roofline, "vs_roofline": round(result["continuous"]["tokens_per_s"] / roofline["tokens_per_s"], 3)})
+    if "static" in result:
+        result["continuous_vs_static"] = round(result["continuous"]["tokens_per_s"] / result["static"]["tokens_per_s"],
+                                               3)
+    return result
 
 
 EXTRA_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "city", "age", "tags", "ok"],
@@ -378,10 +395,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--realistic_rounds", type=int, default=2, help="ABBA rounds of static/continuous")
     parser.add_argument("--decode_steps", type=int, default=16)
+    parser.add_argument("--chat_prompts", type=int, default=16, help="realistic: prompts (x groups of 8)")
+    parser.add_argument("--modes", default="continuous,static", help="realistic: timed calls")
+    parser.add_argument("--model_json", default="", help="realistic_timing: the model's ModelConfig fields")
     args = parser.parse_args()
     record = {"benchmark": "rollout", "devices": str(jax.devices()[0]), "jax": jax.__version__}
     sections = {"fixed": fixed, "realistic": realistic, "sampler": sampler, "first_calls": first_calls,
-                "extras": extras}
+                "realistic_timing": realistic_timing, "extras": extras}
     for name in args.only.split(","):
         record[name] = sections[name](args)
     emit(record)

@@ -4,10 +4,11 @@
 
 Needs Tunix in its own venv (ignored by git): `python3 -m venv .venv-tunix &&
 .venv-tunix/bin/pip install google-tunix` (~12 min). Runs the peer's `bench_tunix.py --only sampler`
-(../shared/peers/tunix, its own process: 2 warm-up + 7 timed calls, its median) and our
+(benchmarks/peers/, its own process: 2 warm-up + 7 timed calls, its median) and our
 `benchmarks/rollout.py --only sampler` (the same model, prompts and call counts) alternately in
 ABBA order, `--rounds` pairs, and prints one JSON line: both medians, each run's figure, and the
-speed-up (median of ours over median of theirs, and per adjacent pair). This machine's speed
+speed-up (median of ours over median of theirs, and per adjacent pair), and the roofline of the
+same model and workload (`common.decode_roofline`, peaks measured between the pairs). This machine's speed
 drifts by up to 2x over minutes: only such same-window ratios mean anything.
 """
 
@@ -22,10 +23,11 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# The peer directory beside the checkout (../shared/peers/tunix from the repository root; one level
-# further up from a worktree under wt/).
-PEER = next((p for p in (os.path.join(HERE, *[".."] * up, "shared", "peers", "tunix", "bench_tunix.py")
-                         for up in (2, 3)) if os.path.exists(p)), "bench_tunix.py")
+PEER = os.path.join(HERE, "peers", "bench_tunix.py")  # a copy of ../shared/peers/tunix/bench_tunix.py
+sys.path.insert(0, HERE)
+from common import decode_roofline, machine_peaks  # noqa: E402
+
+from rlvr.models.config import PRESETS, ModelConfig  # noqa: E402
 
 
 def _last_json(cmd: list[str]) -> dict:
@@ -49,7 +51,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--decode_steps", type=int, default=16)
     args = parser.parse_args()
-    theirs, mine, pairs, order = [], [], [], []
+    theirs, mine, pairs, order, peaks = [], [], [], [], [machine_peaks()]
     t0 = time.perf_counter()
     for r in range(args.rounds):
         pair = {}
@@ -63,6 +65,10 @@ def main() -> None:
                 mine.append(result)
             order.append(who)
         pairs.append(round(pair["ours"] / pair["tunix"], 3))
+        peaks.append(machine_peaks())
+    best = {k: max(p[k] for p in peaks) for k in peaks[0]}
+    # the workload's shape (the roofline does not depend on the token values): 32 distinct 64-token prompts
+    roofline = decode_roofline(ModelConfig(**PRESETS["bench"]), [[i] * 64 for i in range(32)], [64] * 32, 32, best)
     ours_median = statistics.median(m["tokens_per_s"] for m in mine)
     print(json.dumps({
         "benchmark": "rollout_vs_tunix", "workload": "32 prompts x 64 tokens -> 64 new tokens, temperature 1, "
@@ -70,6 +76,9 @@ def main() -> None:
         "order": order, "tunix_tokens_per_s": theirs, "ours_tokens_per_s": [m["tokens_per_s"] for m in mine],
         "ours_runs": mine, "tunix_median": round(statistics.median(theirs), 1), "ours_median": round(ours_median, 1),
         "speedup_vs_tunix": round(ours_median / statistics.median(theirs), 3), "speedup_per_pair": pairs,
+        "machine_peaks_best": {k: round(v, 1) for k, v in best.items()}, "roofline": roofline,
+        "ours_vs_roofline": round(ours_median / roofline["tokens_per_s"], 3),
+        "tunix_vs_roofline": round(statistics.median(theirs) / roofline["tokens_per_s"], 3),
         "decode_steps": args.decode_steps, "wall_s": round(time.perf_counter() - t0, 1),
     }, sort_keys=True))
 
