@@ -29,7 +29,7 @@ setup(
     python_requires=">=3.10",
     packages=PACKAGES,
     package_dir=PACKAGE_DIR,
-    package_data={"rlvr.envs": ["humaneval_bugs.jsonl"]},
+    package_data={"rlvr.envs": ["humaneval_bugs.jsonl"], "rlvr.explore": ["static/*"]},
     install_requires=[
         "jax>=0.10",
         "flax>=0.12",
@@ -62,5 +62,7 @@ setup(
         # (sglang.lang) imports; sglang itself is installed with --no-deps by `make test` (its
         # dependencies are SGLang's CUDA runtime, which the frontend never imports).
         "clients": ["openai>=1.40", "msgspec", "pybase64", "ipython", "aiohttp", "requests", "tqdm"],
+        # the run explorer's browser tests drive Debian's chromium + chromium-driver (Makefile: install-test)
+        "browser": ["selenium>=4.20"],
     },
 )
