@@ -62,6 +62,8 @@ setup(
         # (sglang.lang) imports; sglang itself is installed with --no-deps by `make test` (its
         # dependencies are SGLang's CUDA runtime, which the frontend never imports).
         "clients": ["openai>=1.40", "msgspec", "pybase64", "ipython", "aiohttp", "requests", "tqdm"],
+        # the finance domain kit's PDF path (rlvr.domains.finance): a PDF writer and a table extractor
+        "docs": ["reportlab>=4", "pdfplumber>=0.11"],
         # the run explorer's browser tests drive Debian's chromium + chromium-driver (Makefile: install-test)
         "browser": ["selenium>=4.20"],
     },
