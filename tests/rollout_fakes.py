@@ -4,6 +4,10 @@ Output token i of a request is `(sum(prompt) + i + seed) % vocab_size` (seed 0 u
 `sampling_seed` is set) with logprob `-0.1 * i`, unless `output_fn(prompt_ids)` scripts the
 tokens (then eos follows them). Each `step()` decodes `tokens_per_step` tokens for every running
 request after sleeping `step_delay` seconds, so tests can watch streaming, pauses and aborts.
+Extra log-probs are scripted too: prompt token p (p >= 1) has logprob `-0.01 * p` (p = 0: None);
+the k "top" alternatives at a position whose token is t are `(t + j) % vocab` with logprob
+`lp - 0.5 * j`; a requested id t has logprob `-1 - 0.001 * t`. Retract, memory release and
+resume follow SGLang's rules (see the methods).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ class _Seq:
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
     output_versions: list[int] = dataclasses.field(default_factory=list)
     cached_tokens: int = 0
+    retractions: int = 0
 
 
 class FakeEngine:
@@ -43,6 +48,7 @@ class FakeEngine:
         self.paused = False
         self.fail_next_step: Exception | None = None
         self.weight_paths: list[str] = []
+        self.released: set[str] = set()
         self.steps = 0
         self._waiting: list[_Seq] = []
         self._running: dict[str, _Seq] = {}
@@ -101,11 +107,29 @@ class FakeEngine:
             return {"type": "length", "length": sp.max_new_tokens}
         return None
 
+    def _top(self, token: int, logprob: float, k: int) -> list[tuple[float, int]]:
+        return [(logprob - 0.5 * j, (token + j) % self.vocab_size) for j in range(k)]
+
     def _complete(self, seq: _Seq, reason: dict[str, Any]) -> Completion:
-        return Completion(rid=seq.request.rid, prompt_ids=list(seq.request.input_ids),
-                          output_ids=list(seq.output_ids), output_logprobs=list(seq.output_logprobs),
-                          output_versions=list(seq.output_versions), finish_reason=reason,
-                          cached_tokens=seq.cached_tokens, weight_version=self.weight_version)
+        r, prompt = seq.request, list(seq.request.input_ids)
+        c = Completion(rid=r.rid, prompt_ids=prompt, output_ids=list(seq.output_ids),
+                       output_logprobs=list(seq.output_logprobs), output_versions=list(seq.output_versions),
+                       finish_reason=reason, cached_tokens=seq.cached_tokens, weight_version=self.weight_version)
+        start = r.logprob_start_len
+        positions = range(start, len(prompt)) if start >= 0 else range(0)
+        prompt_lps = [None if p == start else -0.01 * p for p in positions]
+        if start >= 0:
+            c.input_logprobs = prompt_lps
+        if r.top_logprobs_num:
+            c.input_top_logprobs = [None if lp is None else self._top(prompt[p], lp, r.top_logprobs_num)
+                                    for p, lp in zip(positions, prompt_lps, strict=True)]
+            c.output_top_logprobs = [self._top(t, lp, r.top_logprobs_num)
+                                     for t, lp in zip(seq.output_ids, seq.output_logprobs, strict=True)]
+        if r.token_ids_logprob:
+            ids = [(-1 - 0.001 * t, t) for t in r.token_ids_logprob]
+            c.input_token_ids_logprobs = [None if p == start else list(ids) for p in positions]
+            c.output_token_ids_logprobs = [list(ids) for _ in seq.output_ids]
+        return c
 
     def step(self) -> list[Completion]:
         self.steps += 1
@@ -113,7 +137,7 @@ class FakeEngine:
             error, self.fail_next_step = self.fail_next_step, None
             raise error
         done, self._finished = self._finished, []
-        if self.paused:
+        if self.paused or self.released:
             return done
         if self.step_delay:
             time.sleep(self.step_delay)
@@ -152,9 +176,15 @@ class FakeEngine:
     # --- control --------------------------------------------------------------------------
 
     def pause(self, mode: str = "in_place") -> int:
+        """"retract" puts running requests back at the head of the queue, output kept."""
         count = len(self._running) + len(self._waiting)
         if mode == "abort":
             self.abort_all()
+        elif mode == "retract":
+            for seq in self._running.values():
+                seq.retractions += 1
+            self._waiting[:0] = list(self._running.values())
+            self._running.clear()
         elif mode != "in_place":
             raise ValueError(f"pause mode {mode!r}")
         self.paused = True
@@ -173,9 +203,20 @@ class FakeEngine:
         self.weight_version = int(version)
 
     def flush_cache(self) -> None:
-        if self._running or self._waiting:
+        """SGLang's rule: nothing running, and nothing queued unless paused (queued ones recompute)."""
+        if self._running or (self._waiting and not self.paused):
             raise RuntimeError("cannot flush the cache while requests are running")
         self._seen_prompts.clear()
+
+    def release_memory(self, tags: list[str]) -> None:
+        if self._running or (self._waiting and not self.paused):
+            raise RuntimeError("release_memory_occupation needs an idle engine (pause with 'retract' or 'abort')")
+        if "kv_cache" in tags:
+            self._seen_prompts.clear()
+        self.released |= set(tags)
+
+    def resume_memory(self, tags: list[str]) -> None:
+        self.released -= set(tags)
 
     def has_work(self) -> bool:
         return bool(self._waiting or self._running or self._finished)
@@ -190,7 +231,8 @@ class FakeEngine:
 
     def model_info(self) -> dict[str, Any]:
         return {"model_path": "fake-model", "model_type": "fake", "architectures": ["FakeForCausalLM"],
-                "vocab_size": self.vocab_size, "context_length": self.context_length}
+                "vocab_size": self.vocab_size, "context_length": self.context_length,
+                "features": ["prompt_logprobs", "top_logprobs"]}
 
 
 # --- embedded servers for tests ------------------------------------------------------------

@@ -30,7 +30,8 @@ from rlvr.models.tokenizer import byte_level_tokenizer
 from rlvr.rollout.driver import EngineDriver
 from rlvr.rollout.engine import Engine
 from rlvr.rollout.server import serve
-from rlvr.rollout.server_openai import SessionRecorder, parse_tool_calls
+from rlvr.rollout.server_sessions import SessionRecorder
+from rlvr.rollout.tool_calls import parse_tool_calls
 from rlvr.tasks.base import Family, Task
 
 TOK = byte_level_tokenizer()
@@ -267,7 +268,7 @@ def test_session_http_api_limits_and_expiry():
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
         reply = http.post("/sessions/s1/v1/chat/completions", json={**chat, "return_token_ids": True}).json()
         assert http.get("/sessions/s1/v1/models").status_code == 200
-        bad = http.post("/sessions/s1/v1/chat/completions", json={**chat, "stream": True})
+        bad = http.post("/sessions/s1/v1/chat/completions", json={**chat, "stream": True, "return_token_ids": True})
         assert bad.status_code == 400  # counted as a call, kept in the session's errors
         assert http.post("/sessions/s1/v1/chat/completions", json=chat).status_code == 429  # max_calls
         got = http.get("/sessions/s1").json()

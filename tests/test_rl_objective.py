@@ -812,3 +812,23 @@ def test_producer_passes_over_prompts_too_long_for_seq_len():
     assert [s.task_index for s in batch.samples[::producer.settings.group_size]] == fitting[:4]
     assert batch.stats["prompts_too_long"] == batch.cursor_end - len(fitting) > 0
     assert all(len(r.input_ids) <= 5 for r in backend.requests)
+
+
+def test_constrained_decoding_switch_puts_the_task_grammar_on_the_requests():
+    from rlvr.tasks.procedural import FAMILIES
+
+    family = FAMILIES["json_person"](seed=3)
+    roomy = dict(seq_len=2048, max_new_tokens=256)  # the JSON prompts are long in a byte-level vocabulary
+    producer, backend, _, _ = _producer(lambda task, k: (f"<answer>{task.answer}</answer>", "stop"), family,
+                                        constrained_decoding=True, **roomy)
+    batch = producer.make_batch(0)
+    assert all(s.rewards["reward"] == 1.0 for s in batch.samples)  # the reference answers fit the grammar
+    for request in backend.requests:
+        task = family.task(int(request.rid.split("-")[1][1:]))
+        pattern = request.sampling.regex
+        assert pattern.startswith("<answer>") and str(task.verifier["schema"]["required"][0]) in pattern
+        assert re.fullmatch(pattern.replace("\\#", "#"), f"<answer>{task.answer}</answer>")
+    plain, plain_backend, _, _ = _producer(lambda task, k: (f"<answer>{task.answer}</answer>", "stop"), family,
+                                           **roomy)
+    plain.make_batch(0)
+    assert all(r.sampling.constraint is None for r in plain_backend.requests)  # off by default

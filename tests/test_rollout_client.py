@@ -263,3 +263,14 @@ def test_client_argument_checks():
     with pytest.raises(SGLangError):
         unreachable.generate_sync([Request("a", [1])])
     assert time.monotonic() - started < 5
+
+
+def test_payload_carries_penalties_constraints_and_stop_regex():
+    sp = SamplingParams(max_new_tokens=4, frequency_penalty=0.5, logit_bias={7: -1.0}, stop_regex=["a+"],
+                        choices=["x.y", "z"])
+    params = SGLangClient.payload(Request("r", [1], sp), "r")["sampling_params"]
+    assert params["frequency_penalty"] == 0.5 and params["logit_bias"] == {"7": -1.0}
+    assert params["stop_regex"] == ["a+"] and params["regex"] == r"(x\.y|z)"
+    assert "presence_penalty" not in params and "json_schema" not in params
+    plain = SGLangClient.payload(Request("r", [1], SamplingParams()), "r")["sampling_params"]
+    assert not {"regex", "frequency_penalty", "logit_bias", "stop_regex"} & set(plain)

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import re
 
 import httpx
 import jax
@@ -83,3 +84,100 @@ def test_client_round_trips_ids_and_logprobs_then_syncs_weights(stack, tmp_path)
     after = client.generate_sync([Request("new", PROMPTS[0], GREEDY)])[0]
     assert after.weight_version == 1 and set(after.output_versions) == {1}
     assert after.output_ids != direct[0].output_ids  # other weights, other greedy tokens
+
+
+# --- real clients over the real engine: structured output, penalties, log-probs ----------------
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "a+b", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}},
+    {"type": "function", "function": {"name": "echo", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string", "maxLength": 6}}, "required": ["text"]}}}]
+ANSWER = {"type": "object", "properties": {"answer": {"type": "integer"}, "sure": {"type": "boolean"}},
+          "required": ["answer", "sure"]}
+
+
+@pytest.fixture(scope="module")
+def chat_server():
+    """A roomier engine (chat templates with tools are long in a byte-level vocabulary)."""
+    engine = Engine(CFG, make_params(0), tokenizer=byte_level_tokenizer(), max_len=1024, max_slots=4, page_size=16,
+                    prefill_chunk=256)
+    driver = EngineDriver(engine)
+    server, _ = serve(driver)
+    yield server
+    server.stop()
+    driver.close()
+
+
+def test_openai_structured_output_tool_choice_and_penalties(chat_server):
+    import jsonschema
+    import openai
+
+    client = openai.OpenAI(base_url=chat_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": "What is 2+3?"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+    reply = client.chat.completions.create(model="m", messages=messages, response_format=fmt, n=3, temperature=1.0,
+                                           max_tokens=48, seed=1)
+    for choice in reply.choices:  # a random model, every sample valid
+        jsonschema.validate(json.loads(choice.message.content), ANSWER)
+    forced = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice="required",
+                                            max_tokens=120, seed=2)
+    assert forced.choices[0].finish_reason == "tool_calls"
+    for call in forced.choices[0].message.tool_calls:
+        schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+    named = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, max_tokens=100, seed=3,
+                                           tool_choice={"type": "function", "function": {"name": "echo"}})
+    [call] = named.choices[0].message.tool_calls
+    assert call.function.name == "echo" and len(json.loads(call.function.arguments)["text"]) <= 6
+    stream = client.chat.completions.create(model="m", messages=messages, response_format={"type": "json_object"},
+                                            max_tokens=40, seed=4, stream=True)
+    assert isinstance(json.loads("".join(c.choices[0].delta.content or "" for c in stream if c.choices)), dict)
+    for bad in ({"regex": "(unclosed"}, {"json_schema": "{not json"}):
+        reply = httpx.post(chat_server.url + "/generate", json={"input_ids": [1], "sampling_params": bad})
+        assert reply.status_code == 400 and "compile" in reply.json()["error"]["message"]
+    greedy = dict(model="m", prompt="abababab", max_tokens=16, temperature=0)
+    plain = client.completions.create(**greedy).choices[0].text
+    assert client.completions.create(**greedy, frequency_penalty=2.0).choices[0].text != plain
+
+
+def test_top_logprobs_are_the_k_most_likely(chat_server):
+    import openai
+
+    client = openai.OpenAI(base_url=chat_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    out = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                         logprobs=True, top_logprobs=4, temperature=0)
+    for entry in out.choices[0].logprobs.content:
+        values = [t.logprob for t in entry.top_logprobs]
+        assert len(values) == 4 and values == sorted(values, reverse=True)
+        assert entry.logprob == pytest.approx(values[0], abs=1e-5)  # greedy: the sampled token is the top one
+        assert entry.token == entry.top_logprobs[0].token
+
+
+def test_sglang_frontend_regex_and_choices_on_the_real_engine(stack):
+    from test_rollout_server_clients import sglang_frontend
+
+    sgl, endpoint = sglang_frontend()
+    backend = endpoint(stack[2].url)
+
+    @sgl.function
+    def quiz(s):
+        s += "Q: number?\nA: "
+        s += sgl.gen("number", regex=r"[0-9]{3}", max_tokens=8, temperature=1.0)
+        s += "\nPick: "
+        s += sgl.gen("pick", choices=["cat", "dog", "bird"])
+
+    state = quiz.run(backend=backend)
+    assert re.fullmatch(r"[0-9]{3}", state["number"])
+    prefix = f"Q: number?\nA: {state['number']}\nPick: "
+    tok = byte_level_tokenizer()
+    start = len(tok.encode(prefix, add_special_tokens=True)) - 2
+
+    def normalized(choice):  # the frontend's token_length_normalized, from the engine's own scoring
+        ids = tok.encode(prefix + choice, add_special_tokens=True)
+        out = httpx.post(stack[2].url + "/generate", json={"input_ids": ids, "return_logprob": True,
+                                                           "logprob_start_len": start,
+                                                           "sampling_params": {"max_new_tokens": 0}}).json()
+        values = [x[0] for x in out["meta_info"]["input_token_logprobs"] if x[0]]
+        return sum(values) / len(values)
+
+    assert state["pick"] == max(["cat", "dog", "bird"], key=normalized)

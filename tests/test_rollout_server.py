@@ -1,7 +1,6 @@
 """The SGLang-compatible server (and its EngineDriver) over a deterministic FakeEngine, via real HTTP."""
 
 import concurrent.futures
-import dataclasses
 import json
 import socket
 import threading
@@ -15,14 +14,8 @@ from rollout_fakes import FakeEngine, start_server, wait_for
 
 from rlvr.models.tokenizer import byte_level_tokenizer
 from rlvr.rollout.driver import DriverClosedError, EngineDriver
-from rlvr.rollout.server_openai import parse_tool_calls
-from rlvr.rollout.server_protocol import (
-    GENERATE_FIELDS,
-    GENERATE_IGNORED,
-    GENERATE_UNSUPPORTED,
-    SAMPLING_IGNORED,
-    SAMPLING_UNSUPPORTED,
-)
+from rlvr.rollout.server_protocol import SAMPLING_KEYS
+from rlvr.rollout.tool_calls import parse_tool_calls
 from rlvr.rollout.types import Request, SamplingParams
 
 TOK = byte_level_tokenizer()
@@ -233,6 +226,125 @@ def test_pause_abort_and_retract(make):
     handle.http.post("/continue_generation")
 
 
+def test_sglang_empty_values_and_unknown_fields(srv):
+    """What SGLang's own clients send: empty = unset, null = default, unknown top-level fields ignored."""
+    plain = srv.http.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}}).json()
+    noisy = {"input_ids": [1, 2], "image_data": [], "token_ids_logprob": [], "custom_labels": {"a": "b"},
+             "return_bytes": False, "sampling_logprobs_mode": None, "return_output_logprob_only": True,
+             "logprob_start_len": 0, "top_logprobs_num": 3,  # ignored without return_logprob
+             "sampling_params": {"max_new_tokens": 3, "stop_regex": [], "regex": "", "json_schema": None,
+                                 "stop": [], "beam_width": None, "temperature": None, "top_k": 2**30,
+                                 "logit_bias": {}, "spaces_between_special_tokens": False, "choice": []}}
+    out = srv.http.post("/generate", json=noisy)
+    assert out.status_code == 200, out.text
+    assert out.json()["output_ids"] == plain["output_ids"] == expected([1, 2], 3)
+    assert "input_token_logprobs" not in out.json()["meta_info"]
+    unknown = srv.http.post("/generate", json={"input_ids": [1], "sampling_params": {"temprature": 0}})
+    assert unknown.status_code == 400 and "temprature" in unknown.json()["error"]["message"]
+
+
+def test_max_new_tokens_omitted_null_and_explicit(make):
+    handle = make(context_length=10)
+    prompt = [1, 2, 3, 4, 5, 6]
+    omitted = handle.http.post("/generate", json={"input_ids": prompt}).json()
+    assert len(omitted["output_ids"]) == 4  # 128 clipped to the 10-token context, as SGLang does
+    null = handle.http.post("/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": None}})
+    assert len(null.json()["output_ids"]) == 4
+    explicit = handle.http.post("/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 5}})
+    assert explicit.status_code == 400 and "context length" in explicit.json()["error"]["message"]
+    fits = handle.http.post("/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 4}})
+    assert fits.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+
+
+def test_prompt_and_top_logprobs_native_format(srv):
+    """SGLang's layout: input positions from logprob_start_len (the first None), top-k rows per
+    position, token_ids_logprob rows, texts filled with return_text_in_logprobs (FakeEngine values)."""
+    body = {"input_ids": [104, 105, 33], "return_logprob": True, "logprob_start_len": 1, "top_logprobs_num": 2,
+            "token_ids_logprob": [7], "return_text_in_logprobs": True, "sampling_params": {"max_new_tokens": 2}}
+    meta = srv.http.post("/generate", json=body).json()["meta_info"]
+    assert meta["input_token_logprobs"] == [[None, 105, "i"], [pytest.approx(-0.02), 33, "!"]]
+    assert meta["input_top_logprobs"][0] is None
+    assert meta["input_top_logprobs"][1] == [[pytest.approx(-0.02), 33, "!"], [pytest.approx(-0.52), 34, '"']]
+    out_ids = expected([104, 105, 33], 2)
+    assert [row[0][1] for row in meta["output_top_logprobs"]] == out_ids and len(meta["output_top_logprobs"]) == 2
+    assert meta["output_token_ids_logprobs"] == [[[pytest.approx(-1.007), 7, TOK.decode([7])]]] * 2
+    assert meta["input_token_ids_logprobs"][0] is None
+    whole = srv.http.post("/generate", json={**body, "logprob_start_len": 0, "top_logprobs_num": 0,
+                                             "token_ids_logprob": None}).json()["meta_info"]
+    assert [x[1] for x in whole["input_token_logprobs"]] == [104, 105, 33] and "input_top_logprobs" not in whole
+    plain = srv.http.post("/generate", json={**body, "logprob_start_len": -1}).json()["meta_info"]
+    assert plain["input_token_logprobs"] == []
+
+
+def test_weight_version_labels_are_strings(srv, tmp_path):
+    for label in ("policy-step-7", "policy-step-8"):
+        reply = srv.http.post("/update_weights_from_disk", json={"model_path": str(tmp_path), "weight_version": label})
+        assert reply.json()["success"], reply.text
+        assert srv.http.get("/model_info").json()["weight_version"] == label
+    out = srv.http.post("/generate", json={"input_ids": [1], "return_logprob": True,
+                                           "sampling_params": {"max_new_tokens": 2}}).json()
+    meta = out["meta_info"]
+    assert meta["weight_version"] == "policy-step-8" and meta["output_weight_versions"] == [2, 2]
+    assert srv.http.post("/update_weight_version", json={"new_version": "rc1"}).json()["new_version"] == "rc1"
+    assert srv.http.get("/server_info").json()["internal_states"][0]["weight_version"] == "rc1"
+
+
+def test_pause_retract_frees_kv_and_flush_works_while_paused(make):
+    handle = make(tokens_per_step=1, step_delay=0.005)
+    body = {"input_ids": [1], "return_logprob": True, "sampling_params": {"max_new_tokens": 60}}
+    future = post_in_thread(handle.url, "/generate", body)
+    wait_for(lambda: handle.http.get("/v1/loads").json()["num_running_reqs"] == 1)
+    assert handle.http.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+    assert handle.http.post("/flush_cache").status_code == 400  # in_place keeps the KV: SGLang refuses too
+    handle.http.post("/continue_generation")
+    wait_for(lambda: handle.engine.num_running == 1)
+    reply = handle.http.post("/pause_generation", json={"mode": "retract"}).json()
+    assert "1 requests retracted" in reply["message"]
+    loads = handle.http.get("/v1/loads").json()
+    assert (loads["num_running_reqs"], loads["num_waiting_reqs"]) == (0, 1)  # back in the queue
+    assert handle.http.post("/flush_cache").status_code == 200  # nothing holds KV now
+    assert handle.http.post("/release_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
+    handle.http.post("/continue_generation")
+    time.sleep(0.1)
+    assert not future.done()  # the KV pool is released: nothing runs until it is resumed
+    assert handle.http.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
+    out = future.result(5).json()
+    assert out["output_ids"] == expected([1], 60) and out["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(out["meta_info"]["output_token_logprobs"]) == 60
+
+
+def test_memory_release_needs_idle_and_more_routes(make):
+    handle = make(tokens_per_step=1, step_delay=0.005)
+    future = post_in_thread(handle.url, "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 4000}})
+    wait_for(lambda: handle.http.get("/v1/loads").json()["num_running_reqs"] == 1)
+    busy = handle.http.post("/release_memory_occupation", json={})
+    assert busy.status_code == 400 and "idle" in busy.json()["error"]["message"]
+    assert handle.http.get("/get_load").json() == [{"dp_rank": 0, "num_reqs": 1, "num_running_reqs": 1,
+                                                    "num_waiting_reqs": 0}]
+    handle.http.post("/abort_request", json={"abort_all": True})
+    future.result(5)
+    assert handle.http.get("/release_memory_occupation").status_code == 200  # GET too, all tags
+    assert handle.engine.released == {"kv_cache", "weights", "cuda_graph"}
+    assert handle.http.post("/resume_memory_occupation", json={"tags": None}).status_code == 200
+    assert not handle.engine.released
+    card = handle.http.get("/v1/models/fake-model").json()
+    assert card["id"] == "fake-model" and card["max_model_len"] == 4096
+    assert handle.http.get("/v1/models/other").json()["error"]["code"] == "model_not_found"
+    for prefix in ("", "/v1"):
+        tok = handle.http.post(prefix + "/tokenize", json={"prompt": "hi!", "add_special_tokens": False}).json()
+        assert tok == {"tokens": TOK.encode("hi!"), "count": 3, "max_model_len": 4096}
+        many = handle.http.post(prefix + "/tokenize", json={"prompt": ["a", "bc"]}).json()
+        assert many["tokens"] == [TOK.encode("a", add_special_tokens=True), TOK.encode("bc", add_special_tokens=True)]
+        chat = handle.http.post(prefix + "/tokenize", json={"messages": [{"role": "user", "content": "x"}]}).json()
+        assert chat["tokens"] == TOK.apply_chat_template([{"role": "user", "content": "x"}],
+                                                         add_generation_prompt=True)
+        text = handle.http.post(prefix + "/detokenize", json={"tokens": [104, 105, EOS]}).json()
+        assert text == {"text": "hi"}
+        texts = handle.http.post(prefix + "/detokenize", json={"tokens": [[104], [105, EOS]],
+                                                               "skip_special_tokens": False}).json()
+        assert texts == {"text": ["h", "i" + TOK.decode([EOS])]}
+
+
 def test_status_endpoints(srv):
     for path in ("/health", "/ready", "/health_generate"):
         assert srv.http.get(path).status_code == 200
@@ -360,22 +472,36 @@ BAD_REQUESTS = [
     ("POST", "/generate", {"input_ids": [1], "sampling_params": {"temperature": "hot"}}, 400),
     ("POST", "/generate", {"input_ids": [1], "sampling_params": {"top_p": 0}}, 400),
     ("POST", "/generate", {"input_ids": [1], "sampling_params": {"bogus": 1}}, 400),
-    ("POST", "/generate", {"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}}, 400),
+    ("POST", "/generate", {"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}}, 400),  # fake lacks it
+    ("POST", "/generate", {"input_ids": [1], "sampling_params": {"stop_regex": ["a+"]}}, 400),
+    ("POST", "/generate", {"input_ids": [1], "sampling_params": {"min_new_tokens": 5, "max_new_tokens": 4}}, 400),
+    ("POST", "/generate", {"input_ids": [1], "sampling_params": {"top_k": 0}}, 400),
+    ("POST", "/generate", {"input_ids": [1], "sampling_params": {"beam_width": 4}}, 400),
+    ("POST", "/generate", {"input_ids": [1], "sampling_params": {"regex": "a", "json_schema": "{}"}}, 400),
+    ("POST", "/generate", {"input_ids": [1], "return_logprob": True, "logprob_start_len": 2}, 400),
+    ("POST", "/generate", {"input_ids": [1], "sampling_logprobs_mode": "support"}, 400),
     ("POST", "/generate", {"input_ids": [1], "sampling_params": [{}, {}]}, 400),
     ("POST", "/generate", {"input_ids": [1], "sampling_params": {"stop": [1]}}, 400),
     ("POST", "/generate", {"input_ids": [[1], [2]], "rid": ["a"]}, 400),
     ("POST", "/generate", {"input_ids": [1], "stream": "yes"}, 400),
     ("POST", "/generate", {"input_ids": [1], "image_data": "x.png"}, 400),
-    ("POST", "/generate", {"input_ids": [1], "whatever": 1}, 400),
-    ("POST", "/generate", {"input_ids": [1], "logprob_start_len": 0}, 400),
     ("GET", "/generate", None, 405),
     ("DELETE", "/health", None, 405),
     ("GET", "/no_such_route", None, 404),
     ("POST", "/v1/chat/completions", {"messages": []}, 400),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True}, 400),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
-     400),
+     400),  # no tools
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True,
+                                      "return_token_ids": True}, 400),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                      "response_format": {"type": "yaml"}}, 400),
+    ("POST", "/v1/completions", {"prompt": "a", "max_tokens": 0}, 400),
+    ("POST", "/v1/completions", {"prompt": "a", "suffix": "b"}, 400),
+    ("POST", "/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "x"}]}, 400),
+    ("POST", "/detokenize", {"tokens": [1, 300]}, 400),
+    ("POST", "/release_memory_occupation", {"tags": ["gpu"]}, 400),
+    ("GET", "/v1/models/other-model", None, 404),
     ("POST", "/v1/completions", {"prompt": ""}, 400),
     ("POST", "/v1/completions", {"prompt": "a\ud800"}, 400),
     ("POST", "/generate", {"text": "\udfff"}, 400),
@@ -383,7 +509,7 @@ BAD_REQUESTS = [
     ("POST", "/v1/completions", {"prompt": "a", "max_tokens": -3}, 400),
     ("POST", "/pause_generation", {"mode": "sideways"}, 400),
     ("POST", "/update_weights_from_disk", {}, 400),
-    ("POST", "/update_weights_from_disk", {"model_path": "/x", "weight_version": "v1"}, 400),
+    ("POST", "/update_weights_from_disk", {"model_path": "/x", "weight_version": ""}, 400),
     ("POST", "/abort_request", {"rid": 5}, 400),
 ]
 
@@ -394,7 +520,7 @@ def test_bad_requests_get_json_errors(shared, method, path, body, status):
     reply = shared.http.request(method, path, content=content)
     assert reply.status_code == status, reply.text
     error = reply.json()["error"]
-    assert isinstance(error["message"], str) and error["type"] and error["code"] == status
+    assert isinstance(error["message"], str) and error["type"] and error["code"] in (status, "model_not_found")
     if status == 405:
         assert reply.headers["allow"]
 
@@ -460,32 +586,31 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
                     max_leaves=12)
 VALID = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
-KNOWN_FIELDS = GENERATE_FIELDS | GENERATE_IGNORED | set(GENERATE_UNSUPPORTED)
-KNOWN_SAMPLING = {f.name for f in dataclasses.fields(SamplingParams)} | SAMPLING_IGNORED | set(SAMPLING_UNSUPPORTED)
 _NOT_A_LIST = st.text(max_size=5) | st.floats(allow_nan=False) | st.integers() | st.booleans() | st.dictionaries(
     st.text(max_size=3), JSON, max_size=2)
 BAD_SAMPLING = st.one_of(
-    st.tuples(st.sampled_from(["max_new_tokens", "n", "top_k", "min_new_tokens"]),
+    st.tuples(st.sampled_from(["max_new_tokens", "n", "min_new_tokens"]),
               st.text(max_size=5) | st.floats(allow_nan=False) | st.booleans() | st.integers(max_value=-2)
               | st.integers(min_value=2**31)),
-    st.tuples(st.sampled_from(["temperature", "top_p", "min_p"]),
-              st.text(max_size=5) | st.floats(max_value=-1e-6) | st.floats(min_value=1e7) | st.booleans()
-              | st.lists(st.integers(), max_size=2)),
+    st.tuples(st.just("top_k"), st.text(max_size=5) | st.just(0) | st.integers(max_value=-2)
+              | st.integers(min_value=2**63)),
+    st.tuples(st.sampled_from(["temperature", "top_p", "min_p", "repetition_penalty"]),
+              st.text(max_size=5) | st.floats(max_value=-1e-6) | st.floats(min_value=1e31, allow_infinity=False)
+              | st.booleans() | st.lists(st.integers(), max_size=2)),
     st.tuples(st.just("stop_token_ids"), _NOT_A_LIST.filter(lambda v: v is not None)
-              | st.lists(st.integers(min_value=300) | st.integers(max_value=-1) | st.text(max_size=3), min_size=1)),
+              | st.lists(st.text(max_size=3) | st.floats(allow_nan=False), min_size=1)),
     st.tuples(st.sampled_from(["ignore_eos", "no_stop_trim", "skip_special_tokens"]),
               st.integers() | st.text(max_size=3) | st.floats(allow_nan=False)),
-    st.tuples(st.text(min_size=1, max_size=10).filter(lambda k: k not in KNOWN_SAMPLING), JSON),
+    st.tuples(st.text(min_size=1, max_size=10).filter(lambda k: k not in SAMPLING_KEYS), JSON),
 )
 BAD_IDS = _NOT_A_LIST | st.just([]) | st.lists(
     st.integers(min_value=300) | st.integers(max_value=-1) | st.text(max_size=3) | st.floats(allow_nan=False)
     | st.booleans(), min_size=1, max_size=4)
-SURROGATES = st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1, max_size=3)
+SURROGATES = st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDBFF), min_size=1, max_size=3)  # lone
 BAD_BODIES = st.one_of(
     JSON.filter(lambda v: not isinstance(v, dict)).map(lambda v: json.dumps(v).encode()),
     st.binary(max_size=64).filter(lambda b: b.strip()[:1] != b"{"),
-    st.builds(lambda k, v: {**VALID, k: v}, st.text(min_size=1, max_size=10).filter(
-        lambda k: k not in KNOWN_FIELDS), JSON),
+    st.binary(max_size=16).map(lambda b: b'{"text": "' + b"\xff" + b + b'"}'),  # invalid UTF-8
     st.builds(lambda kv: {**VALID, "sampling_params": {kv[0]: kv[1]}}, BAD_SAMPLING),
     st.builds(lambda v: {"input_ids": v}, BAD_IDS),
     st.builds(lambda v: {"text": v}, st.integers() | st.lists(st.integers(), max_size=3) | st.just("") | SURROGATES),
@@ -505,13 +630,40 @@ def test_fuzz_bad_bodies_get_4xx_json(shared, body, path):
     assert shared.http.get("/health").status_code == 200
 
 
+OPENAI_KEYS = ["stream", "n", "logprobs", "top_logprobs", "echo", "tool_choice", "tools", "response_format",
+               "stream_options", "max_tokens", "max_completion_tokens", "seed", "stop", "temperature", "top_p",
+               "presence_penalty", "logit_bias", "rid", "return_token_ids", "model", "unknown_field", "suffix"]
+OPENAI_BODIES = st.builds(
+    lambda chat, extra: {**({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}),
+                         "max_tokens": 3, **extra},
+    st.booleans(), st.dictionaries(st.sampled_from(OPENAI_KEYS), JSON | st.integers(-5, 5), max_size=4))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=OPENAI_BODIES)
+def test_fuzz_openai_fields_never_5xx(shared, body):
+    """Random values of the OpenAI fields (streaming or not): a 2xx answer or a 4xx JSON error."""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    with shared.http.stream("POST", path, content=json.dumps(body).encode()) as reply:
+        data = reply.read()
+    assert reply.status_code < 500, data
+    if reply.status_code >= 400:
+        assert isinstance(json.loads(data)["error"]["message"], str)
+    elif body.get("stream") is True:
+        assert data.rstrip().endswith(b"data: [DONE]")
+    assert shared.http.get("/health").status_code == 200
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=JSON, path=st.sampled_from(["/abort_request", "/pause_generation", "/continue_generation",
-                                        "/update_weights_from_disk", "/update_weight_version", "/flush_cache"]))
+                                        "/update_weights_from_disk", "/update_weight_version", "/flush_cache",
+                                        "/release_memory_occupation", "/resume_memory_occupation", "/tokenize",
+                                        "/detokenize"]))
 def test_fuzz_control_endpoints_never_crash(srv, body, path):
     reply = srv.http.post(path, content=json.dumps(body).encode())
     assert reply.status_code < 500, reply.text
     srv.http.post("/continue_generation")
+    srv.http.post("/resume_memory_occupation")
     assert srv.http.get("/health").status_code == 200
 
 

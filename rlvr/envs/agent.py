@@ -1,7 +1,7 @@
 """Black-box agents: any program that speaks the OpenAI chat API, trained from its recorded calls.
 
 The trainer opens a recording session on the rollout server
-(`rlvr.rollout.server_openai.SessionRecorder`), runs the agent with the session's base URL
+(`rlvr.rollout.server_sessions.SessionRecorder`), runs the agent with the session's base URL
 (`http://host:port/sessions/<id>/v1`), scores the agent's final answer with the task's verifier, and
 turns the session's records into `Trajectory`s:
 
@@ -387,7 +387,7 @@ class AgentRunner:
     def __init__(self, driver: Any, agent_fn: AgentFn, score: Callable[[Any, str], Mapping[str, float]],
                  timeout_s: float = 600.0):
         from rlvr.rollout.server import serve
-        from rlvr.rollout.server_openai import SessionRecorder
+        from rlvr.rollout.server_sessions import SessionRecorder
 
         self.server, _ = serve(driver)
         self.sessions = SessionRecorder().attach(self.server)

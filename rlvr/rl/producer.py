@@ -47,6 +47,7 @@ from rlvr.rl import scheduler as scheduler_lib
 from rlvr.rl.batching import Sample
 from rlvr.rl.filters import overlong_penalty
 from rlvr.rollout.types import Request, SamplingParams
+from rlvr.tasks.constraints import sampling_constraint
 
 
 @dataclasses.dataclass
@@ -145,6 +146,7 @@ class ProducerSettings:
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
+    constrained_decoding: bool = False  # JSON-schema / tool-call tasks sample under their grammar
     prompt_format: str = "raw"  # raw | chat
     advantage: str = "grpo"
     dynamic_sampling: bool = False
@@ -228,6 +230,9 @@ class Producer:
 
     # --- one batch ------------------------------------------------------------------------
 
+    def _family(self, task):
+        return self.tasks.family_of(task) if hasattr(self.tasks, "family_of") else self.tasks
+
     def _episodic(self, task) -> bool:
         """Played as an episode (multi-turn environment, or every task when a black-box agent plays)."""
         return self.agent is not None or is_episode_task(task)
@@ -239,10 +244,12 @@ class Producer:
         out = []
         for task, ids, replay in zip(tasks, prompts, replays, strict=True):
             suffix = f"-r{replay}" if replay else ""
+            constraint = sampling_constraint(task.verifier, getattr(self._family(task), "answer_format", "raw")) \
+                if rl.constrained_decoding else {}
             for k in range(rl.group_size):
                 params = SamplingParams(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, top_p=rl.top_p,
                                         top_k=rl.top_k, min_p=rl.min_p,
-                                        sampling_seed=sample_seed(self.seed, task.index, k, replay))
+                                        sampling_seed=sample_seed(self.seed, task.index, k, replay), **constraint)
                 out.append(Request(f"s{step}-t{task.index}-k{k}{suffix}", ids, params))
         return out
 

@@ -49,7 +49,7 @@ from typing import Any
 
 import httpx
 
-from rlvr.rollout.types import Completion, Request
+from rlvr.rollout.types import Completion, Request, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,26 @@ def _version(value: Any) -> int:
         return int(value)
     except (TypeError, ValueError):
         return 0  # SGLang's initial label is "default"
+
+
+def _extra_sampling(sp: SamplingParams) -> dict[str, Any]:
+    """The non-default penalties, bias, constraint and stop_regex of `sp`, in SGLang's names
+    (a `choices` constraint is sent as the equivalent regex)."""
+    extra: dict[str, Any] = {}
+    for name, default in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0)):
+        if getattr(sp, name) != default:
+            extra[name] = getattr(sp, name)
+    if sp.logit_bias:
+        extra["logit_bias"] = {str(k): v for k, v in sp.logit_bias.items()}
+    if sp.stop_regex:
+        extra["stop_regex"] = list(sp.stop_regex)
+    constraint = sp.constraint
+    if constraint is not None:
+        from rlvr.rollout.grammar import constraint_regex
+
+        kind, value = constraint
+        extra.update({"regex": constraint_regex(kind, value)} if kind == "choices" else {kind: value})
+    return extra
 
 
 class SGLangClient:
@@ -264,6 +284,7 @@ class SGLangClient:
             "no_stop_trim": True, "spaces_between_special_tokens": False}
         if sp.sampling_seed is not None:
             params["sampling_seed"] = sp.sampling_seed
+        params.update(_extra_sampling(sp))
         return {"input_ids": list(request.input_ids), "sampling_params": params, "return_logprob": True, "rid": rid}
 
     @staticmethod

@@ -24,13 +24,18 @@ import jax.numpy as jnp
 
 from rlvr.models.config import ModelConfig
 from rlvr.models.transformer import forward, forward_last
-from rlvr.rollout.sampling import sample_tokens
+from rlvr.rollout.logit_process import count_tokens, extra_logprobs, process, reset_counts
+from rlvr.rollout.sampling import policy_logprob, sample_tokens
 
 
-def init_state(slots: int) -> dict[str, jax.Array]:
-    """Every slot idle (done)."""
-    return {"token": jnp.zeros((slots,), jnp.int32), "position": jnp.zeros((slots,), jnp.int32),
-            "count": jnp.zeros((slots,), jnp.int32), "done": jnp.ones((slots,), bool)}
+def init_state(slots: int, vocab: int | None = None) -> dict[str, jax.Array]:
+    """Every slot idle (done). With `vocab`, also per-slot counts of generated tokens [S, V]
+    (the state of penalties; see `logit_process`)."""
+    state = {"token": jnp.zeros((slots,), jnp.int32), "position": jnp.zeros((slots,), jnp.int32),
+             "count": jnp.zeros((slots,), jnp.int32), "done": jnp.ones((slots,), bool)}
+    if vocab is not None:
+        state["counts"] = jnp.zeros((slots, vocab), jnp.int32)
+    return state
 
 
 def _cache(pool, page_table, ragged=None):
@@ -48,12 +53,28 @@ def _mask_stops(logits, sampling, count):
     return logits.at[jnp.arange(logits.shape[0])[:, None], ids].set(-jnp.inf, mode="drop")
 
 
-def _sample(logits, sampling, count, positions, filters):
+def _sample(logits, sampling, count, positions, filters, counts=None, mask=None):
     """(tokens, their log-probs under the distribution sampled from: temperature, top-k, top-p,
     min-p; see rlvr.rollout.sampling). Stop tokens forbidden by min_new_tokens are outside that
-    distribution too (the trainer does not model min_new_tokens: RL requests leave it at 0)."""
-    return sample_tokens(_mask_stops(logits, sampling, count), sampling["temperature"], sampling["top_k"],
-                         sampling["top_p"], sampling["min_p"], sampling["seed"], positions, filters)
+    distribution too (the trainer does not model min_new_tokens: RL requests leave it at 0).
+    Penalties (`counts`), a grammar `mask` and logit_bias (`logit_process`) change the logits drawn
+    from, not the log-probs reported: those stay the policy's (`sampling.policy_logprob`), which is
+    what the trainer scores. Greedy rows (temperature 0, which RL never samples with) report the
+    policy's log-prob at temperature 1, as SGLang and OpenAI do."""
+    processed = process(logits, sampling, counts, mask)
+    args = (sampling["temperature"], sampling["top_k"], sampling["top_p"], sampling["min_p"])
+    token, logprob = sample_tokens(_mask_stops(processed, sampling, count), *args, sampling["seed"], positions,
+                                   filters)
+    if processed is not logits:
+        logprob = policy_logprob(logits, token, *args, filters)
+    greedy = args[0] <= 0.0
+    return token, jax.lax.cond(jnp.any(greedy), lambda: jnp.where(greedy, _raw_logprob(logits, token), logprob),
+                               lambda: logprob)
+
+
+def _raw_logprob(logits, token):
+    logits = logits.astype(jnp.float32)
+    return jnp.take_along_axis(logits, token[:, None], -1)[:, 0] - jax.nn.logsumexp(logits, axis=-1)
 
 
 def _finished(token, count, sampling):
@@ -61,56 +82,78 @@ def _finished(token, count, sampling):
     return (stop & (count >= sampling["min_new"])) | (count >= sampling["max_new"])
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 8))
+@functools.partial(jax.jit, static_argnums=(0, 1, 12), donate_argnums=(3, 8))
 def prefill(cfg: ModelConfig, filters: bool, params, pool, page_table, tokens, positions, segment_ids, state, slots,
-            completes, sampling):
+            completes, sampling, top: int = 0, mask=None):
     """Writes a chunk of prompt tokens [R, C] (valid tokens first in each row) into the pages.
     For rows with `completes` the chunk ends the prompt: the first output token is sampled from
     its last position and the row's slot (`slots`) gets its decode state. Returns the pool, the
-    state, and the sampled tokens and log-probs [R]. `filters`: see `sampling.sample_tokens`."""
+    state, the sampled tokens and log-probs [R], and the extra log-probs [R, ...] asked for
+    (`top` alternatives, `sampling["logprob_ids"]`; see `logit_process.extra_logprobs`).
+    `filters`: see `sampling.sample_tokens`; `mask`: the rows' grammar masks (packed) or None."""
     last = jnp.maximum(jnp.sum(segment_ids != 0, axis=1) - 1, 0)
     logits, cache = forward_last(cfg, params, tokens, positions, segment_ids, _cache(pool, page_table), last)
     next_pos = jnp.take_along_axis(positions, last[:, None], axis=1)[:, 0] + 1
     one = jnp.ones_like(next_pos)
-    token, logprob = _sample(logits, sampling, one - 1, next_pos, filters)
+    penalized = "counts" in state
+    counts = jnp.zeros((tokens.shape[0], logits.shape[-1]), jnp.int32) if penalized else None
+    token, logprob = _sample(logits, sampling, one - 1, next_pos, filters, counts, mask)
+    extras = extra_logprobs(logits, sampling["temperature"], top, sampling.get("logprob_ids"))
     target = jnp.where(completes, slots, state["token"].shape[0])  # out of range: dropped
     updates = {"token": token, "position": next_pos, "count": one, "done": _finished(token, one, sampling)}
-    state = {name: state[name].at[target].set(value, mode="drop") for name, value in updates.items()}
-    return {"k": cache["k"], "v": cache["v"]}, state, token, logprob
+    new_state = {name: state[name].at[target].set(value, mode="drop") for name, value in updates.items()}
+    if penalized:
+        new_state["counts"] = reset_counts(state["counts"], target, token)
+    return {"k": cache["k"], "v": cache["v"]}, new_state, token, logprob, extras
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 7))
-def decode(cfg: ModelConfig, steps: int, filters: bool, params, pool, page_table, ragged, state, active, sampling):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 10), donate_argnums=(4, 7))
+def decode(cfg: ModelConfig, steps: int, filters: bool, params, pool, page_table, ragged, state, active, sampling,
+           top: int = 0, mask=None):
     """Up to `steps` decode steps for every slot [S]; rows not `active` are treated as done. A
     row stops (and writes nothing more) after a stop token (past min_new_tokens) or at
     max_new_tokens; the loop ends when all rows have. Returns the pool, the new state, the
-    sampled tokens and log-probs [S, steps], and how many tokens each row emitted.
-    `filters`: see `sampling.sample_tokens`."""
+    sampled tokens and log-probs [S, steps], how many tokens each row emitted, and the extra
+    log-probs [S, steps, ...] asked for (`top`, `sampling["logprob_ids"]`).
+    `filters`: see `sampling.sample_tokens`. `mask` (packed grammar masks, see `logit_process`)
+    holds for one token: the host passes steps=1 with it. Penalties run when the state has counts."""
     slots = state["token"].shape[0]
     start = jnp.where(active, state["count"], 0)
+    empty = {}
+    if top:
+        empty["top_values"], empty["top_ids"] = (jnp.zeros((slots, steps, top), d) for d in (jnp.float32, jnp.int32))
+    if "logprob_ids" in sampling:
+        empty["ids_values"] = jnp.zeros((slots, steps, sampling["logprob_ids"].shape[1]), jnp.float32)
 
     def cond(carry):
-        i, *_, done, _, _ = carry
+        i, done = carry[0], carry[5]
         return (i < steps) & ~jnp.all(done)
 
     def body(carry):
-        i, pool, token, pos, count, done, toks, logprobs = carry
+        i, pool, token, pos, count, done, toks, logprobs, counts, extras = carry
         segment = (~done).astype(jnp.int32)[:, None]
         logits, cache = forward(cfg, params, token[:, None], pos[:, None], segment,
                                 _cache(pool, page_table, ragged))
-        nxt, logprob = _sample(logits[:, 0], sampling, count, pos + 1, filters)
+        nxt, logprob = _sample(logits[:, 0], sampling, count, pos + 1, filters, counts, mask)
+        counts = count_tokens(counts, nxt, ~done)
+        extras = {k: jax.lax.dynamic_update_slice(extras[k], v[:, None], (0, i, *([0] * (v.ndim - 1))))
+                  for k, v in extra_logprobs(logits[:, 0], sampling["temperature"], top,
+                                             sampling.get("logprob_ids")).items()}
         count = count + (~done).astype(jnp.int32)
         toks = jax.lax.dynamic_update_slice(toks, nxt[:, None], (0, i))
         logprobs = jax.lax.dynamic_update_slice(logprobs, logprob[:, None], (0, i))
         pool = {"k": cache["k"], "v": cache["v"]}
         return (i + 1, pool, jnp.where(done, token, nxt), pos + (~done).astype(jnp.int32), count,
-                done | _finished(nxt, count, sampling), toks, logprobs)
+                done | _finished(nxt, count, sampling), toks, logprobs, counts, extras)
 
     carry = (jnp.int32(0), pool, state["token"], state["position"], state["count"], state["done"] | ~active,
-             jnp.zeros((slots, steps), jnp.int32), jnp.zeros((slots, steps), jnp.float32))
-    _, pool, token, pos, count, done, toks, logprobs = jax.lax.while_loop(cond, body, carry)
+             jnp.zeros((slots, steps), jnp.int32), jnp.zeros((slots, steps), jnp.float32), state.get("counts"),
+             empty)
+    _, pool, token, pos, count, done, toks, logprobs, counts, extras = jax.lax.while_loop(cond, body, carry)
     new_state = {"token": token, "position": pos, "count": count, "done": jnp.where(active, done, state["done"])}
-    return pool, new_state, toks, logprobs, jnp.where(active, count, 0) - start
+    if counts is not None:
+        new_state["counts"] = counts
+    return pool, new_state, toks, logprobs, jnp.where(active, count, 0) - start, extras
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -120,7 +163,32 @@ def arm(state, slots, tokens, positions):
     would (same RNG position, same count). Entries with slot out of range are ignored."""
     updates = {"token": tokens, "position": positions, "count": jnp.zeros_like(tokens),
                "done": jnp.zeros(tokens.shape, bool)}
-    return {name: state[name].at[slots].set(value, mode="drop") for name, value in updates.items()}
+    new_state = {name: state[name].at[slots].set(value, mode="drop") for name, value in updates.items()}
+    if "counts" in state:
+        new_state["counts"] = reset_counts(state["counts"], slots)
+    return new_state
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def add_counts(state, slots, counts):
+    """state["counts"][slots[i]] += counts[i]: a retracted sequence's earlier output tokens, for its
+    penalties (prefill and arm start a slot's counts over)."""
+    return {**state, "counts": state["counts"].at[slots].add(counts)}
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def score(cfg: ModelConfig, top: int, params, tokens, ids=None):
+    """Raw log-probs (temperature 1) of a prompt [T] scoring itself: entry t is log p(token t+1 | tokens <= t) (the
+    last is meaningless), plus the extras of every position (`top` alternatives, the log-probs of
+    `ids` [M]; see `logit_process.extra_logprobs`). Padding after the prompt does not change them
+    (causal attention)."""
+    positions = jnp.arange(tokens.shape[0])[None]
+    logits, _ = forward(cfg, params, tokens[None], positions, jnp.ones_like(positions), None)
+    logits = logits[0].astype(jnp.float32)
+    nxt = jnp.concatenate([tokens[1:], tokens[-1:]])
+    own = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), nxt[:, None], axis=-1)[:, 0]
+    wanted = None if ids is None else jnp.broadcast_to(ids, (tokens.shape[0], ids.shape[0]))
+    return own, extra_logprobs(logits, None, top, wanted)
 
 
 @functools.partial(jax.jit, donate_argnums=0)

@@ -87,7 +87,7 @@ class EngineDriver:
     def _should_step(self) -> bool:
         if time.monotonic() < self._retry_at:
             return False
-        return bool(self.engine.has_work()) and not self.engine.paused
+        return bool(self.engine.has_work()) and not self.engine.paused and not getattr(self.engine, "released", ())
 
     def _run(self) -> None:
         while True:
@@ -303,7 +303,8 @@ class EngineDriver:
                 self._enqueue(self.engine.abort_all, None)
 
     def pause(self, mode: str = "in_place") -> int:
-        """"in_place" freezes running requests (KV kept); "abort" aborts them. Returns their count."""
+        """"in_place" freezes running requests (KV kept); "retract" puts them back in the queue
+        (KV freed, recomputed on resume); "abort" aborts them. Returns their count."""
         return self._call(lambda: self.engine.pause(mode))
 
     def resume(self) -> None:
@@ -328,8 +329,16 @@ class EngineDriver:
         self._call(relabel)
 
     def flush_cache(self) -> None:
-        """Drops the prefix cache; raises RuntimeError while requests are running."""
+        """Drops the prefix cache; raises RuntimeError while requests hold KV."""
         self._call(self.engine.flush_cache)
+
+    def release_memory(self, tags: Sequence[str]) -> None:
+        """Frees device memory ("kv_cache", "weights"); the engine must hold no KV. Requests wait
+        (the loop does not step) until `resume_memory` has brought everything back."""
+        self._call(lambda: self.engine.release_memory(list(tags)))
+
+    def resume_memory(self, tags: Sequence[str]) -> None:
+        self._call(lambda: self.engine.resume_memory(list(tags)))
 
     def model_info(self) -> dict[str, Any]:
         return dict(self._model_info)

@@ -19,6 +19,12 @@ prefill_rows, prefill_chunk/4 or prefill_chunk] and one decode program (its atte
 the pages held, `kernels/paged_attention/ragged.py`); each x2 when a request uses
 top-k/top-p/min-p. `metrics()` reports compile counts, the prefix-cache hit rate and host vs
 device time.
+
+Beyond plain sampling (each on only while a running request asks for it, so the plain path
+compiles without it): penalties and logit_bias (`logit_process`), constrained decoding (grammar
+masks, `grammar`; a batch with a constrained request decodes one token per call), prompt / top /
+requested-id log-probs and stop_regex (`extras`, `sequence.Sequence.accept`), pause mode
+"retract" and the release / resume of device memory.
 """
 
 from __future__ import annotations
@@ -37,8 +43,9 @@ from rlvr.kernels.paged_attention import ragged_pages
 from rlvr.models.config import ModelConfig
 from rlvr.models.transformer import init_paged_cache, unstack_layers
 from rlvr.rollout import device_fns
+from rlvr.rollout import extras as extras_lib
 from rlvr.rollout.pages import PagePool, PrefixCache
-from rlvr.rollout.sequence import Sequence, sampling_table, write_sampling_row
+from rlvr.rollout.sequence import Sequence, penalty_arrays, sampling_table, write_sampling_row
 from rlvr.rollout.stops import StopStrings
 from rlvr.rollout.types import Completion, Request
 
@@ -56,6 +63,7 @@ class _Inflight:
     logprobs: jax.Array
     emitted: jax.Array | None
     version: int
+    extras: dict = dataclasses.field(default_factory=dict)  # extra log-probs (top-k, requested ids)
 
 
 class Engine:
@@ -96,6 +104,8 @@ class Engine:
         self.finished: list[Completion] = []
         self.inflight: collections.deque[_Inflight] = collections.deque()
         self.weight_version, self.paused, self.model_path = 0, False, model_path
+        self.released: set[str] = set()  # device memory given back (release_memory)
+        self._host_params = None
         self._seed_rng = np.random.default_rng(seed)
         self._reserved = 0  # pages promised to running sequences' worst cases, not yet allocated
         self._times = {"host_s": 0.0, "device_wait_s": 0.0, "steps": 0, "decode_calls": 0, "prefill_calls": 0,
@@ -129,16 +139,35 @@ class Engine:
         seed = int(self._seed_rng.integers(2**31)) if seed is None else int(seed)
         sp = request.sampling
         eos = set() if sp.ignore_eos or self._eos_id() is None else {self._eos_id()}
-        stops = StopStrings(self.tokenizer, list(sp.stop)) if sp.stop and self.tokenizer is not None else None
+        stops = None
+        if (sp.stop or sp.stop_regex) and self.tokenizer is not None:
+            stops = StopStrings(self.tokenizer, list(sp.stop), list(sp.stop_regex))
         budget = min(sp.max_new_tokens, self.max_len - len(request.input_ids))
-        self.waiting.append(Sequence(request, seed % 2**31, budget, frozenset(sp.stop_token_ids) | eos, stops))
+        seq = Sequence(request, seed % 2**31, budget, frozenset(sp.stop_token_ids) | eos, stops,
+                       extras=extras_lib.prepare(request, self.tokenizer, self.cfg.vocab_size))
+        if request.logprob_start_len >= 0:
+            self._score_prompt(seq)
+        self.waiting.append(seq)
+
+    def _score_prompt(self, seq: Sequence) -> None:
+        """Prompt log-probs (and their extras) by one forward over the prompt, padded to a power
+        of two (a few compiled shapes)."""
+        request = seq.request
+        n = len(request.input_ids)
+        tokens = np.zeros(max(16, 1 << (n - 1).bit_length()), np.int32)
+        tokens[:n] = request.input_ids
+        ids = np.asarray(request.token_ids_logprob, np.int32) if request.token_ids_logprob else None
+        own, top = device_fns.score(self.decode_cfg, extras_lib.top_bucket(request.top_logprobs_num), self.params,
+                                    jnp.asarray(tokens), None if ids is None else jnp.asarray(ids))
+        extras_lib.score_prompt(seq.extras, request, np.asarray(own), {k: np.asarray(v) for k, v in top.items()})
 
     def step(self) -> list[Completion]:
         """One scheduling iteration; returns the completions finished in it."""
         start, wait = time.perf_counter(), self._times["device_wait_s"]
         timed = 0.0 if self.call_times is None else sum(t for kind, _, t in self.call_times if kind != "step")
         dispatched = False
-        if not self.paused:
+        if not self.paused and not self.released:
+            self._prune_extras()
             self._admit()
             self._prefill()
             dispatched = self._decode()
@@ -179,15 +208,54 @@ class Engine:
             self._finish(seq, {"type": "abort", "message": message, "status_code": 200})
 
     def pause(self, mode: str = "in_place") -> int:
-        """"in_place": keep sequences and caches; "abort": abort them all."""
-        if mode not in ("in_place", "abort"):
-            raise ValueError(f"pause mode {mode!r}: use 'in_place' or 'abort'")
+        """"in_place": keep sequences and caches; "retract": put the running sequences back at
+        the head of the queue, their pages freed (the prefix cache keeps what it can), to be
+        recomputed on resume; "abort": abort them all."""
+        if mode not in ("in_place", "abort", "retract"):
+            raise ValueError(f"pause mode {mode!r}: use 'in_place', 'retract' or 'abort'")
         self._process(keep=0)
         count = self.num_running + self.num_waiting
         if mode == "abort":
             self.abort_all("paused with mode=abort")
+        elif mode == "retract":
+            self.waiting.extendleft(reversed([self._retract(seq) for seq in self._running()]))
         self.paused = True
         return count
+
+    def _retract(self, seq: Sequence) -> Sequence:
+        """A running sequence as a waiting one that continues from its prompt plus its output."""
+        self._release_slot(seq, cache=True)
+        return seq.retracted()
+
+    def release_memory(self, tags: list[str]) -> None:
+        """Gives device memory back: "kv_cache" (the page pool, deleted; the prefix cache is
+        flushed), "weights" (copied to the host and dropped: their device memory is freed unless
+        someone else holds the same arrays, as an in-process trainer does). Needs no running
+        sequence (pause with "retract" or "abort" first); nothing is admitted until every released
+        tag is resumed."""
+        if self.num_running:
+            raise RuntimeError("release_memory_occupation needs an idle engine: pause with mode 'retract' or "
+                               "'abort' first")
+        self._process(keep=0)
+        if "kv_cache" in tags and "kv_cache" not in self.released:
+            self.flush_cache()
+            for leaf in jax.tree.leaves(self.pool):
+                leaf.delete()
+            self.pool = None
+        if "weights" in tags and "weights" not in self.released:
+            self._host_params = (jax.device_get(self.params), jax.tree.map(lambda x: x.sharding, self.params))
+            self.params = None
+        self.released |= {t for t in tags if t in ("kv_cache", "weights")}
+
+    def resume_memory(self, tags: list[str]) -> None:
+        """Re-allocates what `release_memory` gave back: an empty page pool, the weights as they were."""
+        if "kv_cache" in tags and "kv_cache" in self.released:
+            self.pool = {k: v for k, v in init_paged_cache(self.cfg, self.pages.capacity, self.page_size,
+                                                           self.kv_dtype).items() if k != "page_table"}
+        if "weights" in tags and "weights" in self.released:
+            host, shardings = self._host_params
+            self.params, self._host_params = jax.tree.map(jax.device_put, host, shardings), None
+        self.released -= set(tags)
 
     def resume(self) -> None:
         self.paused = False
@@ -199,6 +267,8 @@ class Engine:
         params = jax.tree.map(jax.device_put, params, self._shardings)
         self.params = self._decode_params(params)
         self.weight_version = int(version)
+        self.released.discard("weights")
+        self._host_params = None
 
     def update_weights_from_disk(self, path: str, version: int) -> None:
         from rlvr.models import hf
@@ -233,7 +303,7 @@ class Engine:
     def model_info(self) -> dict[str, Any]:
         return {"model_path": self.model_path, "model_type": self.cfg.family, "is_generation": True,
                 "vocab_size": self.cfg.vocab_size, "weight_version": str(self.weight_version),
-                "max_len": self.max_len, "architectures": [self.cfg.family]}
+                "max_len": self.max_len, "architectures": [self.cfg.family], "features": _features()}
 
     def metrics(self) -> dict[str, Any]:
         """Compile counts, prefix-cache hits, host vs device-wait time, calls and tokens so far."""
@@ -343,8 +413,53 @@ class Engine:
         self.page_table[seq.slot, : len(seq.pages)] = seq.pages
 
     def _sampling_row(self, slot: int, seq: Sequence) -> None:
+        self._enable_extras(seq.request)
         write_sampling_row(self._sampling, slot, seq)
         self._sampling_device = None
+
+    def _enable_extras(self, request: Request) -> None:
+        """Adds the per-slot arrays a request needs (penalties and their token counts in the
+        decode state; requested log-prob ids) while some running request uses them."""
+        table, slots, vocab = self._sampling, self.max_slots, self.cfg.vocab_size
+        if request.sampling.penalized and "frequency_penalty" not in table:
+            table.update(penalty_arrays(slots, vocab))
+            self.state = {**self.state, "counts": jnp.zeros((slots, vocab), jnp.int32)}
+        width = table["logprob_ids"].shape[1] if "logprob_ids" in table else 0
+        if len(request.token_ids_logprob) > width:
+            ids = np.zeros((slots, 1 << (len(request.token_ids_logprob) - 1).bit_length()), np.int32)
+            ids[:, :width] = table.get("logprob_ids", ids[:, :0])
+            table["logprob_ids"] = ids
+
+    def _prune_extras(self) -> None:
+        """Drops the extra arrays no running request needs any more (back to the plain path)."""
+        running = [s.request for s in self._running()]
+        table = self._sampling
+        if "frequency_penalty" in table and not any(r.sampling.penalized for r in running):
+            for key in penalty_arrays(1, 1):
+                del table[key]
+            self.state = {k: v for k, v in self.state.items() if k != "counts"}
+            self._sampling_device = None
+        if "logprob_ids" in table and not any(r.token_ids_logprob for r in running):
+            del table["logprob_ids"]
+            self._sampling_device = None
+
+    def _top(self, seqs: list) -> int:
+        """The compiled number of top log-probs a call computes for these sequences (0: none)."""
+        return extras_lib.top_bucket(max((s.request.top_logprobs_num for s in seqs if s is not None), default=0))
+
+    def _masks(self, seqs: list, rows: int) -> jax.Array | None:
+        """Packed grammar masks of constrained sequences (all tokens for the other rows), or None."""
+        if not any(s is not None and s.extras.grammar is not None for s in seqs):
+            return None
+        masks = np.full((rows, -(-self.cfg.vocab_size // 8)), 255, np.uint8)
+        for i, seq in enumerate(seqs):
+            if seq is not None and seq.extras.grammar is not None:
+                budget = seq.max_new - len(seq.output)
+                masks[i] = seq.extras.grammar.mask(seq.extras.state, budget, sorted(seq.stop_ids))
+        return jnp.asarray(masks)
+
+    def _constrained(self) -> bool:
+        return any(s.extras.grammar is not None and self.active[s.slot] for s in self._running())
 
     def _filters(self, slots: np.ndarray) -> bool:
         """Whether any of these rows asks for top-k, top-p or min-p (compiles the filter paths)."""
@@ -396,13 +511,15 @@ class Engine:
         table, tokens, positions, segments, slots, completes, sampling = jax.device_put(
             (table, tokens, positions, segments, slots, completes, sampling))  # one transfer
         start = time.perf_counter()
-        self.pool, self.state, tok, logprob = device_fns.prefill(
+        self.pool, self.state, tok, logprob, more = device_fns.prefill(
             self.decode_cfg, self._filters(host_slots) if filters is None else filters, self.params, self.pool,
-            table, tokens, positions, segments, self.state, slots, completes, sampling)
+            table, tokens, positions, segments, self.state, slots, completes, sampling, self._top(finishing),
+            self._masks(finishing, rows))
         self._times["prefill_calls"] += 1
         self._time_call("prefill", rows * chunk, start, tok)
+        self._restore_counts([s for s in finishing if s is not None])
         if any(finishing):
-            self.inflight.append(_Inflight("prefill", finishing, tok, logprob, None, self.weight_version))
+            self.inflight.append(_Inflight("prefill", finishing, tok, logprob, None, self.weight_version, more))
 
     def _arm(self, seqs: list[Sequence]) -> None:
         """Prompts with one token left go straight to decoding (`device_fns.arm`)."""
@@ -413,6 +530,17 @@ class Engine:
             seq.prefilled = seq.device_tokens = len(seq.prompt)
             self.active[seq.slot] = True
         self.state = device_fns.arm(self.state, *jax.device_put((slots, tokens, positions)))
+        self._restore_counts(seqs)
+
+    def _restore_counts(self, seqs: list[Sequence]) -> None:
+        """Penalties of retracted sequences count the output they had before (their slot's counts
+        were just started over)."""
+        carried = [s for s in seqs if s.extras.carried_tokens]
+        if not carried or "counts" not in self.state:
+            return
+        counts = np.stack([np.bincount(s.extras.carried[0], minlength=self.cfg.vocab_size) for s in carried])
+        slots = np.array([s.slot for s in carried], np.int32)
+        self.state = device_fns.add_counts(self.state, jnp.asarray(slots), jnp.asarray(counts, jnp.int32))
 
     def _cache_prompt_pages(self, seq: Sequence) -> None:
         """Full prompt pages just dispatched go into the prefix cache (later readers are
@@ -426,6 +554,12 @@ class Engine:
     # --- decode --------------------------------------------------------------------------
 
     def _decode(self) -> bool:
+        """Dispatches the next decode call; with a constrained sequence running, the call is one
+        step and waits for the tokens before it (each mask follows from the token before)."""
+        steps = self.decode_steps
+        if self._constrained():
+            self._process(keep=0)
+            steps = 1
         seqs = [s if s is not None and self.active[s.slot] else None for s in self.slots]
         if not any(seqs):
             return False
@@ -433,13 +567,14 @@ class Engine:
         for i, seq in enumerate(seqs):
             if seq is not None:
                 final = len(seq.prompt) + seq.max_new
-                reach[i] = min(seq.device_tokens + self.decode_steps, final, self.max_len + 1) - 1
+                reach[i] = min(seq.device_tokens + steps, final, self.max_len + 1) - 1
                 self._ensure_pages(seq, reach[i])
-                seq.device_tokens = min(seq.device_tokens + self.decode_steps, final)
-        self._dispatch_decode(seqs, reach)
+                seq.device_tokens = min(seq.device_tokens + steps, final)
+        self._dispatch_decode(seqs, reach, steps=steps)
         return True
 
-    def _dispatch_decode(self, seqs: list, reach: np.ndarray | None = None, filters: bool | None = None) -> None:
+    def _dispatch_decode(self, seqs: list, reach: np.ndarray | None = None, filters: bool | None = None,
+                         steps: int | None = None) -> None:
         reach = np.zeros(self.max_slots, np.int64) if reach is None else reach
         entries = self.max_slots * self.pages_per_row
         chunk = max(RAGGED_MIN_CHUNK, -(-entries // RAGGED_CHUNKS))
@@ -449,13 +584,14 @@ class Engine:
             self._sampling_device = jax.device_put(self._sampling)
         table, ragged, active = jax.device_put((self.page_table, ragged, active))  # one transfer
         filters = self._filters(np.flatnonzero(active_host)) if filters is None else filters
+        mask = self._masks(seqs, self.max_slots)
         start = time.perf_counter()
-        self.pool, self.state, toks, logprobs, emitted = device_fns.decode(
-            self.decode_cfg, self.decode_steps, filters, self.params, self.pool, table, ragged, self.state, active,
-            self._sampling_device)
+        self.pool, self.state, toks, logprobs, emitted, more = device_fns.decode(
+            self.decode_cfg, 1 if mask is not None else steps or self.decode_steps, filters, self.params, self.pool,
+            table, ragged, self.state, active, self._sampling_device, self._top(seqs), mask)
         self._times["decode_calls"] += 1
         self._time_call("decode", (int(active_host.sum()), self.max_slots), start, emitted)
-        self.inflight.append(_Inflight("decode", seqs, toks, logprobs, emitted, self.weight_version))
+        self.inflight.append(_Inflight("decode", seqs, toks, logprobs, emitted, self.weight_version, more))
 
     def _time_call(self, kind: str, size: Any, start: float, output: jax.Array) -> None:
         if self.call_times is not None:
@@ -471,22 +607,26 @@ class Engine:
             start = time.perf_counter()
             tokens, logprobs = np.asarray(call.tokens), np.asarray(call.logprobs)
             emitted = None if call.emitted is None else np.asarray(call.emitted)
+            more = {k: np.asarray(v) for k, v in call.extras.items()}
             self._times["device_wait_s"] += time.perf_counter() - start
             for i, seq in enumerate(call.seqs):
                 if seq is None or seq.finish is not None:
                     continue
                 if call.kind == "prefill":
                     if seq.max_new <= 0:
-                        self._finish(seq, {"type": "length", "length": 0})
+                        self._finish(seq, {"type": "length", "length": seq.extras.carried_tokens})
                     else:
-                        self._append(seq, [int(tokens[i])], [float(logprobs[i])], call.version)
+                        self._append(seq, [int(tokens[i])], [float(logprobs[i])], call.version,
+                                     {k: v[i][None] for k, v in more.items()})
                 elif emitted[i]:
                     n = int(emitted[i])
-                    self._append(seq, tokens[i, :n].tolist(), logprobs[i, :n].tolist(), call.version)
+                    self._append(seq, tokens[i, :n].tolist(), logprobs[i, :n].tolist(), call.version,
+                                 {k: v[i, :n] for k, v in more.items()})
 
-    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[float], version: int) -> None:
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[float], version: int,
+                more: dict[str, np.ndarray]) -> None:
         before = len(seq.output)
-        reason = seq.accept(tokens, logprobs, version)
+        reason = seq.accept(tokens, logprobs, version, more)
         self._times["generated_tokens"] += len(seq.output) - before
         if reason is not None:
             self._finish(seq, reason)
@@ -499,28 +639,34 @@ class Engine:
         seq.finish = reason
         if seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.slot >= 0 and self.slots[seq.slot] is seq:
-            self.slots[seq.slot] = None
-            self.active[seq.slot] = False
-            if reason["type"] != "abort":  # the KV of every token but the last is written: cache it
-                self.prefix.insert(seq.prompt + seq.output[:-1], seq.pages)
-            self.prefix.lock(seq.nodes, -1)
-            self.pages.release(seq.pages)
-            self._reserved -= seq.budget
-            seq.pages, seq.nodes, seq.budget = [], [], 0
+        self._release_slot(seq, cache=reason["type"] != "abort")
         self.finished.append(self._completion(seq, reason))
 
+    def _release_slot(self, seq: Sequence, cache: bool) -> None:
+        """Frees a running sequence's slot and pages; with `cache`, the prefix cache keeps the KV
+        of every token but the last (all of it is written)."""
+        if seq.slot < 0 or self.slots[seq.slot] is not seq:
+            return
+        self.slots[seq.slot] = None
+        self.active[seq.slot] = False
+        if cache:
+            self.prefix.insert(seq.prompt + seq.output[:-1], seq.pages)
+        self.prefix.lock(seq.nodes, -1)
+        self.pages.release(seq.pages)
+        self._reserved -= seq.budget
+        seq.pages, seq.nodes, seq.budget = [], [], 0
+
     def _completion(self, seq: Sequence, finish: dict[str, Any] | None) -> Completion:
-        text = None
+        c = extras_lib.fill(Completion(
+            rid=seq.request.rid, prompt_ids=list(seq.prompt), output_ids=list(seq.output),
+            output_logprobs=list(seq.logprobs), output_versions=list(seq.versions), finish_reason=finish,
+            cached_tokens=seq.cached_tokens, weight_version=self.weight_version), seq.extras, seq.request)
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output, skip_special_tokens=seq.request.sampling.skip_special_tokens)
+            c.text = self.tokenizer.decode(c.output_ids, skip_special_tokens=seq.request.sampling.skip_special_tokens)
             matched = (finish or {}).get("matched")
-            if isinstance(matched, str) and not seq.request.sampling.no_stop_trim and matched in text:
-                text = text[: text.rfind(matched)]
-        return Completion(rid=seq.request.rid, prompt_ids=list(seq.prompt), output_ids=list(seq.output),
-                          output_logprobs=list(seq.logprobs), output_versions=list(seq.versions),
-                          finish_reason=finish, cached_tokens=seq.cached_tokens,
-                          weight_version=self.weight_version, text=text)
+            if isinstance(matched, str) and not seq.request.sampling.no_stop_trim and matched in c.text:
+                c.text = c.text[: c.text.rfind(matched)]
+        return c
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -529,3 +675,14 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+def _features() -> list[str]:
+    """What this engine implements beyond plain sampling (server_protocol.ENGINE_FEATURES)."""
+    features = ["penalties", "stop_regex", "prompt_logprobs", "top_logprobs"]
+    try:
+        import outlines_core  # noqa: F401  (the structured extra)
+        features.append("constraints")
+    except ImportError:
+        pass
+    return features

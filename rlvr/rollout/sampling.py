@@ -26,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from rlvr.kernels.chunked_logprob.reference import MIN_TEMPERATURE, kept_prefix, kept_tokens
+from rlvr.kernels.chunked_logprob.reference import MIN_TEMPERATURE, kept_prefix, kept_tokens, sampling_logits
 
 CANDIDATES = 64
 BLOCK = 128
@@ -120,6 +120,20 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     greedy = temperature <= 0.0
     token = jax.lax.cond(jnp.any(greedy), lambda: jnp.where(greedy, first_argmax(logits), token), lambda: token)
     return token, jnp.where(greedy, 0.0, logprob)
+
+
+def policy_logprob(logits: jax.Array, tokens: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                   top_p: jax.Array, min_p: jax.Array, filters: bool = True) -> jax.Array:
+    """log-probs [B] of `tokens` [B] under each row's distribution of `logits` [B, V] as the
+    trainer scores a sampled token (`sampling_logits`, the token always kept): for rows that drew
+    from other logits (penalties, a grammar mask). `filters`: as in `sample_tokens` (without it,
+    top-k/top-p/min-p are taken to be off; the sort only runs with it)."""
+    keep = None
+    if filters:
+        keep = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1) == tokens[:, None]
+    settings = (top_k, top_p, min_p) if filters else ()
+    logp = jax.nn.log_softmax(sampling_logits(logits, temperature, *settings, keep=keep), axis=-1)
+    return jnp.take_along_axis(logp, tokens[:, None], -1)[:, 0]
 
 
 def sample_reference(logits: jax.Array, temperature, top_k, top_p, min_p, seeds, positions):

@@ -3,23 +3,26 @@
 `serve(driver)` answers the routes RL frameworks (slime, veRL, our `SGLangClient`) call on a real
 SGLang server, so the embedded JAX engine and GPU SGLang servers are interchangeable:
 
-* generation: `POST|PUT /generate` (text or input_ids, single or batch, `n`, `rid`, logprobs, SSE
-  streaming), OpenAI `POST /v1/completions`, `POST /v1/chat/completions` (tools) and `GET /v1/models`;
-* control: `/abort_request`, `/pause_generation`, `/continue_generation`, `/flush_cache`,
-  `/update_weights_from_disk`, `/update_weight_version`;
+* generation: `POST|PUT /generate` (text or input_ids, single or batch, `n`, `rid`, output, prompt
+  and top log-probs, SSE streaming), OpenAI `POST /v1/completions`, `POST /v1/chat/completions`
+  (tools, streaming, structured output) and `GET /v1/models`, `/v1/models/{id}`;
+* tokenizer: `POST /tokenize`, `/detokenize` (also under `/v1/`);
+* control: `/abort_request`, `/pause_generation` (abort, retract, in_place), `/continue_generation`,
+  `/flush_cache`, `/update_weights_from_disk`, `/update_weight_version`,
+  `/release_memory_occupation`, `/resume_memory_occupation` (tags "kv_cache", "weights");
 * status: `/health`, `/health_generate`, `/ready`, `/model_info` (`/get_model_info`),
-  `/server_info` (`/get_server_info`), `/v1/loads`.
+  `/server_info` (`/get_server_info`), `/v1/loads`, `/get_load`.
 
 Every finished request can be recorded for training: `serve(..., recorder=fn)` calls `fn(record)`
 with the exact prompt / output ids, logprobs, weight versions, finish reason, endpoint and request
 body (see `server_protocol.record_of`); it runs on the HTTP handler threads, so it must be
 thread-safe (`list.append` is). Bad requests get SGLang-style 4xx JSON errors, never a crash.
 
-Differences from SGLang: `/pause_generation` mode "retract" is served as "in_place" (see its
-docstring); weight versions are integers; `/health` is a cheap liveness check and
-`/health_generate` the 1-token generation; prompt logprobs (`logprob_start_len >= 0`),
-`top_logprobs_num`, penalties and constrained decoding are refused with 400. A client that
-disconnects has its requests aborted.
+Differences from SGLang: `/health` is a cheap liveness check and `/health_generate` the 1-token
+generation; a weight-version label that is not a number is mapped to the next integer version
+(`meta_info.weight_version` reports the label, `output_weight_versions` the integers); features
+the engine lacks (its `model_info()["features"]`) are refused with 400 rather than ignored. A
+client that disconnects has its requests aborted.
 
 Run one from a Hugging Face directory with `python -m rlvr.rollout.server --hf_dir=DIR --port=30000`
 (`--port=0`: any free port, logged as "serving DIR on URL"; `--request_log=FILE`: every finished request's
@@ -35,6 +38,7 @@ import logging
 import os
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, wait
@@ -69,12 +73,16 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-def _version(name: str, value: Any) -> int:
+def _label(name: str, value: Any) -> str:
+    """SGLang's weight_version: any string label (a JSON number is taken as its text)."""
     if is_int(value) and value >= 0:
+        return str(value)
+    if isinstance(value, str) and value:
         return value
-    if isinstance(value, str) and value.isdigit():
-        return int(value)
-    raise ApiError(f"{name} must be a non-negative integer (or a string of digits): rlvr labels weights with ints")
+    raise ApiError(f"{name} must be a non-empty string label (or a non-negative integer)")
+
+
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")  # SGLang's GPU_MEMORY_ALL_TYPES
 
 
 class RolloutApp:
@@ -89,6 +97,7 @@ class RolloutApp:
         self.limits = ModelLimits.from_model_info(info, driver.tokenizer)
         self.start_time = time.time()
         self.address: tuple[str, int] = ("", 0)
+        self.labels: dict[int, str] = {}  # engine weight version -> the label a client gave it
         self.routes: dict[str, tuple[set[str], Callable[..., Reply]]] = {
             "/generate": ({"POST", "PUT"}, self.generate),
             "/abort_request": ({"POST"}, self.abort_request),
@@ -103,15 +112,23 @@ class RolloutApp:
             "/server_info": ({"GET"}, self.server_info),
             "/get_server_info": ({"GET"}, self.server_info),
             "/v1/loads": ({"GET"}, self.loads),
+            "/get_load": ({"GET"}, self.get_load),
+            "/release_memory_occupation": ({"GET", "POST"}, self.release_memory),
+            "/resume_memory_occupation": ({"GET", "POST"}, self.resume_memory),
             "/update_weights_from_disk": ({"POST"}, self.update_weights_from_disk),
             "/update_weight_version": ({"POST"}, self.update_weight_version),
             "/v1/completions": ({"POST"}, self.openai(server_openai.completions)),
             "/v1/chat/completions": ({"POST"}, self.openai(server_openai.chat_completions)),
             "/v1/models": ({"GET"}, lambda raw, cancelled: Reply(200, server_openai.models(self))),
         }
+        for prefix in ("", "/v1"):
+            self.routes[prefix + "/tokenize"] = ({"POST"}, self.tool(server_openai.tokenize))
+            self.routes[prefix + "/detokenize"] = ({"POST"}, self.tool(server_openai.detokenize))
 
     def dispatch(self, method: str, path: str, raw: bytes, cancelled: Callable[[], bool]) -> Reply:
         path = path.rstrip("/") or "/"
+        if path.startswith("/v1/models/") and method == "GET":
+            return self.model(path.removeprefix("/v1/models/"))
         if path not in self.routes:
             raise ApiError(f"no route {path}", 404)
         methods, handler = self.routes[path]
@@ -123,8 +140,23 @@ class RolloutApp:
 
     # --- running requests -----------------------------------------------------------------
 
+    def precompile(self, requests: list[Request]) -> None:
+        """Compiles the requests' grammars here, on the handler thread (cached for the engine, which
+        would otherwise stall every running request while a large grammar compiles); 400 if one
+        does not compile."""
+        for request in requests:
+            constraint = request.sampling.constraint
+            if constraint is not None:
+                from rlvr.rollout.grammar import compile_constraint
+
+                try:
+                    compile_constraint(*constraint, self.limits.tokenizer, self.limits.vocab_size)
+                except ValueError as e:
+                    raise ApiError(f"{constraint[0]}: {e}") from None
+
     def run(self, requests: list[Request], cancelled: Callable[[], bool] | None = None) -> list[Completion]:
         """Completions of `requests` in order; aborts them if the HTTP client goes away."""
+        self.precompile(requests)
         try:
             futures = self.driver.submit_many(requests)
         except ValueError as e:
@@ -146,11 +178,44 @@ class RolloutApp:
         if errors:
             for request in requests:
                 self.driver.abort(request.rid)
-            if isinstance(errors[0], RequestRejected):
-                raise ApiError(f"request rejected by the engine: {errors[0]}")
-            status = 503 if isinstance(errors[0], DriverClosedError) else 500
-            raise ApiError(f"engine error: {type(errors[0]).__name__}: {errors[0]}", status)
+            raise self.error_of(errors[0])
         return [f.result() for f in futures]
+
+    def stream(self, requests: list[Request]) -> Iterator[tuple[int, Completion]]:
+        """(index, partial completion) as outputs grow; closing it aborts what is unfinished."""
+        self.precompile(requests)
+        try:
+            return self.driver.stream_many(requests)
+        except ValueError as e:
+            raise ApiError(str(e)) from None
+        except DriverClosedError as e:
+            raise ApiError(str(e), 503) from None
+
+    @staticmethod
+    def error_of(error: BaseException) -> ApiError:
+        """The HTTP error for an engine-side failure of a request."""
+        if isinstance(error, ApiError):
+            return error
+        if isinstance(error, RequestRejected):
+            return ApiError(f"request rejected by the engine: {error}")
+        status = 503 if isinstance(error, DriverClosedError) else 500
+        return ApiError(f"engine error: {type(error).__name__}: {error}", status)
+
+    def label(self, version: int) -> str:
+        """The weight-version label clients see (SGLang's labels are strings)."""
+        return self.labels.get(version, str(version))
+
+    def _version_of(self, label: str) -> int:
+        """The engine's integer version for a label: the number itself, else the next version."""
+        if label.isdigit():
+            return int(label)
+        known = [v for v, name in self.labels.items() if name == label]
+        return known[0] if known else self.driver.weight_version + 1
+
+    def _name(self, version: int, label: str | None) -> None:
+        if label is not None:
+            self.labels = {v: name for v, name in self.labels.items() if name != label and v != version}
+            self.labels[version] = label
 
     def record(self, endpoint: str, body: Any, c: Completion, text: str | None) -> None:
         if self.recorder is None:
@@ -165,16 +230,10 @@ class RolloutApp:
         gen = parse_generate(body, self.limits)
         start, tok = time.monotonic(), self.limits.tokenizer
         if gen.stream:
-            try:
-                chunks = self.driver.stream_many(gen.requests)
-            except ValueError as e:
-                raise ApiError(str(e)) from None
-            except DriverClosedError as e:
-                raise ApiError(str(e), 503) from None
-            return Reply(stream=self._stream(chunks, gen, body, start))
+            return Reply(stream=self._stream(self.stream(gen.requests), gen, body, start))
         outs = []
         for c, opts in zip(self.run(gen.requests, cancelled), gen.options, strict=True):
-            outs.append(generate_output(c, opts, tok, start))
+            outs.append(generate_output(c, opts, tok, start, label=self.label))
             self.record("/generate", body, c, outs[-1]["text"])
         return Reply(200, outs if gen.batch else outs[0])
 
@@ -183,19 +242,33 @@ class RolloutApp:
         try:
             for index, c in chunks:
                 out = generate_output(c, gen.options[index], self.limits.tokenizer, start,
-                                      index if gen.batch else None)
+                                      index if gen.batch else None, label=self.label)
                 if c.finish_reason is not None:
                     self.record("/generate", body, c, out["text"])
                 yield _sse(out)
         except Exception as e:
-            status = 400 if isinstance(e, RequestRejected) else 503 if isinstance(e, DriverClosedError) else 500
-            yield _sse(ApiError(f"engine error: {type(e).__name__}: {e}", status).body())
+            yield _sse(self.error_of(e).body())
         finally:
             chunks.close()  # type: ignore[attr-defined]  # aborts unfinished requests
         yield b"data: [DONE]\n\n"
 
-    def openai(self, fn: Callable[..., dict[str, Any]]) -> Callable[[bytes, Callable[[], bool]], Reply]:
-        return lambda raw, cancelled: Reply(200, fn(self, parse_json(raw), cancelled))
+    def openai(self, fn: Callable[..., Any]) -> Callable[[bytes, Callable[[], bool]], Reply]:
+        """An OpenAI generation route: a JSON answer, or an SSE stream with stream=true."""
+        def handler(raw: bytes, cancelled: Callable[[], bool]) -> Reply:
+            reply = fn(self, parse_json(raw), cancelled)
+            return Reply(200, reply) if isinstance(reply, dict) else Reply(stream=reply)
+        return handler
+
+    def tool(self, fn: Callable[[Any, Any], dict[str, Any]]) -> Callable[[bytes, Callable[[], bool]], Reply]:
+        return lambda raw, cancelled: Reply(200, fn(self, parse_json(raw)))
+
+    def model(self, name: str) -> Reply:
+        """GET /v1/models/{id}: the model card, or an OpenAI-style 404 for another name."""
+        name = urllib.parse.unquote(name)
+        if name != self.model_name:
+            return Reply(404, {"error": {"message": f"The model '{name}' does not exist", "type":
+                                         "invalid_request_error", "param": "model", "code": "model_not_found"}})
+        return Reply(200, server_openai.model_card(self))
 
     # --- control --------------------------------------------------------------------------
 
@@ -214,15 +287,15 @@ class RolloutApp:
         return Reply(200)
 
     def pause_generation(self, raw: bytes, cancelled: Any) -> Reply:
-        """mode "abort" (default) aborts running and queued requests; "in_place" freezes them with
-        their KV cache kept. "retract" is served as "in_place": the engine keeps the sequences
-        (nothing is recomputed), so flush_cache fails until continue_generation, as with in_place."""
+        """mode "abort" (default) aborts running and queued requests; "retract" moves the running
+        ones back to the queue, freeing their KV cache (recomputed on continue, so flush_cache
+        works while paused); "in_place" freezes them with their KV cache kept (flush_cache fails)."""
         body = expect_object(parse_json(raw, allow_empty=True))
         mode = body.get("mode") or "abort"
         if mode not in ("abort", "retract", "in_place"):
             raise ApiError(f"mode must be 'abort', 'retract' or 'in_place', got {json.dumps(mode)[:40]}")
-        count = self.driver.pause("abort" if mode == "abort" else "in_place")
-        what = "aborted" if mode == "abort" else "paused in place"
+        count = self.driver.pause(mode)
+        what = {"abort": "aborted", "retract": "retracted", "in_place": "paused in place"}[mode]
         return Reply(200, {"message": f"Generation paused ({mode}); {count} requests {what}.", "status": "ok"})
 
     def continue_generation(self, raw: bytes, cancelled: Any) -> Reply:
@@ -231,19 +304,49 @@ class RolloutApp:
         return Reply(200, {"message": "Generation continued.", "status": "ok"})
 
     def flush_cache(self, raw: bytes, cancelled: Any) -> Reply:
+        """Drops the prefix cache when no request holds KV (queued ones may wait: while paused,
+        retracted requests recompute theirs), else 400, as SGLang."""
         try:
             self.driver.flush_cache()
         except RuntimeError as e:
             raise ApiError(f"Cache not flushed: {e}") from None
         return Reply(200, "Cache flushed.\n")
 
+    def _memory_tags(self, raw: bytes) -> list[str]:
+        body = expect_object(parse_json(raw, allow_empty=True))
+        tags = body.get("tags")
+        if tags is None or tags == []:
+            return list(MEMORY_TAGS)
+        if not isinstance(tags, list) or any(t not in MEMORY_TAGS for t in tags):
+            raise ApiError(f"tags must be null or a list of {list(MEMORY_TAGS)}, got {json.dumps(tags)[:80]}")
+        return list(tags)
+
+    def release_memory(self, raw: bytes, cancelled: Any) -> Reply:
+        """Frees device memory by tag: "kv_cache" (the KV pool, flushing the prefix cache), "weights"
+        (kept on the host). Needs an idle engine (queued requests may wait while paused); requests
+        sent meanwhile wait until everything is resumed."""
+        return self._memory("release", self.driver.release_memory, raw)
+
+    def resume_memory(self, raw: bytes, cancelled: Any) -> Reply:
+        """Re-allocates what `release_memory` freed (the KV pool empty, the weights as they were)."""
+        return self._memory("resume", self.driver.resume_memory, raw)
+
+    def _memory(self, verb: str, fn: Callable[[list[str]], None], raw: bytes) -> Reply:
+        tags = self._memory_tags(raw)
+        try:
+            fn(tags)
+        except (RuntimeError, ValueError) as e:
+            raise ApiError(f"{verb}_memory_occupation: {e}") from None
+        return Reply(200, {"success": True, "message": f"{verb}d {tags}"})
+
     def update_weights_from_disk(self, raw: bytes, cancelled: Any) -> Reply:
         """Loads an HF safetensors dir (rlvr.models.hf.export_hf_checkpoint) as `weight_version`
         (default: current + 1). With flush_cache, the prefix cache is dropped if nothing runs."""
         body = expect_object(parse_json(raw))
         path = check_str("model_path", body.get("model_path"))
-        version = body.get("weight_version")
-        version = self.driver.weight_version + 1 if version is None else _version("weight_version", version)
+        label = body.get("weight_version")
+        label = None if label is None else _label("weight_version", label)
+        version = self.driver.weight_version + 1 if label is None else self._version_of(label)
         if body.get("load_format") not in (None, "auto", "safetensors"):
             raise ApiError("load_format must be 'auto' or 'safetensors'")
         load = self.driver.load()
@@ -255,6 +358,7 @@ class RolloutApp:
         except Exception as e:
             message = f"Failed to update weights: {type(e).__name__}: {e}"
             return Reply(400, {"success": False, "message": message, "num_paused_requests": 0})
+        self._name(version, label)
         message = "Succeeded to update model weights."
         if check_bool("flush_cache", body.get("flush_cache", True)):
             try:
@@ -265,15 +369,16 @@ class RolloutApp:
 
     def update_weight_version(self, raw: bytes, cancelled: Any) -> Reply:
         body = expect_object(parse_json(raw))
-        version = _version("new_version", body.get("new_version"))
+        label = _label("new_version", body.get("new_version"))
+        version = self._version_of(label)
         if check_bool("abort_all_requests", body.get("abort_all_requests", True)):
             self.driver.abort_all()
         try:
             self.driver.set_weight_version(version)
         except Exception as e:
             return Reply(400, {"success": False, "message": f"{type(e).__name__}: {e}"})
-        return Reply(200, {"success": True, "message": f"weight version set to {version}",
-                           "new_version": str(version)})
+        self._name(version, label)
+        return Reply(200, {"success": True, "message": f"weight version set to {label}", "new_version": label})
 
     # --- status ---------------------------------------------------------------------------
 
@@ -301,11 +406,11 @@ class RolloutApp:
         info = self.driver.model_info()
         return Reply(200, {**info, "model_path": self.model_path, "served_model_name": self.model_name,
                            "tokenizer_path": info.get("tokenizer_path", self.model_path), "is_generation": True,
-                           "preferred_sampling_params": None, "weight_version": str(self.driver.weight_version),
+                           "preferred_sampling_params": None, "weight_version": self.label(self.driver.weight_version),
                            "has_tokenizer": self.limits.tokenizer is not None})
 
     def server_info(self, raw: bytes, cancelled: Any) -> Reply:
-        state = {**self.driver.load(), "weight_version": str(self.driver.weight_version),
+        state = {**self.driver.load(), "weight_version": self.label(self.driver.weight_version),
                  "paused": self.driver.paused, "engine_metrics": self.driver.metrics()}
         return Reply(200, {"host": self.address[0], "port": self.address[1], "model_path": self.model_path,
                            "served_model_name": self.model_name, "context_length": self.limits.context_length,
@@ -316,6 +421,12 @@ class RolloutApp:
         load = self.driver.load()
         return Reply(200, {"timestamp": datetime.now(timezone.utc).isoformat(), "dp_rank_count": 1,
                            "loads": [{"dp_rank": 0, **load}], **load})
+
+    def get_load(self, raw: bytes, cancelled: Any) -> Reply:
+        """The older per-DP-rank list (sglang-jax still serves it)."""
+        load = self.driver.load()
+        return Reply(200, [{"dp_rank": 0, "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
+                            **load}])
 
 
 def serve(driver: EngineDriver, host: str = "127.0.0.1", port: int = 0, recorder: Recorder | None = None,

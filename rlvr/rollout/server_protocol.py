@@ -1,23 +1,33 @@
-"""SGLang's native `/generate` protocol: strict request parsing and response building.
+"""SGLang's native `/generate` protocol: request parsing with SGLang's rules, and response building.
 
-Every malformed request becomes an `ApiError` (HTTP 4xx, SGLang-style `{"error": {...}}` body)
-before anything reaches the engine: wrong JSON types, both or neither of `text` / `input_ids`,
-empty inputs, out-of-vocab ids, unknown or unsupported keys (a non-default value of a feature the
-rlvr engine does not implement, e.g. `frequency_penalty`, is refused rather than silently
-ignored, so an RL run never trains on samples drawn from a different distribution than asked).
-Keys with no effect on sampling (`extra_key`, `spaces_between_special_tokens`, ...) are accepted.
+Accepted as SGLang accepts it (sglang 0.5.23, `sglang.api.v1` and `SamplingParams`): null means
+the default, an empty value means unset (`stop_regex: []`, `regex: ""`, `token_ids_logprob: []`,
+`image_data: []`), unknown top-level fields are ignored (logged once), an omitted max_new_tokens
+is 128 clipped to the context (an explicit one that does not fit is a 400), `min_new_tokens >
+max_new_tokens` is a 400, prompt/top log-prob fields count only with `return_logprob`.
+
+Refused with a 4xx `ApiError` (SGLang-style `{"error": {...}}` body) before anything reaches the
+engine: malformed JSON, wrong types, both or neither of `text` / `input_ids`, empty prompts,
+out-of-vocabulary ids, unknown sampling params (as SGLang does), and any non-empty value of a
+feature the engine lacks (multimodal inputs, LoRA, beam search, ebnf; penalties, constraints or
+extra log-probs when the engine's `model_info()["features"]` does not list them): an RL run never
+trains on samples drawn from another distribution than the one it asked for.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from rlvr.rollout.types import Completion, Request, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 MAX_INT32 = 2**31 - 1
 MAX_ITEMS = 8192  # prompts x n per call
@@ -45,6 +55,7 @@ class ModelLimits:
     vocab_size: int
     context_length: int | None = None
     tokenizer: Any = None  # rlvr.models.tokenizer.Tokenizer or None (input_ids only)
+    features: frozenset[str] = frozenset()  # of ENGINE_FEATURES, as the engine's model_info() reports
 
     @classmethod
     def from_model_info(cls, info: dict[str, Any], tokenizer: Any) -> ModelLimits:
@@ -53,7 +64,30 @@ class ModelLimits:
             raise ValueError(f"model_info() must report a positive vocab_size, got {vocab!r}")
         ctx = next((info[k] for k in ("context_length", "max_context_length", "max_len", "max_seq_len",
                                       "max_position_embeddings") if is_int(info.get(k))), None)
-        return cls(vocab, ctx, tokenizer)
+        return cls(vocab, ctx, tokenizer, frozenset(info.get("features") or ()))
+
+    def require(self, feature: str, what: str) -> None:
+        if feature not in self.features:
+            raise ApiError(f"{what} is not supported by this engine (it lacks {feature!r})")
+
+
+# What an engine may implement beyond plain sampling; `model_info()["features"]` lists its own.
+ENGINE_FEATURES = {
+    "penalties": "frequency / presence / repetition penalties and logit_bias",
+    "constraints": "constrained decoding (regex, json_schema, choice)",
+    "stop_regex": "stop_regex",
+    "prompt_logprobs": "prompt log-probs (logprob_start_len >= 0)",
+    "top_logprobs": "top_logprobs_num > 0 and token_ids_logprob",
+}
+
+
+def refuse_unimplemented(params: SamplingParams, limits: ModelLimits, where: str) -> None:
+    if params.penalized:
+        limits.require("penalties", f"{where}: penalties / logit_bias")
+    if params.constraint is not None:
+        limits.require("constraints", f"{where}.{params.constraint[0]}")
+    if params.stop_regex:
+        limits.require("stop_regex", f"{where}.stop_regex")
 
 
 # --- JSON and scalar checks ----------------------------------------------------------------
@@ -122,62 +156,134 @@ def check_ids(name: str, x: Any, vocab: int, allow_empty: bool = False) -> list[
     return list(x)
 
 
-def check_fields(body: dict[str, Any], supported: set[str], ignored: set[str], unsupported: dict[str, Any],
-                 where: str = "request") -> None:
-    """Unknown keys and non-default values of unimplemented features are errors."""
-    for key, value in body.items():
-        if key in supported or key in ignored:
-            continue
-        if key in unsupported:
-            if value is not None and value != unsupported[key]:
-                raise ApiError(f"{where}.{key}={json.dumps(value)[:80]} is not supported by the rlvr engine")
-            continue
-        raise ApiError(f"{where}: unknown field {key!r}; supported: {sorted(supported)}")
+def log_ignored(where: str, keys: Any) -> None:
+    """Logs each ignored field name once per process (SGLang ignores unknown top-level fields)."""
+    for key in keys:
+        if (where, key) not in _LOGGED:
+            _LOGGED.add((where, key))
+            logger.info("ignoring %s field %r (no effect on the rlvr engine)", where, str(key)[:80])
+
+
+_LOGGED: set[tuple[str, str]] = set()
+
+
+def refuse_unsupported(values: dict[str, Any], names: Any, where: str) -> None:
+    """Fields of features the rlvr engine lacks: empty values mean unset (as in SGLang), anything
+    else is refused rather than silently ignored, so no sample is drawn from another distribution."""
+    for key in names:
+        value = values.get(key)
+        if value not in (None, False, "", [], {}):
+            raise ApiError(f"{where}.{key}={json.dumps(value)[:80]} is not supported by the rlvr engine")
 
 
 # --- sampling_params -----------------------------------------------------------------------
 
-_SAMPLING_INT = {"max_new_tokens": (0, MAX_INT32), "min_new_tokens": (0, MAX_INT32), "top_k": (-1, MAX_INT32),
+# SGLang's sampling_params keys (sglang.api.v1 SamplingParams); others are refused, as SGLang does.
+_SAMPLING_INT = {"max_new_tokens": (0, MAX_INT32), "min_new_tokens": (0, MAX_INT32), "top_k": (-1, 2**62),
                  "sampling_seed": (-(2**63), 2**63 - 1), "n": (1, 1024)}
-_SAMPLING_FLOAT = {"temperature": (0.0, 1e6), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0)}
-_SAMPLING_BOOL = {"ignore_eos", "skip_special_tokens", "no_stop_trim"}
+_SAMPLING_FLOAT = {"temperature": (0.0, 1e30), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0),
+                   "frequency_penalty": (-2.0, 2.0), "presence_penalty": (-2.0, 2.0),
+                   "repetition_penalty": (0.0, 2.0)}
+_SAMPLING_BOOL = {"ignore_eos", "skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens"}
+_SAMPLING_STR = {"regex", "json_schema", "ebnf", "structural_tag"}  # "" = unset
 SAMPLING_IGNORED = {"spaces_between_special_tokens", "stream_interval", "custom_params"}
-SAMPLING_UNSUPPORTED: dict[str, Any] = {
-    "frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "logit_bias": {},
-    "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None, "stop_regex": None}
+SAMPLING_UNSUPPORTED = ("ebnf", "structural_tag", "beam_width", "watermark")
+SAMPLING_KEYS = {*_SAMPLING_INT, *_SAMPLING_FLOAT, *_SAMPLING_BOOL, *_SAMPLING_STR, *SAMPLING_IGNORED,
+                 *SAMPLING_UNSUPPORTED, "stop", "stop_token_ids", "stop_regex", "logit_bias", "choice"}
+MAX_STOPS = 32  # SGLang's MAX_STOP_COUNT and MAX_STOP_REGEX_COUNT
+MAX_NEW_TOKENS_OMITTED = 128  # SGLang's default when sampling_params has no max_new_tokens
 
 
-def parse_sampling(values: Any, limits: ModelLimits, where: str = "sampling_params") -> SamplingParams:
-    """A validated `SamplingParams` from SGLang's `sampling_params` dict (None = defaults)."""
+@dataclasses.dataclass
+class ParsedSampling:
+    """`SamplingParams` plus how its max_new_tokens was given: an explicit value is checked against
+    the context (400 if it does not fit, as SGLang does), an omitted (128) or null (unlimited) one is
+    clipped to the context instead."""
+
+    params: SamplingParams
+    check_length: bool
+
+
+def _strings(name: str, value: Any, limit: int = MAX_STOPS) -> list[str]:
+    """A str or a list of str; empty strings dropped (empty = unset)."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise ApiError(f"{name} must be a string or a list of strings")
+    if len(items) > limit:
+        raise ApiError(f"{name}: at most {limit} entries are allowed, got {len(items)}")
+    return [s for s in items if s]
+
+
+def _scalar(name: str, key: str, value: Any) -> Any:
+    if key in _SAMPLING_INT:
+        return check_int(name, value, *_SAMPLING_INT[key])
+    if key in _SAMPLING_FLOAT:
+        return check_float(name, value, *_SAMPLING_FLOAT[key])
+    if key in _SAMPLING_BOOL:
+        return check_bool(name, value)
+    if not isinstance(value, str):
+        raise ApiError(f"{name} must be a string, got {json.dumps(value)[:80]}")
+    return value or None
+
+
+def _logit_bias(name: str, value: Any, vocab: int) -> dict[int, float]:
+    """SGLang's / OpenAI's `{"token id": bias}`; keys must be ids of the vocabulary."""
+    out = {}
+    for key, bias in expect_object(value, name).items():
+        if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab:
+            raise ApiError(f"{name} keys must be token ids in [0, {vocab}), got {key[:40]!r}")
+        out[int(key)] = check_float(f"{name}[{key}]", bias, -100.0, 100.0)
+    return out
+
+
+def parse_sampling(values: Any, limits: ModelLimits, where: str = "sampling_params") -> ParsedSampling:
+    """SGLang's `sampling_params` dict (None = defaults) with SGLang's rules: null means the default,
+    an empty grammar / stop list means unset, temperature below 1e-6 is greedy, top_k of the
+    vocabulary size or more (SGLang's default is 2**30) means all, unknown keys are refused."""
     values = {} if values is None else expect_object(values, where)
-    supported = set(_SAMPLING_INT) | set(_SAMPLING_FLOAT) | _SAMPLING_BOOL | {"stop", "stop_token_ids"}
-    check_fields(values, supported, SAMPLING_IGNORED, SAMPLING_UNSUPPORTED, where)
-    kwargs: dict[str, Any] = {}
-    for key, value in values.items():
-        name = f"{where}.{key}"
-        if value is None or key not in supported:
-            continue
-        if key in _SAMPLING_INT:
-            kwargs[key] = check_int(name, value, *_SAMPLING_INT[key])
-        elif key in _SAMPLING_FLOAT:
-            kwargs[key] = check_float(name, value, *_SAMPLING_FLOAT[key])
-        elif key in _SAMPLING_BOOL:
-            kwargs[key] = check_bool(name, value)
-        elif key == "stop":
-            stops = [value] if isinstance(value, str) else value
-            if not isinstance(stops, list) or len(stops) > 64:
-                raise ApiError(f"{name} must be a string or a list of at most 64 strings")
-            kwargs[key] = [check_str(name, s) for s in stops]
-        else:
-            kwargs[key] = check_ids(name, value, limits.vocab_size, allow_empty=True)
-    if kwargs.get("stop") and limits.tokenizer is None:
-        raise ApiError(f"{where}.stop needs a tokenizer; this server has none (use stop_token_ids)")
+    unknown = sorted(set(values) - SAMPLING_KEYS)
+    if unknown:
+        raise ApiError(f"{where}: unknown field {unknown[0]!r} (SGLang refuses unknown sampling params too); "
+                       f"known: {sorted(SAMPLING_KEYS)}")
+    refuse_unsupported(values, SAMPLING_UNSUPPORTED, where)
+    given = {k: v for k, v in values.items() if v is not None and k not in SAMPLING_IGNORED}
+    scalars = {*_SAMPLING_INT, *_SAMPLING_FLOAT, *_SAMPLING_BOOL, *_SAMPLING_STR}
+    kwargs: dict[str, Any] = {k: _scalar(f"{where}.{k}", k, v) for k, v in given.items() if k in scalars}
+    if "stop" in given:
+        kwargs["stop"] = _strings(f"{where}.stop", given["stop"])
+    if "stop_regex" in given:
+        kwargs["stop_regex"] = _strings(f"{where}.stop_regex", given["stop_regex"])
+    if "stop_token_ids" in given:  # ids outside the vocabulary can never be sampled: dropping them is exact
+        ids = given["stop_token_ids"]
+        if not isinstance(ids, list) or not all(is_int(t) or t is None for t in ids):
+            raise ApiError(f"{where}.stop_token_ids must be a list of integers")
+        kwargs["stop_token_ids"] = [t for t in ids if t is not None and 0 <= t < limits.vocab_size]
+    if "logit_bias" in given:
+        kwargs["logit_bias"] = _logit_bias(f"{where}.logit_bias", given["logit_bias"], limits.vocab_size)
+    if given.get("choice"):
+        kwargs["choices"] = _strings(f"{where}.choice", given["choice"], limit=MAX_ITEMS)
+    check = "max_new_tokens" in given
+    if "max_new_tokens" not in values:
+        kwargs["max_new_tokens"] = MAX_NEW_TOKENS_OMITTED
+    elif not check:  # null: as many as the context allows
+        kwargs["max_new_tokens"] = MAX_INT32
+    if kwargs.get("temperature", 1.0) < 1e-6:
+        kwargs["temperature"] = 0.0
+    if kwargs.get("top_k", -1) >= limits.vocab_size:
+        kwargs["top_k"] = -1
+    if check and kwargs.get("min_new_tokens", 0) > kwargs["max_new_tokens"]:
+        raise ApiError(f"{where}.min_new_tokens must be in [0, max_new_tokens({kwargs['max_new_tokens']})], "
+                       f"got {kwargs['min_new_tokens']}")
+    if (kwargs.get("stop") or kwargs.get("stop_regex")) and limits.tokenizer is None:
+        raise ApiError(f"{where}.stop / stop_regex need a tokenizer; this server has none (use stop_token_ids)")
+    kwargs = {k: v for k, v in kwargs.items() if k not in SAMPLING_IGNORED and v is not None}
     try:
         params = SamplingParams(**kwargs)
         params.validate()
     except ValueError as e:
         raise ApiError(str(e)) from None
-    return params
+    refuse_unimplemented(params, limits, where)
+    return ParsedSampling(params, check)
 
 
 def encode_text(tokenizer: Any, text: str, name: str) -> list[int]:
@@ -201,13 +307,13 @@ def check_length(prompt_len: int, max_new_tokens: int, limits: ModelLimits) -> N
 # --- /generate request ---------------------------------------------------------------------
 
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
-                   "top_logprobs_num", "return_text_in_logprobs", "stream", "return_prompt_token_ids"}
-GENERATE_IGNORED = {"extra_key", "cache_salt", "priority", "routing_key", "routed_dp_rank", "data_parallel_rank",
-                    "log_metrics", "bootstrap_host", "bootstrap_port", "bootstrap_room", "modalities"}
-GENERATE_UNSUPPORTED: dict[str, Any] = {
-    "input_embeds": None, "image_data": None, "video_data": None, "audio_data": None, "lora_path": None,
-    "custom_logit_processor": None, "return_hidden_states": False, "return_routed_experts": False,
-    "return_entropy": False, "token_ids_logprob": None, "session_params": None, "return_sampling_mask": False}
+                   "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream",
+                   "return_prompt_token_ids"}
+# Fields of features the engine lacks: empty / false / null = unset, anything else is a 400.
+GENERATE_UNSUPPORTED = ("input_embeds", "image_data", "video_data", "audio_data", "lora_path",
+                        "custom_logit_processor", "return_hidden_states", "return_routed_experts",
+                        "return_entropy", "session_params", "return_sampling_mask")
+# Anything else (extra_key, priority, custom_labels, ...) is ignored and logged once, as SGLang does.
 
 
 @dataclasses.dataclass
@@ -249,15 +355,16 @@ def parse_prompts(body: dict[str, Any], limits: ModelLimits) -> tuple[list[list[
     return [check_ids("input_ids", ids, limits.vocab_size)], False
 
 
-def _per_item(body: dict[str, Any], key: str, count: int) -> list[bool]:
+def per_item(body: dict[str, Any], key: str, count: int, default: Any, check: Callable[[str, Any], Any]) -> list[Any]:
+    """A field given once for the batch or as a list with one entry per prompt."""
     value = body.get(key)
     if value is None:
-        return [False] * count
-    if isinstance(value, list):
+        return [default] * count
+    if isinstance(value, list) and (key != "token_ids_logprob" or all(isinstance(v, list) for v in value) and value):
         if len(value) != count:
             raise ApiError(f"'{key}' has {len(value)} entries for {count} prompts")
-        return [check_bool(key, v) for v in value]
-    return [check_bool(key, value)] * count
+        return [default if v is None else check(f"{key}[{i}]", v) for i, v in enumerate(value)]
+    return [check(key, value)] * count
 
 
 def make_rids(rid: Any, num_prompts: int, n: int, batch: bool) -> list[str]:
@@ -281,24 +388,75 @@ def make_rids(rid: Any, num_prompts: int, n: int, batch: bool) -> list[str]:
     return rids
 
 
-def expand(prompts: list[list[int]], params: list[SamplingParams], rids: list[str],
-           limits: ModelLimits) -> list[Request]:
+def fit_length(prompt_len: int, sampling: ParsedSampling, limits: ModelLimits) -> SamplingParams:
+    """An explicit max_new_tokens must fit the context (400 otherwise); an omitted or null one is
+    clipped to it (and min_new_tokens with it), as SGLang's scheduler does."""
+    sp = sampling.params
+    ctx = limits.context_length
+    if sampling.check_length:
+        check_length(prompt_len, sp.max_new_tokens, limits)
+        return sp
+    room = sp.max_new_tokens if ctx is None else max(0, min(sp.max_new_tokens, ctx - prompt_len))
+    return dataclasses.replace(sp, max_new_tokens=room, min_new_tokens=min(sp.min_new_tokens, room))
+
+
+@dataclasses.dataclass
+class LogprobOptions:
+    """Per-prompt log-prob requests: `start` >= 0 asks for prompt log-probs from that position."""
+
+    start: int = -1
+    top: int = 0
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+
+
+def expand(prompts: list[list[int]], params: list[ParsedSampling], rids: list[str], limits: ModelLimits,
+           logprobs: list[LogprobOptions] | None = None) -> list[Request]:
     """n>1 becomes n requests per prompt (prompt-major); sample i gets sampling_seed + i."""
     requests = []
-    for j, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
-        check_length(len(prompt), sp.max_new_tokens, limits)
+    for j, (prompt, parsed) in enumerate(zip(prompts, params, strict=True)):
+        sp = fit_length(len(prompt), parsed, limits)
+        lp = logprobs[j] if logprobs is not None else LogprobOptions()
         for i in range(sp.n):
             seed = sp.sampling_seed + i if sp.sampling_seed is not None and sp.n > 1 else sp.sampling_seed
             one = dataclasses.replace(sp, n=1, sampling_seed=seed, stop=list(sp.stop),
                                       stop_token_ids=list(sp.stop_token_ids))
-            requests.append(Request(rid=rids[j * sp.n + i], input_ids=list(prompt), sampling=one))
+            requests.append(Request(rid=rids[j * sp.n + i], input_ids=list(prompt), sampling=one,
+                                    logprob_start_len=lp.start, top_logprobs_num=lp.top,
+                                    token_ids_logprob=list(lp.token_ids)))
     return requests
+
+
+def _logprob_options(body: dict[str, Any], prompts: list[list[int]], wanted: list[bool],
+                     limits: ModelLimits) -> list[LogprobOptions]:
+    """SGLang ignores logprob_start_len / top_logprobs_num / token_ids_logprob without return_logprob."""
+    count = len(prompts)
+    starts = per_item(body, "logprob_start_len", count, -1, lambda k, v: check_int(k, v, -1, MAX_INT32))
+    tops = per_item(body, "top_logprobs_num", count, 0, lambda k, v: check_int(k, v, 0, 1024))
+    ids = per_item(body, "token_ids_logprob", count, [],
+                   lambda k, v: check_ids(k, v, limits.vocab_size, allow_empty=True))
+    out = []
+    for prompt, want, start, top, token_ids in zip(prompts, wanted, starts, tops, ids, strict=True):
+        if not want:
+            out.append(LogprobOptions())
+            continue
+        if start > len(prompt):
+            raise ApiError(f"logprob_start_len={start} is higher than the number of input tokens {len(prompt)}")
+        if start >= 0:
+            limits.require("prompt_logprobs", "logprob_start_len >= 0 (prompt log-probs)")
+        if top or token_ids:
+            limits.require("top_logprobs", "top_logprobs_num / token_ids_logprob")
+        out.append(LogprobOptions(start, top, token_ids))
+    return out
 
 
 def parse_generate(body: Any, limits: ModelLimits) -> GenerateInput:
     """Validates a `/generate` body (`GenerateReqInput`) into engine requests."""
     body = expect_object(body)
-    check_fields(body, GENERATE_FIELDS, GENERATE_IGNORED, GENERATE_UNSUPPORTED)
+    refuse_unsupported(body, GENERATE_UNSUPPORTED, "request")
+    if body.get("sampling_logprobs_mode") is not None:
+        raise ApiError("sampling_logprobs_mode can only be set when return_sampling_mask=true")
+    log_ignored("/generate", sorted(set(body) - GENERATE_FIELDS - set(GENERATE_UNSUPPORTED)
+                                    - {"sampling_logprobs_mode"}))
     prompts, batch = parse_prompts(body, limits)
     sampling = body.get("sampling_params")
     if isinstance(sampling, list):
@@ -307,23 +465,19 @@ def parse_generate(body: Any, limits: ModelLimits) -> GenerateInput:
         params = [parse_sampling(sp, limits, f"sampling_params[{i}]") for i, sp in enumerate(sampling)]
     else:
         params = [parse_sampling(sampling, limits)] * len(prompts)
-    n = params[0].n
-    if any(p.n != n for p in params):
+    n = params[0].params.n
+    if any(p.params.n != n for p in params):
         raise ApiError("all prompts of a batch must use the same sampling_params.n")
     if len(prompts) * n > MAX_ITEMS:
         raise ApiError(f"{len(prompts)} prompts x n={n} exceeds {MAX_ITEMS} outputs per call")
-    if body.get("logprob_start_len") not in (None, -1):
-        raise ApiError("logprob_start_len >= 0 (prompt logprobs) is not supported by the rlvr engine")
-    if body.get("top_logprobs_num") not in (None, 0):
-        raise ApiError("top_logprobs_num > 0 is not supported by the rlvr engine")
     stream = check_bool("stream", body.get("stream", False))
-    text_lp = check_bool("return_text_in_logprobs", body.get("return_text_in_logprobs", False))
-    prompt_ids = check_bool("return_prompt_token_ids", body.get("return_prompt_token_ids", False))
-    logprob = _per_item(body, "return_logprob", len(prompts))
+    text_lp = check_bool("return_text_in_logprobs", body.get("return_text_in_logprobs") or False)
+    prompt_ids = check_bool("return_prompt_token_ids", body.get("return_prompt_token_ids") or False)
+    logprob = per_item(body, "return_logprob", len(prompts), False, check_bool)
     rids = make_rids(body.get("rid"), len(prompts), n, batch)
-    requests = expand(prompts, params, rids, limits)
-    options = [OutputOptions(logprob[j], text_lp, prompt_ids, params[j].skip_special_tokens, params[j].no_stop_trim)
-               for j in range(len(prompts)) for _ in range(n)]
+    requests = expand(prompts, params, rids, limits, _logprob_options(body, prompts, logprob, limits))
+    options = [OutputOptions(logprob[j], text_lp, prompt_ids, params[j].params.skip_special_tokens,
+                             params[j].params.no_stop_trim) for j in range(len(prompts)) for _ in range(n)]
     return GenerateInput(requests, options, batch or n > 1, stream)
 
 
@@ -346,16 +500,29 @@ def output_text(c: Completion, tokenizer: Any, skip_special_tokens: bool = True,
     return text
 
 
+_LOGPROB_LISTS = ("input_token_logprobs", "output_token_logprobs")
+_LOGPROB_ROWS = ("input_top_logprobs", "output_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs")
+
+
+def fill_logprob_texts(meta: dict[str, Any], tokenizer: Any) -> None:
+    """Sets the text of every `[logprob, id, text]` item of meta_info (return_text_in_logprobs)."""
+    items = [item for key in _LOGPROB_LISTS for item in meta.get(key, ())]
+    items += [item for key in _LOGPROB_ROWS for row in meta.get(key, ()) for item in row or ()]
+    for item in items:
+        item[2] = tokenizer.decode([item[1]])
+
+
 def generate_output(c: Completion, opts: OutputOptions, tokenizer: Any, start: float,
-                    index: int | None = None) -> dict[str, Any]:
-    """One `/generate` answer: `{text, output_ids, meta_info}` (+ `index` in batch streams)."""
+                    index: int | None = None, label: Callable[[int], str] = str) -> dict[str, Any]:
+    """One `/generate` answer: `{text, output_ids, meta_info}` (+ `index` in batch streams);
+    `label` names a weight version (SGLang's labels are strings)."""
     meta = c.meta_info(return_logprob=opts.return_logprob)
+    meta["weight_version"] = label(c.weight_version)
     meta["e2e_latency"] = time.monotonic() - start
     if opts.return_logprob:
         meta["output_weight_versions"] = list(c.output_versions)  # rlvr extension (partial rollouts)
         if opts.return_text_in_logprobs and tokenizer is not None:
-            for item in meta["output_token_logprobs"]:
-                item[2] = tokenizer.decode([item[1]])
+            fill_logprob_texts(meta, tokenizer)
     out: dict[str, Any] = {"text": output_text(c, tokenizer, opts.skip_special_tokens, opts.no_stop_trim),
                            "output_ids": list(c.output_ids), "meta_info": meta}
     if opts.return_prompt_token_ids:

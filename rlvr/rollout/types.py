@@ -12,7 +12,10 @@ from typing import Any
 
 @dataclasses.dataclass
 class SamplingParams:
-    """SGLang's `sampling_params` (the subset rlvr implements; unknown keys are rejected)."""
+    """SGLang's `sampling_params` (the subset rlvr implements; unknown keys are rejected).
+
+    `logit_bias` maps token ids to additive logit biases; `regex` / `json_schema` / `choices`
+    constrain the output (at most one); `stop_regex` finishes at the first match in the output text."""
 
     max_new_tokens: int = 128
     min_new_tokens: int = 0
@@ -27,6 +30,14 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
+    stop_regex: list[str] = dataclasses.field(default_factory=list)
+    regex: str | None = None
+    json_schema: str | None = None
+    choices: list[str] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> SamplingParams:
@@ -54,13 +65,51 @@ class SamplingParams:
             raise ValueError(f"sampling_params.min_p={self.min_p}: must be in [0, 1]")
         if self.n < 1:
             raise ValueError(f"sampling_params.n={self.n}: must be >= 1")
+        if self.min_new_tokens < 0:
+            raise ValueError(f"sampling_params.min_new_tokens={self.min_new_tokens}: must be >= 0")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"sampling_params.{name}={getattr(self, name)}: must be in [-2, 2]")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"sampling_params.repetition_penalty={self.repetition_penalty}: must be in (0, 2] "
+                             "(1 = no penalty)")
+        if sum(bool(x) for x in (self.regex, self.json_schema, self.choices)) > 1:
+            raise ValueError("sampling_params: only one of regex, json_schema and choice can be set")
+
+    @property
+    def constraint(self) -> tuple[str, Any] | None:
+        """("regex" | "json_schema" | "choices", value) when the output is constrained."""
+        for kind in ("regex", "json_schema", "choices"):
+            if getattr(self, kind):
+                return kind, getattr(self, kind)
+        return None
+
+    @property
+    def penalized(self) -> bool:
+        """True when penalties or logit biases change the logits."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1
+                    or self.logit_bias)
 
 
 @dataclasses.dataclass
 class Request:
+    """One sample to generate. Log-prob extras (SGLang's names): `logprob_start_len >= 0` also asks
+    for the prompt's log-probs from that position on; `top_logprobs_num` for the k most likely
+    tokens at each position; `token_ids_logprob` for the log-probs of these ids at each position."""
+
     rid: str
     input_ids: list[int]
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] = dataclasses.field(default_factory=list)
+
+
+TopLogprobs = list[tuple[float, int]]  # (logprob, token id), most likely first
+
+
+def _items(pairs: TopLogprobs | None) -> list[list[Any]] | None:
+    return None if pairs is None else [[lp, t, None] for lp, t in pairs]
 
 
 @dataclasses.dataclass
@@ -80,6 +129,13 @@ class Completion:
     cached_tokens: int = 0
     weight_version: int = 0
     text: str | None = None
+    # Filled only when the request asked for them (see Request): prompt positions from
+    # `logprob_start_len` on (the first is None: nothing precedes it), then per output token.
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[TopLogprobs | None] | None = None
+    output_top_logprobs: list[TopLogprobs] | None = None
+    input_token_ids_logprobs: list[TopLogprobs | None] | None = None
+    output_token_ids_logprobs: list[TopLogprobs] | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -98,4 +154,12 @@ class Completion:
             info["output_token_logprobs"] = [[lp, t, None] for lp, t in
                                              zip(self.output_logprobs, self.output_ids, strict=True)]
             info["output_token_logprobs_length"] = len(self.output_ids)
+            start = len(self.prompt_ids) - len(self.input_logprobs or [])
+            info["input_token_logprobs"] = [[lp, t, None] for lp, t in
+                                            zip(self.input_logprobs or [], self.prompt_ids[start:], strict=True)]
+            for side in ("input", "output"):
+                for kind in ("top_logprobs", "token_ids_logprobs"):
+                    rows = getattr(self, f"{side}_{kind}")
+                    if rows is not None:
+                        info[f"{side}_{kind}"] = [_items(row) for row in rows]
         return info
