@@ -476,7 +476,7 @@ def run_steps(run: Run) -> int | None:
                 if done == num_steps:
                     run.evaluate(done, "after")
                 run.checkpoints.save(done, run.state, run.extra_state(), force=True)
-            if guard.requested and done < num_steps:
+            if done < num_steps and guard.should_stop():
                 # async: let the batch being generated finish (bounded), so it is saved, not regenerated
                 run.producer.drain(config.checkpoint.preemption_grace_s)
                 run.checkpoints.save_now(done, run.state, run.extra_state())
