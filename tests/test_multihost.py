@@ -18,6 +18,7 @@ from rlvr.launch.local_cluster import LocalCluster
 from rlvr import api, config_lib, observe
 from rlvr.main import run
 from rlvr.train.preemption import PREEMPTED_EXIT_CODE
+from rlvr.trainers import rl
 
 pytestmark = pytest.mark.slow
 TIMEOUT = 420
@@ -127,3 +128,39 @@ def test_sigkill_of_one_host_ends_the_job_and_sigterm_to_one_host_checkpoints_it
     logs = _finish(_cluster(tmp_path, "rerun", command, env, repo_root))
     assert all(f"resumed from step {saved}" in log for log in logs)
     _assert_same_params(workdir, sft_reference)
+
+
+RL = "configs/quickstart.py:smoke"
+
+
+@pytest.fixture(scope="module")
+def rl_reference(tmp_path_factory):
+    """Sync GRPO in this process (8 devices) after a 40-step SFT warm start (its workdir: sft/), long
+    enough that the first RL step has rewards and a non-zero loss."""
+    workdir = tmp_path_factory.mktemp("rl_reference")
+    run(config_lib.load_config(RL, {"train.tensorboard": False, "rl.sft_steps": 40, "rl.sft_demos": 256}), str(workdir))
+    return workdir
+
+
+def test_rl_sync_on_two_processes_matches_one_process(tmp_path, tmp_path_factory, rl_reference, repo_root):
+    """The embedded engine sharded over both processes' devices (every process drives it, SPMD): from
+    the one-process warm start, 2 processes sample the same completions at every step (so the weight
+    sync after each update reached the engine on both), and end with bitwise the same weights."""
+    workdir = tmp_path / "job"
+    overrides = {"train.tensorboard": False, "rl.sft_steps": 0, "init.workdir": str(rl_reference / "sft")}
+    _finish(_cluster(tmp_path, "rl", _command(RL, workdir, overrides), _env(tmp_path_factory), repo_root))
+    ref_metrics = [m for m in _metrics(rl_reference) if "reward" in m]
+    assert ref_metrics[0]["reward"] > 0 and ref_metrics[0]["loss"] != 0  # the update is not trivially zero
+    got = [(m["step"], m["reward"], m["loss"]) for m in _metrics(workdir) if "reward" in m]
+    assert got == [(m["step"], m["reward"], m["loss"]) for m in ref_metrics]
+    assert observe.read_metrics(str(workdir), "samples.jsonl") == observe.read_metrics(str(rl_reference),
+                                                                                       "samples.jsonl")
+    _assert_same_params(workdir, rl_reference, atol=0)
+
+
+def test_multi_process_rl_refuses_what_would_let_processes_diverge():
+    config = config_lib.load_config(RL, {"rl.mode": "async"})
+    rl.check_processes(config.rl, 1)
+    with pytest.raises(config_lib.ConfigError, match=r"rl.mode='async' with 2 JAX processes: .* rl.mode='sync'"):
+        rl.check_processes(config.rl, 2)
+    rl.check_processes(config_lib.load_config(RL, {}).rl, 2)

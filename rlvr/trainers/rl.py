@@ -338,6 +338,7 @@ class Run:
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     """The RL job (see the module docstring): start (or resume) the run, train, summarise."""
     wall_start = time.perf_counter()
+    check_processes(config.rl, jax.process_count())
     run = start_run(config, workdir)
     try:  # from here on, any failure (evaluation included) closes the backend and producer
         preempted_at = run_steps(run)
@@ -346,6 +347,25 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     if preempted_at is not None:
         raise Preempted(preempted_at, run.checkpoints.directory)
     return write_summary(run, time.perf_counter() - wall_start)
+
+
+def check_processes(rl: ml_collections.ConfigDict, processes: int) -> None:
+    """Several JAX processes (a multi-host job) run the rollout SPMD: each drives the same embedded
+    engine over the global mesh, so every process must take the same host-side decisions in the same
+    order. Synchronous rollout does (tests/test_multihost.py: bitwise the one-process result); what
+    depends on timing or on a remote server's answers would let the processes diverge, so it is
+    refused. Raises api.ConfigError naming the setting."""
+    if processes == 1:
+        return
+    refused = {"rl.mode='async'": rl.mode == "async", "rl.backend='sglang'": rl.backend == "sglang",
+               "rl.schedule.lag_factor > 0": rl.schedule.lag_factor > 0,
+               "rl.schedule.deadline_s > 0": rl.schedule.deadline_s > 0}
+    bad = [name for name, on in refused.items() if on]
+    if bad:
+        raise api.ConfigError(f"{', '.join(bad)} with {processes} JAX processes: a multi-host RL job runs "
+                              "rl.mode='sync' on the embedded engine with time-independent scheduling (the "
+                              "processes must take identical rollout decisions); set those, or run the trainer "
+                              "as one process (README 'Running across hosts').")
 
 
 def start_run(config: ml_collections.ConfigDict, workdir: str) -> Run:
