@@ -130,6 +130,17 @@ def test_sigkill_of_one_host_ends_the_job_and_sigterm_to_one_host_checkpoints_it
     _assert_same_params(workdir, sft_reference)
 
 
+def test_dpo_on_two_processes_matches_one_process(tmp_path, tmp_path_factory, repo_root):
+    """DPO (loss against the frozen initial policy), from scratch: the same weights within 1e-6."""
+    overrides = {"train.num_steps": 4, "checkpoint.every_steps": 4, "train.tensorboard": False}
+    reference = tmp_path / "reference"
+    run(config_lib.load_config("configs/dpo_tiny.py:smoke", overrides), str(reference))
+    workdir = tmp_path / "job"
+    command = _command("configs/dpo_tiny.py:smoke", workdir, overrides)
+    _finish(_cluster(tmp_path, "dpo", command, _env(tmp_path_factory), repo_root))
+    _assert_same_params(workdir, reference)
+
+
 RL = "configs/quickstart.py:smoke"
 
 
@@ -164,3 +175,20 @@ def test_multi_process_rl_refuses_what_would_let_processes_diverge():
     with pytest.raises(config_lib.ConfigError, match=r"rl.mode='async' with 2 JAX processes: .* rl.mode='sync'"):
         rl.check_processes(config.rl, 2)
     rl.check_processes(config_lib.load_config(RL, {}).rl, 2)
+
+
+def test_only_process_zero_rewrites_or_appends_the_shared_workdir_logs(tmp_path, monkeypatch):
+    """Every process resumes and logs the same records; on a shared workdir, process 1 rewriting
+    metrics.jsonl at the same time as process 0 raced (both renamed one .tmp), and appended logs
+    (failures.jsonl, episodes.jsonl) held every line once per process."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1}\n{"step": 2}\n')
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    observe.drop_metrics_after(str(tmp_path), 1)
+    assert metrics.read_text() == '{"step": 1}\n{"step": 2}\n'
+    with observe.open_log(str(tmp_path / "failures.jsonl")) as f:
+        f.write("{}\n")
+    assert not (tmp_path / "failures.jsonl").exists()
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    observe.drop_metrics_after(str(tmp_path), 1)
+    assert metrics.read_text() == '{"step": 1}\n'

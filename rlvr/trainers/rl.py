@@ -94,10 +94,14 @@ def warm_start(config: ml_collections.ConfigDict, workdir: str, tasks) -> str:
         return sft_dir
     os.makedirs(sft_dir, exist_ok=True)
     demos = os.path.join(sft_dir, "demos.jsonl")
-    with open(demos, "w") as f:
+    # every process writes the same file, then reads it: each through its own temporary name and an
+    # atomic rename, so no process reads a file another one is still writing
+    partial = f"{demos}.{jax.process_index()}.tmp"
+    with open(partial, "w") as f:
         for demo in demonstrations(tasks, rl.sft_demos, config.seed, rl.sft_off_format, rl.prompt_format,
                                    rl.env.to_dict()):
             f.write(json.dumps(demo) + "\n")
+    os.replace(partial, demos)
     c = ml_collections.ConfigDict(config.to_dict())
     c.job = "sft"
     c.data.source, c.data.path, c.data.eval_path = "jsonl", demos, ""
@@ -251,7 +255,7 @@ def _record_value_head(workdir: str) -> None:
     """Marks model.value_head in the run's config.json, so `api.load_trained(workdir)` rebuilds
     the checkpoint's structure (policy + value head)."""
     path = os.path.join(workdir, "config.json")
-    if os.path.exists(path):
+    if observe.writes_shared_files() and os.path.exists(path):
         with open(path) as f:
             recorded = json.load(f)
         recorded["model"]["value_head"] = True
@@ -467,7 +471,7 @@ def run_steps(run: Run) -> int | None:
     on their schedules. Returns the step a preemption request stopped the run at (None when done)."""
     config, rl, num_steps = run.config, run.config.rl, run.config.train.num_steps
     writer = observe.MetricsWriter(run.workdir, tensorboard=config.train.tensorboard)
-    failures_log = open(os.path.join(run.workdir, "failures.jsonl"), "a")
+    failures_log = observe.open_log(os.path.join(run.workdir, "failures.jsonl"))
     progress = observe.Progress(num_steps, run.start)
     guard = PreemptionGuard().__enter__()
     try:
@@ -557,7 +561,7 @@ def write_summary(run: Run, wall_s: float) -> dict[str, Any]:
     plot = write_plot(run.workdir, run.history, evals)
     if plot:
         summary["plot"] = plot
-    with open(os.path.join(run.workdir, "summary.json"), "w") as f:
+    with observe.open_log(os.path.join(run.workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print(f"held-out accuracy: before RL {before:.3f} -> after RL {after:.3f} "
           f"({summary['improvement_points']:+.1f} points)")
