@@ -1,12 +1,14 @@
 """Multi-host for real: jobs run as 2 JAX processes x 4 CPU devices on loopback (rlvr.launch.local_cluster,
-the environment the k8s and Slurm targets give each host) and are checked against the same job in this
-one process with 8 devices: the same weights after resuming across process counts (1 -> 2 and 2 -> 1),
-metrics written once (process 0), SIGTERM to one host checkpoints the whole job (exit 143 everywhere)
-and SIGKILL of one host ends the others with a clear error in bounded time; reruns resume."""
+the environment the k8s and Slurm targets give each host; one test runs the Slurm target's own sbatch
+script) and are checked against the same job in this one process with 8 devices: SFT, DPO and sync RL
+reach the same weights, also after resuming across process counts (1 -> 2 and 2 -> 1); metrics are
+written once (process 0); SIGTERM to one host checkpoints the whole job (exit 143 everywhere) and
+SIGKILL of one host ends the others with a clear error in bounded time; reruns resume."""
 
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 
@@ -46,8 +48,8 @@ def _env(tmp_path_factory, **extra):
     return env
 
 
-def _cluster(tmp_path, name, command, env, repo_root, style="k8s"):
-    return LocalCluster(command, 2, 4, str(tmp_path / f"{name}_logs"), style=style, cwd=repo_root, env=env)
+def _cluster(tmp_path, name, command, env, repo_root):
+    return LocalCluster(command, 2, 4, str(tmp_path / f"{name}_logs"), cwd=repo_root, env=env)
 
 
 def _finish(cluster, expected=(0, 0)):
@@ -78,26 +80,6 @@ def sft_reference(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("sft_reference")
     run(config_lib.load_config(SFT, SFT_OVERRIDES), str(workdir))
     return workdir
-
-
-def test_sft_resumed_on_two_processes_matches_one_process(tmp_path, tmp_path_factory, sft_reference, repo_root):
-    """1 -> 2: the one-process checkpoint at step 4 resumed by a 2-process job (Slurm-style start-up);
-    2 -> 1: its final checkpoint, written by both processes, read back here. Same weights and losses."""
-    workdir = tmp_path / "job"
-    shutil.copytree(sft_reference, workdir)
-    for step in ("8", "12"):
-        shutil.rmtree(workdir / "checkpoints" / step)
-    cluster = _cluster(tmp_path, "resume", _command(SFT, workdir, SFT_OVERRIDES), _env(tmp_path_factory), repo_root,
-                       style="slurm")
-    logs = _finish(cluster)
-    assert all("resumed from step 4" in log for log in logs)
-    steps = [m["step"] for m in _metrics(workdir) if "loss" in m]
-    # each step once (only process 0 writes metrics); a (re)start's first step logs compile time instead
-    assert steps == [s for s in range(2, 13) if s != 5], steps
-    want = _losses(sft_reference)
-    for step, loss in _losses(workdir).items():
-        np.testing.assert_allclose(loss, want[step], rtol=1e-5, err_msg=f"step {step}")
-    _assert_same_params(workdir, sft_reference)
 
 
 def test_sigkill_of_one_host_ends_the_job_and_sigterm_to_one_host_checkpoints_it(tmp_path, tmp_path_factory,
@@ -192,3 +174,46 @@ def test_only_process_zero_rewrites_or_appends_the_shared_workdir_logs(tmp_path,
     monkeypatch.setattr(jax, "process_index", lambda: 0)
     observe.drop_metrics_after(str(tmp_path), 1)
     assert metrics.read_text() == '{"step": 1}\n'
+
+
+LOCAL_SRUN = """#!/bin/bash
+# srun stand-in: `srun --nodes=N [--opts] COMMAND` -> N local processes with srun's per-task SLURM_* variables
+nodes=1
+while [[ "$1" == --* ]]; do [[ "$1" == --nodes=* ]] && nodes="${{1#--nodes=}}"; shift; done
+exec {python} -m rlvr.launch.local_cluster --style=slurm --processes="$nodes" --devices=4 --log_dir={logs} -- "$@"
+"""
+
+
+def test_the_slurm_targets_script_resumes_a_one_process_checkpoint_on_two_hosts(tmp_path, sft_reference,
+                                                                                repo_root):
+    """One source of truth: the sbatch script `--target=slurm` writes, run by bash with an srun that
+    starts its tasks on this machine (its own command and environment), as 2 processes. 1 -> 2: they
+    resume the one-process checkpoint at step 4; 2 -> 1: their final checkpoint, written by both, is
+    read back here. Same weights (<= 1e-6) and losses as the one-process job; each step logged once."""
+    from rlvr.launch import sweep
+    from rlvr.launch.targets import TARGETS
+
+    exp = sweep.expand(SFT, SFT_OVERRIDES, False, str(tmp_path / "experiments"), "mh", python=sys.executable)
+    script, _ = TARGETS["slurm"](exp, {"gpu": "h100", "gpus_per_node": "4", "nodes": "2", "aot_check": "false",
+                                       "repo_dir": repo_root, "python": sys.executable})
+    workdir = os.path.join(exp.directory, "jobs", exp.jobs[0].name)
+    shutil.copytree(sft_reference, workdir, dirs_exist_ok=True)
+    for step in ("8", "12"):
+        shutil.rmtree(os.path.join(workdir, "checkpoints", step))
+    bin_dir, logs = tmp_path / "bin", tmp_path / "task_logs"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(LOCAL_SRUN.format(python=sys.executable, logs=logs))
+    (bin_dir / "srun").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "XLA_FLAGS"))}
+    done = subprocess.run(["bash", script], env={**env, "PATH": f"{bin_dir}:{env['PATH']}"}, capture_output=True,
+                          text=True, timeout=TIMEOUT)
+    outputs = [open(logs / f"process{i}.log").read() for i in range(2)]
+    assert done.returncode == 0, done.stdout + done.stderr + "\n".join(o[-2000:] for o in outputs)
+    assert all("resumed from step 4" in o and '"final_step": 12' in o for o in outputs)
+    steps = [m["step"] for m in _metrics(workdir) if "loss" in m]
+    # each step once (only process 0 writes metrics); a (re)start's first step logs compile time instead
+    assert steps == [s for s in range(2, 13) if s != 5], steps
+    want = _losses(sft_reference)
+    for step, loss in _losses(workdir).items():
+        np.testing.assert_allclose(loss, want[step], rtol=1e-5, err_msg=f"step {step}")
+    _assert_same_params(workdir, sft_reference)
