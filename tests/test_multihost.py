@@ -85,18 +85,19 @@ def sft_reference(tmp_path_factory):
 def test_sigkill_of_one_host_ends_the_job_and_sigterm_to_one_host_checkpoints_it(tmp_path, tmp_path_factory,
                                                                                  sft_reference, repo_root):
     """From scratch on 2 processes: SIGKILL process 1 after the step-4 checkpoint -> process 0 exits with
-    the coordination service's error within the heartbeat timeout (no hang). Rerun: resumes from 4;
+    the coordination service's error soon after the heartbeat timeout (no hang). Rerun: resumes from 4;
     SIGTERM to process 1 only -> both save one checkpoint and exit 143. Rerun: finishes with the weights
     of the one-process job."""
     workdir = tmp_path / "job"
     command = _command(SFT, workdir, SFT_OVERRIDES)
-    env = _env(tmp_path_factory, RLVR_HEARTBEAT_TIMEOUT_S="5")
-    cluster = _cluster(tmp_path, "killed", command, env, repo_root)
+    env = _env(tmp_path_factory)
+    # a heartbeat timeout short enough for a test, long enough for a loaded 2-core machine (5 s was not)
+    cluster = _cluster(tmp_path, "killed", command, {**env, "RLVR_HEARTBEAT_TIMEOUT_S": "20"}, repo_root)
     _wait_for(lambda: os.path.isdir(workdir / "checkpoints" / "4"), cluster)
     killed_at = time.time()
     cluster.signal(1, signal.SIGKILL)
     code = cluster.processes[0].wait(TIMEOUT)
-    assert code != 0 and time.time() - killed_at < 60, code
+    assert code != 0 and time.time() - killed_at < 90, (code, time.time() - killed_at)
     assert "stopped sending heartbeats" in cluster.output(0)
     cluster.kill()
 
