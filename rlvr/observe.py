@@ -109,7 +109,10 @@ class SampleLog:
     """`workdir/samples.jsonl`: sampled completions with their reward components (a few per RL step,
     every completion of an evaluation), each `{"step", "tag", "family", "level", "task_index",
     "prompt", "completion", "response_tokens", "truncated", "rewards"}`; `show` prints a few, so a
-    run says what the model writes. Process 0 of a multi-host job writes."""
+    run says what the model writes. Train samples also carry their per-token record (`token_fields`):
+    each output token's text, behaviour log-prob, weight version and loss mask, and the sample's
+    advantage, which the run explorer (`rlvr.explore`) colours tokens by. Process 0 of a multi-host
+    job writes."""
 
     def __init__(self, workdir: str, tokenizer, filename: str = "samples.jsonl"):
 
@@ -122,7 +125,8 @@ class SampleLog:
         return [{"step": int(step), "tag": tag, "family": s["family"], "level": int(s["level"]),
                  "task_index": int(s["task_index"]), "prompt": decode(s["prompt_ids"]),
                  "completion": decode(s["output_ids"]), "response_tokens": len(s["output_ids"]),
-                 "truncated": bool(s["truncated"]), "rewards": {k: _to_python(v) for k, v in s["rewards"].items()}}
+                 "truncated": bool(s["truncated"]), "rewards": {k: _to_python(v) for k, v in s["rewards"].items()},
+                 **token_fields(self.tokenizer, s)}
                 for s in samples]
 
     def write(self, step: int, tag: str, samples: list[dict[str, Any]], show: int = 0) -> None:
@@ -135,6 +139,23 @@ class SampleLog:
 
     def close(self) -> None:
         self._file.close()
+
+
+def token_fields(tokenizer, sample: dict[str, Any]) -> dict[str, Any]:
+    """The per-token record of a sample that has one (train samples: `behaviour_logp`, `versions`,
+    optional `loss_mask`, `advantage`): `tokens` (each output token decoded alone), `logprobs`
+    (3 decimals), `versions`, `loss_mask` (multi-turn: 0 marks observation tokens) and `advantage`
+    (when the sample has one: not with GAE). Empty for samples without (evaluation records)."""
+    if "behaviour_logp" not in sample:
+        return {}
+    out = {"tokens": [tokenizer.decode([t]) for t in sample["output_ids"]],
+           "logprobs": [round(float(v), 3) for v in sample["behaviour_logp"]],
+           "versions": [int(v) for v in sample["versions"]]}
+    if sample.get("advantage") is not None:
+        out["advantage"] = round(float(sample["advantage"]), 4)
+    if sample.get("loss_mask") is not None:
+        out["loss_mask"] = [int(v) for v in sample["loss_mask"]]
+    return out
 
 
 def describe_sample(record: dict[str, Any], width: int = 300) -> str:

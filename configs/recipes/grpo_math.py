@@ -42,6 +42,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.rl.max_new_tokens, c.rl.max_prompt_len = 1024, 512
     c.rl.prompts_per_step, c.rl.group_size, c.rl.temperature = 64, 8, 1.0
     c.rl.advantage, c.rl.clip_low, c.rl.clip_high, c.rl.kl_coef = "grpo", 0.2, 0.28, 0.0
+    c.rl.proximal = "behaviour"  # one update per batch: clip against the sampler's log-probs, so the clip acts
     c.rl.engine.max_slots, c.rl.engine.page_size, c.rl.engine.decode_steps = 128, 64, 16
     c.rl.engine.prefill_rows, c.rl.engine.prefill_chunk = 16, 512
     c.rl.eval_examples, c.rl.eval_every = 300, 50

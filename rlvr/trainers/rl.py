@@ -11,7 +11,8 @@ Read top to bottom:
                    metrics → checkpoint
   at the end       held-out greedy accuracy before and after RL, summary.json, rl_curve.png
   throughout       samples.jsonl: a few completions per step (and every evaluation's) with their
-                   reward components, some printed
+                   reward components (train ones also per-token log-probs, versions, loss mask and
+                   the advantage: `python -m rlvr.explore WORKDIR` shows them), some printed
 
 rl.mode = "sync" generates each batch with the current weights. rl.mode = "async" generates
 on a background thread up to rl.max_staleness versions ahead, overlapping rollout with
@@ -208,15 +209,18 @@ def rollout_metrics(batch: ScoredBatch, version: int) -> dict[str, float]:
     return out
 
 
-def _spread(samples, count: int) -> list[dict[str, Any]]:
-    """`count` samples of the batch, from different groups first, as SampleLog records."""
+def _spread(samples, count: int, gae: bool = False) -> list[dict[str, Any]]:
+    """`count` samples of the batch, from different groups first, as SampleLog records (with GAE
+    the advantage is per token, computed in the trainer: not recorded)."""
     groups: dict[int, list] = {}
     for s in samples:
         groups.setdefault(s.group, []).append(s)
     rounds = max((len(g) for g in groups.values()), default=0)
     chosen = [g[i] for i in range(rounds) for g in groups.values() if i < len(g)][:count]
     return [{"family": s.family, "level": s.level, "task_index": s.task_index, "prompt_ids": s.prompt_ids,
-             "output_ids": s.output_ids, "rewards": s.rewards, "truncated": s.truncated} for s in chosen]
+             "output_ids": s.output_ids, "rewards": s.rewards, "truncated": s.truncated,
+             "behaviour_logp": s.behaviour_logp, "versions": s.versions, "loss_mask": s.loss_mask,
+             "advantage": None if gae else s.advantage} for s in chosen]
 
 
 def write_plot(workdir: str, history: list[dict[str, float]], evals: list[list]) -> str | None:
@@ -318,7 +322,7 @@ class Run:
         when tasks were skipped as too long."""
         rl = self.config.rl
         show = 2 if step == self.start + 1 or (rl.print_samples_every and step % rl.print_samples_every == 0) else 0
-        self.samples_log.write(step, "train", _spread(batch.samples, rl.samples_per_step), show)
+        self.samples_log.write(step, "train", _spread(batch.samples, rl.samples_per_step, rl.advantage == "gae"), show)
         skipped, before = record.get("prompts_too_long", 0.0), self.prompts_too_long
         self.prompts_too_long = max(skipped, before)
         if skipped > before:
