@@ -106,7 +106,8 @@ def test_plan_from_env_decisions():
         "coordinator_address": "a1:61517", "num_processes": 4, "process_id": 3, "local_device_ids": [1],
         "cluster_detection_method": "deactivate"}
     assert distributed.plan_from_env({**slurm, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}).kwargs is None
-    assert distributed.plan_from_env({**slurm, "RLVR_HEARTBEAT_TIMEOUT_S": "5"}).kwargs["heartbeat_timeout_seconds"] == 5
+    heartbeat = distributed.plan_from_env({**slurm, "RLVR_HEARTBEAT_TIMEOUT_S": "5"})
+    assert heartbeat.kwargs["heartbeat_timeout_seconds"] == 5
     with pytest.raises(distributed.DistributedEnvError, match="RLVR_HEARTBEAT_TIMEOUT_S=0: must be >= 1"):
         distributed.plan_from_env({**slurm, "RLVR_HEARTBEAT_TIMEOUT_S": "0"})
     assert distributed.plan_from_env({"TPU_WORKER_HOSTNAMES": "h0,h1,h2,h3"}) == distributed.DistributedPlan("tpu", {})
