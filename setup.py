@@ -56,6 +56,8 @@ setup(
         # --target=xm launches through xmanager's xm_local; heavy (~90 packages, pins protobuf<7): not in tests
         "xm": ["xmanager>=0.8.5"],
         "ray": ["ray>=2.40"],  # verifier workers on Ray actors (rlvr.launch.ray_workers); tested with 2.60
+        # the finance domain kit's PDF path (rlvr.domains.finance): a PDF writer and a table extractor
+        "docs": ["reportlab>=4", "pdfplumber>=0.11"],
         # the run explorer's browser tests drive Debian's chromium + chromium-driver (Makefile: install-test)
         "browser": ["selenium>=4.20"],
     },

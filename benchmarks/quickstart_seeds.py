@@ -1,6 +1,8 @@
 """The quickstart's learning result on several seeds: held-out accuracy before and after RL.
 
     .venv/bin/python benchmarks/quickstart_seeds.py [--seeds 0,1,2] [--out benchmarks/results/quickstart_seeds.json]
+    .venv/bin/python benchmarks/quickstart_seeds.py --config=configs/finance_docs.py:tiny \
+        --out=benchmarks/results/finance_learning.json      # the finance kit's easiest level, the same way
 
 Runs `configs/quickstart.py` (SFT warm start, then 100 GRPO steps) once per seed, one after the
 other, each in a fresh temporary workdir, exactly as `make quickstart` does apart from the seed
@@ -29,8 +31,8 @@ from rlvr import config_lib  # noqa: E402
 from rlvr.main import run  # noqa: E402
 
 
-def one_seed(seed: int) -> dict:
-    config = config_lib.load_config("configs/quickstart.py", {"seed": seed})
+def one_seed(seed: int, spec: str = "configs/quickstart.py") -> dict:
+    config = config_lib.load_config(spec, {"seed": seed})
     with tempfile.TemporaryDirectory(prefix=f"quickstart_s{seed}_") as workdir:
         t0 = time.perf_counter()
         with contextlib.redirect_stdout(sys.stderr):  # the run's prints; stdout is the JSON line
@@ -47,16 +49,19 @@ def one_seed(seed: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--config", default="configs/quickstart.py", help="a config with an SFT warm start, as "
+                        "configs/quickstart.py (path[:arg])")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "quickstart_seeds.json"))
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
-    runs = [one_seed(s) for s in seeds]
+    runs = [one_seed(s, args.config) for s in seeds]
     gains = [r["improvement_points"] for r in runs]
     flags = argv if argv is not None else sys.argv[1:]
-    record = {"benchmark": "quickstart_seeds", "date": datetime.date.today().isoformat(),
+    benchmark = "quickstart_seeds" if args.config == "configs/quickstart.py" else "learning_seeds"
+    record = {"benchmark": benchmark, "date": datetime.date.today().isoformat(),
               "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs (shared)",
               "command": " ".join([".venv/bin/python benchmarks/quickstart_seeds.py", *flags]),
-              "config": "configs/quickstart.py", "runs": runs,
+              "config": args.config, "runs": runs,
               "improvement_points_mean": round(sum(gains) / len(gains), 2), "improvement_points_min": min(gains)}
     emit(record)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -11,6 +11,8 @@ Environments (`ENVIRONMENTS`):
   tool_calc     ToolUseEnv     arithmetic with a calculator (compact mode for tiny byte-level models)
   code_repair   CodeRepairEnv  fix a bug in a sandboxed repository until its tests pass
   tool_state    ToolStateEnv   bank / file-store goals that need queries, judged by the final state
+  finance_docs  FinanceDocsEnv a generated filing behind search / PDF-table / calculator tools
+                               (the finance domain kit, rlvr.domains.finance)
 
 Their task families (rlvr.envs.families, registered in rlvr.tasks.registry): tool_calc,
 tool_calc_compact, code_repair, code_repair_humaneval, tool_state.
@@ -50,7 +52,20 @@ ENVIRONMENTS: dict[str, type[ToolEnv]] = {
     "code_repair": CodeRepairEnv,
     "tool_state": ToolStateEnv,
 }
+# the domain kits' environments (rlvr.domains), imported when first used: a kit builds on rlvr.envs, so
+# importing it here would be circular
+DOMAIN_ENVIRONMENTS = {"finance_docs": ("rlvr.domains.finance.env", "FinanceDocsEnv")}
 _SANDBOXED = (ToolUseEnv, CodeRepairEnv)
+
+
+def environment_class(name: str) -> type[ToolEnv]:
+    """The environment class called `name` (ENVIRONMENTS, then DOMAIN_ENVIRONMENTS)."""
+    if name in DOMAIN_ENVIRONMENTS:
+        import importlib
+
+        module, attribute = DOMAIN_ENVIRONMENTS[name]
+        return getattr(importlib.import_module(module), attribute)
+    return ENVIRONMENTS[name]
 
 
 def make_env(task: Any, *, max_turns: int | None = None, time_budget_s: float | None = None, weights: Any = None,
@@ -58,13 +73,13 @@ def make_env(task: Any, *, max_turns: int | None = None, time_budget_s: float | 
              pool: Any = None, sandbox_trace: str | bool | None = False, **env_options: Any) -> Environment:
     """The environment of `task` (see the module doc for the options)."""
     name = task.metadata.get("env") if isinstance(task.metadata, Mapping) else None
-    if name not in ENVIRONMENTS:
+    if name not in ENVIRONMENTS and name not in DOMAIN_ENVIRONMENTS:
         raise ValueError(f"task {task.family!r}/{task.index}: metadata['env'] is {name!r}; known environments: "
-                         f"{sorted(ENVIRONMENTS)}")
-    cls = ENVIRONMENTS[name]
+                         f"{sorted([*ENVIRONMENTS, *DOMAIN_ENVIRONMENTS])}")
+    cls = environment_class(name)
     options: dict[str, Any] = {"max_turns": max_turns or None, "time_budget_s": time_budget_s or None,
                                "weights": weights, "shaping": shaping, **env_options}
-    if issubclass(cls, _SANDBOXED):
+    if issubclass(cls, _SANDBOXED) or getattr(cls, "uses_sandbox", False):
         from rlvr.envs.sandboxes import SandboxOptions
 
         if isinstance(limits, Mapping):
@@ -88,5 +103,6 @@ def play(env: Environment, turns: Sequence[str]) -> list[dict[str, Any]]:
     return messages
 
 
-__all__ = ["ENVIRONMENTS", "ENV_WEIGHTS", "CodeRepairEnv", "Environment", "Refused", "Shaping", "StepResult", "Tool",
-           "ToolEnv", "ToolError", "ToolStateEnv", "ToolUseEnv", "Trajectory", "make_env", "parse_turn", "play", "tool"]
+__all__ = ["DOMAIN_ENVIRONMENTS", "ENVIRONMENTS", "ENV_WEIGHTS", "CodeRepairEnv", "Environment", "Refused", "Shaping",
+           "StepResult", "Tool", "ToolEnv", "ToolError", "ToolStateEnv", "ToolUseEnv", "Trajectory",
+           "environment_class", "make_env", "parse_turn", "play", "tool"]

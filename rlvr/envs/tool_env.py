@@ -47,6 +47,7 @@ class Shaping:
     safety_penalty: float = -0.5  # per refused or reverted forbidden operation
     safety_floor: float = -1.0
     tool_result_in_answer: float = 0.1  # tool use: a successful tool result appears in the answer
+    cell_located: float = 0.1  # documents: x the fraction of the cells the answer rests on that a tool showed
     compiles: float = 0.05  # code repair: after an edit every module compiles
     touched_faulty: float = 0.05  # code repair: an edit changed the faulty file
     tested_after_edit: float = 0.05  # code repair: the tests were run after an edit

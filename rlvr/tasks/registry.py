@@ -21,3 +21,8 @@ FAMILIES = {**ARITHMETIC, **procedural.FAMILIES, **datasets.FAMILIES, **reasonin
 from rlvr.envs import families as env_families  # noqa: E402
 
 FAMILIES.update(env_families.FAMILIES)
+
+# the domain kits (rlvr.domains): each exports its FAMILIES table
+from rlvr.domains.finance import families as finance_families  # noqa: E402
+
+FAMILIES.update(finance_families.FAMILIES)

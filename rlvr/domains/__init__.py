@@ -1,0 +1,6 @@
+"""Domain kits: procedural sources, task families at levels, tool environments and verifiers for one domain.
+
+A kit lives in `rlvr/domains/<name>/` (generate.py, families.py, env.py, verify.py) and exports a
+`FAMILIES` table that `rlvr.tasks.registry` merges explicitly. `finance` is the first kit and the
+template the README's "Adding a domain" section walks through.
+"""
