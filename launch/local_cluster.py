@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from rlvr.launch import distributed
 
@@ -52,10 +54,31 @@ def process_env(style: str, num_processes: int, process_id: int, port: int, devi
                distributed.COORDINATOR_PORT: str(port)}
     else:
         raise ValueError(f"style={style!r}: use one of {STYLES}.")
-    env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={devices}"
-                        " --xla_cpu_collective_timeout_seconds=600"
-                        " --xla_cpu_collective_call_terminate_timeout_seconds=600")
-    env["PYTHONUNBUFFERED"] = "1"
+    return {**env, **device_env(devices)}
+
+
+def device_env(devices: int) -> dict[str, str]:
+    """`devices` fake CPU devices for one process (and unbuffered output for its log)."""
+    return {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"
+                         " --xla_cpu_collective_timeout_seconds=600"
+                         " --xla_cpu_collective_call_terminate_timeout_seconds=600",
+            "PYTHONUNBUFFERED": "1"}
+
+
+def k8s_pod_env(container: Mapping[str, Any], index: int, port: int = 0) -> dict[str, str]:
+    """The environment of a JobSet trainer `container` (rlvr.launch.targets.k8s) as the kubelet gives
+    pod `index` of the Indexed Job (fieldRefs to the job-completion-index annotation resolved); with
+    `port`, the coordinator (pod 0's DNS name) is moved to 127.0.0.1:`port`."""
+    annotations = {"batch.kubernetes.io/job-completion-index": str(index)}
+    env = {}
+    for var in container["env"]:
+        if "value" in var:
+            env[var["name"]] = var["value"]
+        else:
+            path = var["valueFrom"]["fieldRef"]["fieldPath"]
+            env[var["name"]] = annotations[re.fullmatch(r"metadata\.annotations\['(.+)'\]", path).group(1)]
+    if port and distributed.COORDINATOR in env:
+        env[distributed.COORDINATOR] = f"127.0.0.1:{port}"
     return env
 
 
@@ -63,9 +86,12 @@ class LocalCluster:
     """N processes of one command; `logs[i]` is process i's combined stdout/stderr file."""
 
     def __init__(self, command: Sequence[str], num_processes: int, devices: int, log_dir: str, *,
-                 style: str = "k8s", cwd: str | None = None, env: Mapping[str, str] | None = None):
+                 style: str = "k8s", cwd: str | None = None, env: Mapping[str, str] | None = None,
+                 host_envs: Sequence[Mapping[str, str]] | None = None, port: int = 0):
+        """`host_envs`: each process's cluster variables as given (e.g. `k8s_pod_env` of a generated
+        manifest, with `port` its coordinator port) instead of those of `style`."""
         os.makedirs(log_dir, exist_ok=True)
-        port = free_port()
+        port = port or free_port()
         self.logs = [os.path.join(log_dir, f"process{i}.log") for i in range(num_processes)]
         base = {k: v for k, v in (os.environ if env is None else env).items()
                 if not k.startswith(("SLURM_", "RLVR_COORDINATOR", "RLVR_NUM_PROC", "RLVR_PROCESS", "XLA_FLAGS"))}
@@ -74,7 +100,8 @@ class LocalCluster:
             with open(self.logs[i], "w") as log:
                 self.processes.append(subprocess.Popen(
                     list(command), cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                    env={**base, **process_env(style, num_processes, i, port, devices)}))
+                    env={**base, **(process_env(style, num_processes, i, port, devices) if host_envs is None
+                                    else {**host_envs[i], **device_env(devices)})}))
 
     def signal(self, process_id: int, sig: int) -> None:
         self.processes[process_id].send_signal(sig)

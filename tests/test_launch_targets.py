@@ -25,6 +25,7 @@ import jax
 import pytest
 import yaml
 from rlvr.launch import distributed, fit, sweep
+from rlvr.launch.local_cluster import k8s_pod_env
 from rlvr.launch.targets import TARGETS, k8s, k8s_validate, options, xm
 
 from rlvr import config_lib
@@ -172,17 +173,8 @@ def load_yaml(paths: list[str]) -> list[dict]:
 
 
 def pod_env(container: dict, completion_index: int) -> dict[str, str]:
-    """The container's environment as the kubelet resolves it for the pod at `completion_index`
-    (Indexed Jobs annotate each pod with batch.kubernetes.io/job-completion-index)."""
-    annotations = {"batch.kubernetes.io/job-completion-index": str(completion_index)}
-    env = {}
-    for var in container["env"]:
-        if "value" in var:
-            env[var["name"]] = var["value"]
-        else:
-            key = re.fullmatch(r"metadata\.annotations\['(.+)'\]", var["valueFrom"]["fieldRef"]["fieldPath"]).group(1)
-            env[var["name"]] = annotations[key]
-    return env
+    """The container's environment as the kubelet resolves it for the pod at `completion_index`."""
+    return k8s_pod_env(container, completion_index)
 
 
 def trainer_of(jobset: dict) -> tuple[dict, dict, dict]:

@@ -1,9 +1,10 @@
 """Multi-host for real: jobs run as 2 JAX processes x 4 CPU devices on loopback (rlvr.launch.local_cluster,
-the environment the k8s and Slurm targets give each host; one test runs the Slurm target's own sbatch
-script) and are checked against the same job in this one process with 8 devices: SFT, DPO and sync RL
-reach the same weights, also after resuming across process counts (1 -> 2 and 2 -> 1); metrics are
-written once (process 0); SIGTERM to one host checkpoints the whole job (exit 143 everywhere) and
-SIGKILL of one host ends the others with a clear error in bounded time; reruns resume."""
+the environment the k8s and Slurm targets give each host; two tests run the Slurm target's sbatch
+script and the k8s target's trainer container as written) and are checked against the same job in this
+one process with 8 devices: SFT, DPO and sync RL reach the same weights, also after resuming across
+process counts (1 -> 2 and 2 -> 1); metrics are written once (process 0); SIGTERM to one host
+checkpoints the whole job (exit 143 everywhere) and SIGKILL of one host ends the others with a clear
+error in bounded time; reruns resume."""
 
 import os
 import shutil
@@ -113,15 +114,33 @@ def test_sigkill_of_one_host_ends_the_job_and_sigterm_to_one_host_checkpoints_it
     _assert_same_params(workdir, sft_reference)
 
 
-def test_dpo_on_two_processes_matches_one_process(tmp_path, tmp_path_factory, repo_root):
-    """DPO (loss against the frozen initial policy), from scratch: the same weights within 1e-6."""
-    overrides = {"train.num_steps": 4, "checkpoint.every_steps": 4, "train.tensorboard": False}
+def test_the_k8s_targets_jobset_runs_dpo_on_two_hosts_like_one_process(tmp_path, repo_root):
+    """One source of truth: the trainer container of the JobSet `--target=k8s` writes (its command,
+    args and environment, resolved per pod as the kubelet does; pod 0's DNS name -> 127.0.0.1) run as
+    2 processes: DPO (loss against the frozen initial policy) from scratch, the weights of the same
+    job in one process within 1e-6."""
+    import yaml
+    from rlvr.launch import sweep
+    from rlvr.launch.local_cluster import free_port, k8s_pod_env
+    from rlvr.launch.targets import TARGETS
+
+    spec, overrides = "configs/dpo_tiny.py:smoke", {"train.num_steps": 4, "checkpoint.every_steps": 4,
+                                                    "train.tensorboard": False}
+    exp = sweep.expand(spec, overrides, False, str(tmp_path / "experiments"), "mh", python="python")
+    paths = TARGETS["k8s"](exp, {"image": "reg/rlvr:1", "gpu": "h100", "gpus_per_node": "4", "nodes": "2",
+                                 "workdir_root": str(tmp_path / "jobs"), "repo_dir": repo_root, "aot_check": "false"})
+    jobset = next(o for p in paths if not p.endswith("kustomization.yaml") for o in yaml.safe_load_all(open(p))
+                  if o and o["kind"] == "JobSet")
+    container = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
+    command = [sys.executable if container["command"][0] == "python" else container["command"][0],
+               *container["command"][1:], *container["args"]]
+    port = free_port()
+    cluster = LocalCluster(command, 2, 4, str(tmp_path / "logs"), cwd=container["workingDir"], port=port,
+                           host_envs=[k8s_pod_env(container, i, port) for i in range(2)])
+    _finish(cluster)
     reference = tmp_path / "reference"
-    run(config_lib.load_config("configs/dpo_tiny.py:smoke", overrides), str(reference))
-    workdir = tmp_path / "job"
-    command = _command("configs/dpo_tiny.py:smoke", workdir, overrides)
-    _finish(_cluster(tmp_path, "dpo", command, _env(tmp_path_factory), repo_root))
-    _assert_same_params(workdir, reference)
+    run(config_lib.load_config(spec, overrides), str(reference))
+    _assert_same_params(next(a.split("=", 1)[1] for a in container["args"] if a.startswith("--workdir=")), reference)
 
 
 RL = "configs/quickstart.py:smoke"
