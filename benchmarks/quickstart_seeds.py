@@ -31,8 +31,8 @@ from rlvr import config_lib  # noqa: E402
 from rlvr.main import run  # noqa: E402
 
 
-def one_seed(seed: int, spec: str = "configs/quickstart.py") -> dict:
-    config = config_lib.load_config(spec, {"seed": seed})
+def one_seed(seed: int, spec: str = "configs/quickstart.py", overrides: dict | None = None) -> dict:
+    config = config_lib.load_config(spec, {"seed": seed, **(overrides or {})})
     with tempfile.TemporaryDirectory(prefix=f"quickstart_s{seed}_") as workdir:
         t0 = time.perf_counter()
         with contextlib.redirect_stdout(sys.stderr):  # the run's prints; stdout is the JSON line
@@ -46,22 +46,35 @@ def one_seed(seed: int, spec: str = "configs/quickstart.py") -> dict:
             "final_reward_mean_last10": summary["final_reward_mean_last10"], "wall_s": round(wall, 1)}
 
 
+def _override(item: str) -> tuple[str, object]:
+    import ast
+
+    key, _, value = item.partition("=")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--config", default="configs/quickstart.py", help="a config with an SFT warm start, as "
                         "configs/quickstart.py (path[:arg])")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="A config override for every seed (e.g. lora.rank=16), a Python literal or a string.")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "quickstart_seeds.json"))
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
-    runs = [one_seed(s, args.config) for s in seeds]
+    overrides = dict(_override(item) for item in args.set)
+    runs = [one_seed(s, args.config, overrides) for s in seeds]
     gains = [r["improvement_points"] for r in runs]
     flags = argv if argv is not None else sys.argv[1:]
     benchmark = "quickstart_seeds" if args.config == "configs/quickstart.py" else "learning_seeds"
     record = {"benchmark": benchmark, "date": datetime.date.today().isoformat(),
               "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs (shared)",
               "command": " ".join([".venv/bin/python benchmarks/quickstart_seeds.py", *flags]),
-              "config": args.config, "runs": runs,
+              "config": args.config, "overrides": overrides, "runs": runs,
               "improvement_points_mean": round(sum(gains) / len(gains), 2), "improvement_points_min": min(gains)}
     emit(record)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

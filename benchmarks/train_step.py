@@ -63,7 +63,7 @@ def bench(cfg: ModelConfig, loss_fn, batch_np, rows: int, repeats: int, peak: fl
     holder = {"state": state}
 
     def one():
-        holder["state"], metrics = step(holder["state"], batch, rng, None)
+        holder["state"], metrics = step(holder["state"], batch, rng, None, None)
         jax.block_until_ready(metrics)
 
     first, times = time_calls(one, repeats)

@@ -202,17 +202,21 @@ def analyze_rl(config) -> dict[str, Any]:
     batch = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, batch_sh)
     use_ref = rl.reference_model or rl.kl_coef > 0
     in_step = (use_ref and rl.kl_mode == "loss") or rl.reference_model
-    frozen = {"ref": state["params"]} if in_step else None
+    base = step_lib.abstract_base(cfg, mesh)  # a LoRA policy's frozen base: also its reference (same buffers)
+    reference = base if base is not None else state["params"]
+    frozen = {"ref": reference} if in_step else None
     objective = Objective.from_config(config)
     step = step_lib.build_train_step(functools.partial(rl_loss, cfg, objective), optimizer, mesh, shardings,
                                      batch_sh, micro_batches=config.train.micro_batches,
-                                     frozen_sharding={"ref": shardings["params"]} if in_step else None)
+                                     frozen_sharding=jax.tree.map(lambda x: x.sharding, frozen) if in_step else None,
+                                     base_sharding=step_lib.base_shardings(cfg, mesh))
     rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, PartitionSpec()))
-    memory = step.lower(state, batch, rng, frozen).compile().memory_analysis()
+    memory = step.lower(state, batch, rng, frozen, base).compile().memory_analysis()
     sizes = {n: int(getattr(memory, f"{n}_size_in_bytes")) for n in ("argument", "output", "temp", "alias")}
-    components = {"train_step": sizes["argument"] + sizes["output"] + sizes["temp"] - sizes["alias"]}
-    params = per_device_bytes(state["params"])
-    if use_ref and not in_step:
+    shared = per_device_bytes(base) if base is not None and in_step else 0  # the base passed twice, held once
+    components = {"train_step": sizes["argument"] + sizes["output"] + sizes["temp"] - sizes["alias"] - shared}
+    params = per_device_bytes(state["params"]) + (per_device_bytes(base) if base is not None else 0)
+    if use_ref and not in_step and base is None:  # (a LoRA policy's reference is its base: no copy)
         components["reference_params"] = params
     notes = []
     if rl.backend == "embedded":

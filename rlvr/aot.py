@@ -83,17 +83,21 @@ def analyze(config) -> dict[str, Any]:
     shardings = step_lib.state_shardings(cfg, optimizer, mesh)
     state = step_lib.abstract_state(cfg, optimizer, shardings)
     batch, batch_sh = _abstract_batch(config, mesh)
+    base = step_lib.abstract_base(cfg, mesh)
     step = step_lib.build_train_step(_loss_fn(config, cfg), optimizer, mesh, shardings, batch_sh,
-                                     micro_batches=config.train.micro_batches)
+                                     micro_batches=config.train.micro_batches,
+                                     base_sharding=step_lib.base_shardings(cfg, mesh))
     rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, PartitionSpec()))
-    compiled = step.lower(state, batch, rng, None).compile()
+    compiled = step.lower(state, batch, rng, None, base).compile()
     memory = compiled.memory_analysis()
     per_device = {name: int(getattr(memory, f"{name}_size_in_bytes"))
                   for name in ("argument", "output", "temp", "alias", "generated_code")}
     total = per_device["argument"] + per_device["output"] + per_device["temp"] - per_device["alias"]
-    params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state["params"]))
+    nbytes = lambda tree: int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
     return {"devices": jax.device_count(), "mesh": dict(mesh.shape), "params": cfg.num_params(),
-            "param_bytes_total": int(params), "per_device_bytes": per_device, "per_device_total_bytes": total}
+            "param_bytes_total": nbytes(state["params"]) + nbytes(base), "trained_param_bytes": nbytes(state["params"]),
+            "optimizer_state_bytes": nbytes(state["opt_state"]), "per_device_bytes": per_device,
+            "per_device_total_bytes": total}
 
 
 def main(argv: list[str]) -> int:

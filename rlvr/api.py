@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from rlvr import sharding
 from rlvr.config_lib import ConfigError, load_config  # noqa: F401  (re-exported)
+from rlvr.models import lora
 from rlvr.models import params as params_lib
 from rlvr.models.config import ModelConfig
 from rlvr.models.tokenizer import Tokenizer
@@ -48,26 +49,45 @@ def build_tokenizer(config: ml_collections.ConfigDict) -> Tokenizer:
     return start.build_tokenizer(start.tokenizer_settings(config))
 
 
-def build_model(config: ml_collections.ConfigDict, mesh: Mesh | None = None) -> Model:
+def build_model(config: ml_collections.ConfigDict, mesh: Mesh | None = None, src=None) -> Model:
     """The policy the config starts from (rlvr.start): `init.hf_checkpoint`, `init.workdir`'s latest
-    checkpoint, or `model.*` initialised from `seed`; sharded on `mesh`."""
+    checkpoint (a LoRA run's adapters merged in), or `model.*` initialised from `seed`; sharded on
+    `mesh`. With `lora.rank` > 0 that is the frozen base, quantised when `lora.quantize` is set, with
+    fresh adapters (rlvr.models.lora). `src` (a `start.Source`) replaces the config's starting point
+    (the RL warm start's SFT run)."""
     from rlvr import start
-    from rlvr.models.config import RUNTIME_FIELDS
 
     mesh = mesh or build_mesh(config)
-    cfg, src = start.model_config(config), start.source(config)
+    cfg = start.model_config(config)
+    params = start_params(config, cfg, mesh, src or start.source(config))
+    model = with_value_head(Model(dataclasses.replace(lora.without_lora(cfg), value_head="value_proj" in params),
+                                  params, mesh), cfg.value_head)
+    if not cfg.lora.enabled:
+        return model
+    cfg = dataclasses.replace(cfg, value_head=model.cfg.value_head)
+    return Model(cfg, lora.attach(cfg, model.params, adapter_rng(config), mesh), mesh)
+
+
+def adapter_rng(config: ml_collections.ConfigDict) -> jax.Array:
+    """The key fresh adapters are drawn from (the seed's; apart from the random-init key)."""
+    return jax.random.fold_in(jax.random.key(config.seed), 1)
+
+
+def start_params(config: ml_collections.ConfigDict, cfg: ModelConfig, mesh: Mesh, src) -> Any:
+    """Plain weights (in `model.param_dtype`) of the starting point `src`: an HF directory, an rlvr
+    workdir (a LoRA run's adapters merged into its base) or random init from `seed`."""
+    from rlvr.models.config import RUNTIME_FIELDS
+
     if src.kind == "hf":
         from rlvr.models import hf
 
         runtime = {k: getattr(cfg, k) for k in RUNTIME_FIELDS}
-        _, params = hf.load_hf_checkpoint(src.path, mesh=mesh, overrides=runtime)
-    elif src.kind == "workdir":
-        params = load_trained(src.path, mesh=mesh).params
-        params = jax.tree.map(lambda x: x if x.dtype == cfg.param_dtype else x.astype(cfg.param_dtype), params)
-    else:
-        params = params_lib.init_params(cfg, jax.random.key(config.seed), mesh)
-    return with_value_head(Model(dataclasses.replace(cfg, value_head="value_proj" in params), params, mesh),
-                           cfg.value_head)
+        return hf.load_hf_checkpoint(src.path, mesh=mesh, overrides=runtime)[1]
+    if src.kind == "workdir":
+        trained = load_trained(src.path, mesh=mesh)
+        params = lora.merge(trained.cfg, trained.params)
+        return jax.tree.map(lambda x: x if x.dtype == cfg.param_dtype else x.astype(cfg.param_dtype), params)
+    return params_lib.init_params(lora.without_lora(cfg), jax.random.key(config.seed), mesh)
 
 
 def with_value_head(model: Model, wanted: bool = True) -> Model:
@@ -93,7 +113,9 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
 
 def load_trained(workdir: str, step: int | None = None, mesh: Mesh | None = None) -> Model:
     """The model a job trained in `workdir`, from its latest (or `step`) checkpoint, with the
-    tokenizer (chat template and system prompt included) it was trained with."""
+    tokenizer (chat template and system prompt included) it was trained with. A LoRA run's
+    checkpoint holds the adapters; its base is rebuilt from what the run recorded (its starting
+    point: `start.run_source`), so the model has the base and the adapters (`lora.merge` folds them)."""
     import os
 
     from rlvr import start
@@ -103,7 +125,7 @@ def load_trained(workdir: str, step: int | None = None, mesh: Mesh | None = None
 
     config = load_run_config(workdir)
     mesh = mesh or build_mesh(config)
-    cfg = ModelConfig.from_mapping(config.model)
+    cfg = start.recorded_model(config)
     optimizer = build_optimizer(config.optimizer, config.train.num_steps)
     abstract = step_lib.abstract_state(cfg, optimizer, step_lib.state_shardings(cfg, optimizer, mesh))
     checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"))
@@ -113,7 +135,11 @@ def load_trained(workdir: str, step: int | None = None, mesh: Mesh | None = None
         state, _ = checkpoints.restore(abstract, step)
     finally:
         checkpoints.close()
-    return Model(cfg, state["params"], mesh, start.workdir_tokenizer(workdir))
+    params = state["params"]
+    if cfg.lora.enabled:
+        base = start_params(config, cfg, mesh, start.run_source(config, workdir))
+        params = lora.combine(params, lora.frozen(lora.attach(cfg, base, adapter_rng(config), mesh)))
+    return Model(cfg, params, mesh, start.workdir_tokenizer(workdir))
 
 
 def check_vocab(cfg: ModelConfig, tokenizer: Tokenizer) -> None:

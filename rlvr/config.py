@@ -89,7 +89,7 @@ def key_docs() -> dict[str, str]:
     model_source = inspect.getsource(model_config.ModelConfig)
     model_comments, model_lines = _comments(model_source), model_source.splitlines()
     for node in ast.parse(model_source).body[0].body:
-        if isinstance(node, ast.AnnAssign):
+        if isinstance(node, ast.AnnAssign) and node.target.id != "lora":  # the `lora.*` section's
             out[f"model.{node.target.id}"] = _doc_at(node.lineno, model_comments, model_lines)
     out["model.preset"] = PRESET_DOC
     return out

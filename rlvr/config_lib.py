@@ -31,7 +31,7 @@ def model_config_dict(preset: str = "", **overrides) -> ml_collections.ConfigDic
     one field per `ModelConfig` field. A field left None is not set: it comes from the checkpoint the
     job starts from (init.*), else the preset, else ModelConfig's default. A field that is set is a
     choice: a checkpoint that contradicts it is an error (rlvr.start)."""
-    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig) if f.name != "lora"}  # lora: the `lora.*` section
     if preset and preset not in PRESETS:
         raise ConfigError(f"model preset {preset!r} is unknown; presets: {sorted(PRESETS)}")
     unknown = set(overrides) - set(fields)
@@ -57,6 +57,25 @@ def base_config() -> ml_collections.ConfigDict:
     c.init = ml_collections.ConfigDict({
         "hf_checkpoint": "",  # a Hugging Face directory: its architecture, weights and tokenizer
         "workdir": "",  # an rlvr workdir's latest checkpoint, with the architecture and tokenizer it recorded
+    })
+    # Low-rank adapters (rlvr.models.lora) on the starting policy: only they (and a value head) train, the
+    # optimizer holds state for them alone, checkpoints hold them plus a pointer to the frozen base
+    c.lora = ml_collections.ConfigDict({
+        "rank": 0,  # adapter rank; 0 = full fine-tuning (every weight trains)
+        "alpha": 16.0,  # the adapter's update is scaled by alpha / rank (PEFT's lora_alpha)
+        # projections that get adapters: comma-separated q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,
+        # or a group: all | attention | mlp
+        "targets": "all",
+        "dropout": 0.0,  # dropout on the adapters' input while training
+        # QLoRA: the frozen base's projection weights stored as int8 | int4 (blockwise absmax scales); none = as is
+        "quantize": "none",
+        "quant_block": 64,  # quantisation block: input-dimension weights sharing one scale
+    })
+    # Logit distillation in SFT (job=sft; rlvr.losses.distill): loss per target token = (1 - weight)·NLL +
+    # weight·KL(teacher's top_k distribution ‖ student), both models' logits in chunks of chunk_size positions
+    c.distill = ml_collections.ConfigDict({
+        "teacher": "",  # an HF directory or rlvr workdir with the student's tokenizer; "" = plain SFT
+        "top_k": 32, "weight": 1.0, "chunk_size": 256,
     })
     c.tokenizer = ml_collections.ConfigDict({
         "path": "",  # a Hugging Face tokenizer dir; "" = the checkpoint's own (random init: byte-level)
@@ -193,6 +212,10 @@ def rl_config() -> ml_collections.ConfigDict:
         "gspo_clip_low": 3e-4, "gspo_clip_high": 4e-4,  # gspo: clip range of the sequence-level ratio
         "kl_coef": 0.0, "kl_estimator": "k3", "kl_mode": "loss",  # loss (term) | reward (penalty)
         "reference_model": False,  # keep the frozen reference even at kl_coef=0 (KL is still reported)
+        # on-policy distillation (rlvr.rl.distill): a teacher (HF directory or rlvr workdir, the student's
+        # tokenizer) scores every sampled token; advantage += -distill_coef · (log π_student - log π_teacher);
+        # distill_task_advantage=False drops the task reward's advantage (distillation alone)
+        "teacher": "", "distill_coef": 1.0, "distill_task_advantage": True,
         "entropy_coef": 0.0,  # entropy bonus weight in the loss
         "tis_cap": 2.0,  # truncated importance sampling cap on π_trainer/π_sampler; 0 = off
         "tis_level": "token",  # token | sequence
@@ -313,6 +336,11 @@ def _validate_objective(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"rl.advantage={rl.advantage!r} compares samples within a group: set rl.group_size >= 2.")
     if rl.policy_loss == "gspo" and rl.aggregation != "seq_mean_token_mean":
         raise ConfigError("rl.policy_loss='gspo' is a sequence-level loss: set rl.aggregation='seq_mean_token_mean'.")
+    if rl.teacher and rl.advantage == "gae":
+        raise ConfigError(f"rl.teacher={rl.teacher!r} gives per-token advantages, which GAE would replace: use a "
+                          "group advantage (rl.advantage='grpo', 'rloo', ...) for on-policy distillation.")
+    if rl.teacher and not rl.distill_coef > 0:
+        raise ConfigError(f"rl.distill_coef={rl.distill_coef}: must be > 0 with rl.teacher set (or set rl.teacher='').")
     if rl.dual_clip and rl.dual_clip <= 1:
         raise ConfigError(f"rl.dual_clip={rl.dual_clip}: must be > 1 (or 0 to turn it off).")
     if rl.kl_mode == "reward" and rl.kl_coef and rl.kl_estimator != "k1":
@@ -383,6 +411,19 @@ def _existing_path(c, path: str, what: str) -> None:
         raise ConfigError(f"{path}={value!r}: no such {what}; give an existing path or ''.")
 
 
+def _validate_distill(config: ml_collections.ConfigDict) -> None:
+    d = config.get("distill")
+    if not d or not d.teacher:
+        return
+    _existing_path(config, "distill.teacher", "teacher directory")
+    if config.job != "sft":
+        raise ConfigError(f"distill.teacher={d.teacher!r} is logit distillation in SFT (job='sft'); for RL use "
+                          "rl.teacher (on-policy distillation).")
+    if d.top_k < 1 or not 0 < d.weight <= 1 or d.chunk_size < 1:
+        raise ConfigError(f"distill.top_k={d.top_k}, distill.weight={d.weight}, distill.chunk_size={d.chunk_size}: "
+                          "need top_k >= 1, 0 < weight <= 1 (1 = the teacher alone), chunk_size >= 1.")
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int,
              jobs: dict[str, Callable] | None = None) -> None:
     """Checks values before any compile. Raises ConfigError naming the field."""
@@ -395,6 +436,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
         _one_of(config, "job", jobs)
     _existing_path(config, "init.hf_checkpoint", "checkpoint directory")
     _existing_path(config, "init.workdir", "workdir")
+    _validate_distill(config)
     model = start.model_config(config)  # the checkpoint's architecture when there is one
     try:
         mesh = sharding.mesh_shape_from_config(dict(config.mesh), num_devices)

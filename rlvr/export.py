@@ -2,15 +2,23 @@
 
     python -m rlvr.export WORKDIR --out=DIR [--step=N] [--verify]
     python -m sglang.launch_server --model-path DIR        # or transformers.AutoModelForCausalLM.from_pretrained(DIR)
+    python -m rlvr.export LORA_WORKDIR --out=DIR --adapter [--verify]   # a PEFT adapter directory
 
 Writes config.json (the architecture the run recorded), the weights as safetensors (float32, the
 value head left out), generation_config.json (the tokenizer's special ids: the end-of-turn token
 stops generation) and the run's tokenizer files with its chat template, the system prompt included
 (`tokenizer.system_prompt` lives in the template, so a server renders the prompts the run trained on).
 
-`--verify` (needs the `hf` extra) reloads DIR with transformers and checks, on a few chat prompts, that
-its chat template renders the same ids as the run's and that its greedy generation equals the
-embedded engine's, token for token.
+A LoRA run (`lora.rank` > 0) exports merged: each adapter folded into its (dequantised) base weight.
+With `--adapter` it exports the adapter alone as a PEFT directory (rlvr.models.peft) instead, whose
+`base_model_name_or_path` is the run's base: its `init.hf_checkpoint`, or else (another starting point,
+or a QLoRA base: dequantised, as the adapter was trained on it) an HF export of the base written to
+DIR/base (`peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base),
+DIR)`; SGLang: `--enable-lora --lora-paths name=DIR`).
+
+`--verify` (needs the `hf` extra) reloads DIR with transformers (and peft) and checks, on a few chat
+prompts, that its chat template renders the same ids as the run's and that its greedy generation
+equals the embedded engine's, token for token.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import sys
 from typing import Any
 
 from rlvr import api
-from rlvr.models import hf
+from rlvr.models import hf, lora
 
 VERIFY_PROMPTS = (
     [{"role": "user", "content": "What is 12 + 30? Give your final answer inside <answer></answer> tags."}],
@@ -33,23 +41,67 @@ def export(workdir: str, out: str, step: int | None = None) -> api.Model:
     """Writes the workdir's latest (or `step`) checkpoint to `out`; returns the loaded model."""
     from rlvr import start
 
-    model = api.with_value_head(api.load_trained(workdir, step), False)
+    model = merged(api.load_trained(workdir, step))
     hf.export_hf_checkpoint(model.cfg, model.params, out, tokenizer_dir=os.path.join(workdir, start.TOKENIZER_DIR),
                             chat_template=model.tokenizer.chat_template)
     return model
 
 
-def verify(model: api.Model, out: str, prompts=VERIFY_PROMPTS, max_new_tokens: int = 16) -> dict[str, Any]:
-    """Greedy tokens of transformers on `out` vs the embedded engine on `model`, per prompt (and the
-    chat template's ids). Returns {"prompts", "same_prompt_ids", "same_tokens", "engine", "transformers"}."""
+def merged(model: api.Model) -> api.Model:
+    """The policy as plain weights: a LoRA model's adapters folded in, no value head."""
+    plain = api.Model(lora.without_lora(model.cfg), lora.merge(model.cfg, model.params), model.mesh, model.tokenizer)
+    return api.with_value_head(plain, False)
+
+
+def export_adapter(workdir: str, out: str, step: int | None = None) -> tuple[api.Model, str]:
+    """Writes a LoRA run's adapter to `out` as a PEFT directory (and its base to out/base when the base
+    is not an HF directory). Returns (the model, the base model's HF directory)."""
+    from rlvr import start
+    from rlvr.models import peft
+
+    model = api.load_trained(workdir, step)
+    if not model.cfg.lora.enabled:
+        raise api.ConfigError(f"{workdir!r} trained every weight (lora.rank=0): export it without --adapter.")
+    config = api.load_run_config(workdir)
+    src = start.run_source(config, workdir)
+    own_base = src.kind != "hf" or model.cfg.lora.quantize != "none"
+    base_dir = os.path.join(out, "base") if own_base else src.path
+    if own_base:
+        base = api.Model(lora.without_lora(model.cfg), lora.frozen(model.params), model.mesh, model.tokenizer)
+        base = merged(base)  # (a quantised base: dequantised)
+        hf.export_hf_checkpoint(base.cfg, base.params, base_dir,
+                                tokenizer_dir=os.path.join(workdir, start.TOKENIZER_DIR),
+                                chat_template=model.tokenizer.chat_template)
+    peft.write_adapter(model.cfg, model.params, out, os.path.abspath(base_dir))
+    return model, base_dir
+
+
+def load_transformers(out: str, base_dir: str | None = None):
+    """(tokenizer, model) of an HF export with transformers, or of a PEFT adapter `out` on the HF model
+    `base_dir` with peft, in float32."""
     import torch
     import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir or out, dtype=torch.float32)
+    if base_dir is not None:
+        import peft
+
+        model = peft.PeftModel.from_pretrained(model, out)
+    return transformers.AutoTokenizer.from_pretrained(base_dir or out), model.eval()
+
+
+def verify(model: api.Model, out: str, prompts=VERIFY_PROMPTS, max_new_tokens: int = 16,
+           base_dir: str | None = None) -> dict[str, Any]:
+    """Greedy tokens of transformers on `out` (a PEFT adapter on `base_dir` when given) vs the embedded
+    engine on `model`, per prompt (and the chat template's ids). Returns {"prompts", "same_prompt_ids",
+    "same_tokens", "engine", "transformers"}."""
+    import torch
 
     from rlvr.rollout.engine import Engine
     from rlvr.rollout.types import Request, SamplingParams
 
-    theirs_tok = transformers.AutoTokenizer.from_pretrained(out)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    theirs_tok, theirs = load_transformers(out, base_dir)
+    model = merged(model)
     ours_ids = [model.tokenizer.apply_chat_template(p, add_generation_prompt=True) for p in prompts]
     theirs_ids = [list(theirs_tok.apply_chat_template(p, add_generation_prompt=True, return_dict=False))
                   for p in prompts]
@@ -76,18 +128,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("workdir", help="An rlvr workdir (a job's --workdir).")
     parser.add_argument("--out", required=True, help="The Hugging Face directory to write.")
     parser.add_argument("--step", type=int, default=None, help="Checkpoint step (default: the latest).")
+    parser.add_argument("--adapter", action="store_true",
+                        help="A LoRA run: write its adapter as a PEFT directory (with its base) instead of merging.")
     parser.add_argument("--verify", action="store_true",
                         help="Reload with transformers; compare chat-template ids and greedy tokens with the engine's.")
     args = parser.parse_args(argv)
+    base_dir = None
     try:
-        model = export(args.workdir, args.out, args.step)
+        if args.adapter:
+            model, base_dir = export_adapter(args.workdir, args.out, args.step)
+        else:
+            model = export(args.workdir, args.out, args.step)
     except (api.ConfigError, FileNotFoundError) as e:
         print(f"export error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out} ({model.cfg.family}, {model.cfg.num_params():,} parameters, vocabulary "
-          f"{model.cfg.vocab_size})")
+    what = (f"a rank-{model.cfg.lora.rank} PEFT adapter ({lora.adapter_count(model.cfg):,} parameters) on {base_dir}"
+            if args.adapter else f"{model.cfg.num_params():,} parameters")
+    print(f"wrote {args.out} ({model.cfg.family}, {what}, vocabulary {model.cfg.vocab_size})")
     if args.verify:
-        report = verify(model, args.out)
+        report = verify(model, args.out, base_dir=base_dir)
         print(f"verify: chat template ids equal: {report['same_prompt_ids']}; greedy tokens equal (transformers vs "
               f"engine, {report['prompts']} prompts): {report['same_tokens']}")
         if not (report["same_prompt_ids"] and report["same_tokens"]):

@@ -1,8 +1,8 @@
 """Logical axes, the one rules table, meshes and shardings.
 
 Every parameter and activation is named with logical axes from one vocabulary
-(`batch, length, embed, mlp, heads, kv_heads, head_dim, vocab, layers`). One rules
-table maps each logical axis to mesh axes (`data, fsdp, tensor, sequence`). A mesh
+(`batch, length, embed, mlp, heads, kv_heads, head_dim, vocab, layers`, and `lora_rank` for
+adapters). One rules table maps each logical axis to mesh axes (`data, fsdp, tensor, sequence`). A mesh
 axis is used at most once per array (the first logical axis that claims it wins,
 so activations shard `batch` over `fsdp` while parameters shard `embed` over it),
 and a mesh axis that does not divide a dimension is dropped for that dimension
@@ -36,6 +36,7 @@ LOGICAL_AXIS_RULES: Rules = (
     ("embed", "fsdp"),
     ("head_dim", None),
     ("layers", None),
+    ("lora_rank", None),  # adapters: lora_a [in axes..., rank], lora_b [rank, out axes...] shard like their kernel
 )
 
 

@@ -32,7 +32,7 @@ import ml_collections
 
 from rlvr.config_lib import ConfigError
 from rlvr.data.chat import check_tool_calls
-from rlvr.models.config import RUNTIME_FIELDS, ModelConfig
+from rlvr.models.config import RUNTIME_FIELDS, LoraConfig, ModelConfig
 from rlvr.models.tokenizer import (
     BUILTIN_TEMPLATES,
     TOKENIZER_FILES,
@@ -117,7 +117,39 @@ def _explicit(model: ml_collections.ConfigDict) -> dict:
 
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
     """The architecture the job runs (the checkpoint's, with the config's runtime fields), or for
-    random init `model.preset` + `model.*`. Raises ConfigError on a contradiction."""
+    random init `model.preset` + `model.*`, with the config's adapters (`lora.*`). Raises ConfigError
+    on a contradiction."""
+    cfg = _architecture(config)
+    try:
+        lora = LoraConfig.from_mapping(config.get("lora"))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if lora.quantize != "none":
+        widths = {"model.hidden_size": cfg.hidden_size, "model.intermediate_size": cfg.intermediate_size,
+                  "model.num_heads x model.head_dim": cfg.num_heads * cfg.head_dim}
+        bad = {k: v for k, v in widths.items() if v % lora.quant_block}
+        if bad:
+            raise ConfigError(f"lora.quant_block={lora.quant_block} must divide every projection's input width "
+                              f"({', '.join(f'{k}={v}' for k, v in bad.items())}): pick a divisor, e.g. 32.")
+    return dataclasses.replace(cfg, lora=lora)
+
+
+def recorded_model(config: ml_collections.ConfigDict) -> ModelConfig:
+    """The model a finished job ran, from its resolved config (`model.*` and `lora.*`; configs
+    recorded before adapters existed have no `lora` section: full fine-tuning)."""
+    return dataclasses.replace(ModelConfig.from_mapping(config.model),
+                               lora=LoraConfig.from_mapping(config.get("lora")))
+
+
+def run_source(config: ml_collections.ConfigDict, workdir: str) -> Source:
+    """Where the job in `workdir` started: its RL warm start's SFT run (WORKDIR/sft, when
+    rl.sft_steps > 0), else `source(config)`. A LoRA run's frozen base is that starting point."""
+    if config.job == "rl" and config.rl.get("sft_steps", 0):
+        return Source("workdir", os.path.join(workdir, "sft"))
+    return source(config)
+
+
+def _architecture(config: ml_collections.ConfigDict) -> ModelConfig:
     src = source(config)
     try:
         if src.kind == "random":

@@ -87,7 +87,7 @@ def test_sharded_step_matches_single_device_and_makes_no_implicit_transfers():
         rng = jax.device_put(jax.random.key(0), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
         with jax.transfer_guard("disallow"):
             for _ in range(2):
-                state, metrics = step(state, batch, rng, None)
+                state, metrics = step(state, batch, rng, None, None)
         results.append((jax.device_get(state["params"]), jax.device_get(metrics)))
     (p1, m1), (p8, m8) = results
     assert m1["loss"] == pytest.approx(m8["loss"], rel=1e-5)
@@ -106,7 +106,7 @@ def test_bf16_compute_keeps_fp32_master_params():
     batch, _ = pack_examples(_examples(8), 4, 32, 0)
     step = step_lib.build_train_step(functools.partial(sft_loss, cfg), optimizer, mesh, shardings,
                                      step_lib.batch_shardings(batch, mesh))
-    state, metrics = step(state, batch, jax.random.key(0), None)
+    state, metrics = step(state, batch, jax.random.key(0), None, None)
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state["params"]))
     assert np.isfinite(float(metrics["loss"]))
 
@@ -143,6 +143,6 @@ def test_optimizers_reduce_the_loss(name, lr):
                                      step_lib.batch_shardings(batch, mesh))
     losses = []
     for _ in range(8):
-        state, metrics = step(state, batch, jax.random.key(0), None)
+        state, metrics = step(state, batch, jax.random.key(0), None, None)
         losses.append(float(metrics["loss"]))
     assert losses[-1] < 0.8 * losses[0]

@@ -38,6 +38,62 @@ PRESETS: dict[str, dict] = {
 # starts from a checkpoint takes them from it and refuses a `model.*` value that contradicts them.
 RUNTIME_FIELDS = ("dtype", "param_dtype", "remat_policy", "scan_unroll", "scan_layers", "attention")
 
+# The projections an adapter can target (their Hugging Face / PEFT module names), and groups of them.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_GROUPS = {"all": LORA_TARGETS, "attention": LORA_TARGETS[:4], "mlp": LORA_TARGETS[4:]}
+QUANTIZE = {"none": 0, "int8": 8, "int4": 4}  # frozen-base storage of QLoRA: bits per weight
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (`config.lora.*`, rlvr.models.lora); rank 0 = full fine-tuning."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    targets: tuple[str, ...] = LORA_TARGETS
+    dropout: float = 0.0
+    quantize: str = "none"
+    quant_block: int = 64
+
+    def __post_init__(self):
+        bad = [t for t in self.targets if t not in LORA_TARGETS]
+        if bad or not self.targets:
+            raise ValueError(f"lora.targets: {', '.join(bad) or 'empty'} is not a projection; use a comma-separated "
+                             f"subset of {', '.join(LORA_TARGETS)}, or one of {sorted(LORA_GROUPS)}.")
+        if self.rank < 0:
+            raise ValueError(f"lora.rank={self.rank}: must be >= 0 (0 = full fine-tuning).")
+        if self.alpha <= 0:
+            raise ValueError(f"lora.alpha={self.alpha}: must be positive (the update is scaled by alpha/rank).")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"lora.dropout={self.dropout}: must be in [0, 1).")
+        if self.quantize not in QUANTIZE:
+            raise ValueError(f"lora.quantize={self.quantize!r}: must be one of {sorted(QUANTIZE)}.")
+        if self.quantize != "none" and not self.rank:
+            raise ValueError(f"lora.quantize={self.quantize!r} freezes a quantised base, which needs adapters to "
+                             "train: set lora.rank > 0 (QLoRA), or lora.quantize='none'.")
+        if self.quant_block <= 0:
+            raise ValueError(f"lora.quant_block={self.quant_block}: must be positive.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank if self.rank else 0.0
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any] | None) -> LoraConfig:
+        """From the `lora.*` config section (None or missing: off). `targets` is comma-separated
+        projection names or a group (all | attention | mlp)."""
+        values = dict(values or {})
+        names = [t.strip() for t in str(values.pop("targets", "all")).split(",") if t.strip()]
+        targets = tuple(dict.fromkeys(n for name in names for n in LORA_GROUPS.get(name, (name,))))
+        return cls(targets=targets, **{k: v for k, v in values.items() if k in _LORA_FIELDS})
+
+
+_LORA_FIELDS = ("rank", "alpha", "dropout", "quantize", "quant_block")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -74,6 +130,8 @@ class ModelConfig:
     scan_unroll: int = 1
     scan_layers: bool = True  # False: one module per layer (params layers_0, …), for decoding
     attention: str = "xla"  # training attention: xla | flash | ring | ulysses (see ATTENTION)
+    # low-rank adapters and a quantised frozen base: set from the `lora.*` section, not a `model.*` key
+    lora: LoraConfig = LoraConfig()
 
     def __post_init__(self):
         validate_model_config(self)
@@ -86,13 +144,14 @@ class ModelConfig:
         preset = values.get("preset") or ""
         if preset and preset not in PRESETS:
             raise ValueError(f"model.preset: {preset!r} is not one of {sorted(PRESETS)}.")
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in dataclasses.fields(cls)} - {"lora"}
         merged = dict(PRESETS.get(preset, {}))
         merged.update({k: v for k, v in values.items() if k in names and v is not None})
         return cls(**merged)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The `model.*` fields (the adapters are the `lora.*` section's)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "lora"}
 
     def num_params(self) -> int:
         """Parameter count (excluding the value head), by formula."""

@@ -17,7 +17,8 @@ from rlvr.models.transformer import Transformer
 Params = dict[str, Any]
 
 
-def _init_boxed(cfg: ModelConfig, rng: jax.Array):
+def init_boxed(cfg: ModelConfig, rng: jax.Array):
+    """The model's params with their logical-axis boxes (flax `Partitioned`)."""
     tokens = jnp.zeros((1, 1), jnp.int32)
     return Transformer(cfg).init(rng, tokens)["params"]
 
@@ -28,7 +29,7 @@ def _is_axes(x) -> bool:
 
 def logical_axes(cfg: ModelConfig) -> Any:
     """Pytree (same structure as params) of logical axis-name tuples."""
-    boxed = jax.eval_shape(functools.partial(_init_boxed, cfg), jax.random.key(0))
+    boxed = jax.eval_shape(functools.partial(init_boxed, cfg), jax.random.key(0))
     return jax.tree.map(
         lambda p: tuple(p.names), boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned)
     )
@@ -36,7 +37,7 @@ def logical_axes(cfg: ModelConfig) -> Any:
 
 def abstract_params(cfg: ModelConfig) -> Any:
     """Pytree of jax.ShapeDtypeStruct: the parameters' shapes without allocating them."""
-    boxed = jax.eval_shape(functools.partial(_init_boxed, cfg), jax.random.key(0))
+    boxed = jax.eval_shape(functools.partial(init_boxed, cfg), jax.random.key(0))
     return nn.unbox(boxed)
 
 
@@ -64,5 +65,5 @@ def init_params(
 ) -> Params:
     """Random parameters created directly in their shardings (jit with out_shardings)."""
     shardings = param_shardings(cfg, mesh, rules)
-    init = jax.jit(lambda r: nn.unbox(_init_boxed(cfg, r)), out_shardings=shardings)
+    init = jax.jit(lambda r: nn.unbox(init_boxed(cfg, r)), out_shardings=shardings)
     return init(rng)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlvr.kernels.chunked_logprob.reference import project
-from rlvr.models.config import ModelConfig
+from rlvr.models.config import QUANTIZE, LoraConfig, ModelConfig
 from rlvr.sharding import constrain
 
 Params = dict[str, Any]
@@ -70,7 +70,13 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """`y = x · W (+ b)` contracting the last `len(in_axes)` dims of x; logical axes given."""
+    """`y = x · W (+ b)` contracting the last `len(in_axes)` dims of x; logical axes given.
+
+    With `lora` (the model's LoraConfig): a base quantised by QLoRA is stored as an int `kernel` with
+    `kernel_scale` and dequantised here; a projection named in `lora.targets` adds its low-rank
+    update `(dropout(x) · lora_a) · lora_b · alpha/rank` when the params hold the adapter (so the same
+    module runs the base alone from a tree without adapters: the reference policy of a LoRA run).
+    """
 
     in_shape: tuple[int, ...]
     out_shape: tuple[int, ...]
@@ -79,26 +85,69 @@ class Linear(nn.Module):
     use_bias: bool = False
     dtype: str = "float32"
     param_dtype: str = "float32"
+    lora: LoraConfig | None = None
     # the output projection: float32 products and output whatever `dtype` (`project`, the chunked
     # log-probs' own), so logits in bf16 models are not rounded to bf16
     float32_output: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = _param(self, "kernel", _INIT, self.in_shape + self.out_shape,
-                        self.in_axes + self.out_axes, _dtype(self.param_dtype))
         # As one 2-D matmul [tokens, in] x [in, out]: XLA:CPU handles the weight gradient of a
         # single contraction without materialising transposed activations.
         n_in = len(self.in_shape)
         lead = x.shape[: x.ndim - n_in]
         x2 = x.reshape(-1, math.prod(self.in_shape)).astype(self.dtype)
-        w2 = kernel.reshape(math.prod(self.in_shape), -1).astype(self.dtype)
+        w2 = self._weight_2d()
         y = (project(x2, w2) if self.float32_output else x2 @ w2).reshape(*lead, *self.out_shape)
         if self.use_bias:
             bias = _param(self, "bias", nn.initializers.zeros, self.out_shape, self.out_axes,
                           _dtype(self.param_dtype))
             y = y + bias.astype(self.dtype)
+        if self.lora is not None and self.lora.enabled and self.name in self.lora.targets:
+            delta = self._adapter(x2)
+            y = y if delta is None else y + delta.reshape(y.shape)
         return y
+
+    def _weight_2d(self) -> jax.Array:
+        """The kernel as [in, out] in the compute dtype (dequantised when the base is quantised)."""
+        shape, axes = self.in_shape + self.out_shape, self.in_axes + self.out_axes
+        bits = QUANTIZE[self.lora.quantize] if self.lora is not None else 0
+        n_in = math.prod(self.in_shape)
+        if not bits:
+            kernel = _param(self, "kernel", _INIT, shape, axes, _dtype(self.param_dtype))
+            return kernel.reshape(n_in, -1).astype(self.dtype)
+        blocks = n_in // self.lora.quant_block
+        kernel = _param(self, "kernel", nn.initializers.zeros, shape, axes, jnp.int8 if bits == 8 else jnp.int4)
+        scale = _param(self, "kernel_scale", nn.initializers.ones, (blocks, *self.out_shape), (None, *self.out_axes),
+                       jnp.float32)
+        return dequantize(kernel.reshape(n_in, -1), scale.reshape(blocks, -1)).astype(self.dtype)
+
+    def _adapter(self, x2: jax.Array) -> jax.Array | None:
+        lora = self.lora
+        if not (self.is_initializing() or self.has_variable("params", "lora_a")):
+            return None  # a tree without adapters: the base model
+        a = _param(self, "lora_a", _lora_a_init(math.prod(self.in_shape)), (*self.in_shape, lora.rank),
+                   (*self.in_axes, "lora_rank"), _dtype(self.param_dtype))
+        b = _param(self, "lora_b", nn.initializers.zeros, (lora.rank, *self.out_shape), ("lora_rank", *self.out_axes),
+                   _dtype(self.param_dtype))
+        if lora.dropout and self.has_rng("dropout"):
+            x2 = nn.Dropout(lora.dropout, deterministic=False)(x2)
+        h = x2 @ a.reshape(-1, lora.rank).astype(self.dtype)
+        return (h @ b.reshape(lora.rank, -1).astype(self.dtype)) * jnp.asarray(lora.scale, self.dtype)
+
+
+def _lora_a_init(fan_in: int):
+    """PEFT's default for lora_A (kaiming-uniform with a=sqrt(5)): U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+    bound = 1.0 / math.sqrt(fan_in)
+    return lambda rng, shape, dtype: jax.random.uniform(rng, shape, dtype, -bound, bound)
+
+
+def dequantize(q: jax.Array, scale: jax.Array) -> jax.Array:
+    """Blockwise absmax dequantisation (rlvr.models.lora.quantize): q [..., in, out] int and
+    scale [..., in / block, out] -> float32 [..., in, out]."""
+    blocks = scale.shape[-2]
+    w = q.astype(jnp.float32).reshape(*q.shape[:-2], blocks, q.shape[-2] // blocks, q.shape[-1])
+    return (w * scale[..., :, None, :]).reshape(q.shape)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
@@ -249,7 +298,7 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, cos, sin, mask, kv_index, pool, layer_id):
         cfg = self.cfg
-        dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, lora=cfg.lora)
         h, kvh, d, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
         q = Linear((e,), (h, d), ("embed",), ("heads", "head_dim"), cfg.qkv_bias, name="q_proj", **dense)(x)
         k = Linear((e,), (kvh, d), ("embed",), ("kv_heads", "head_dim"), cfg.qkv_bias, name="k_proj", **dense)(x)
@@ -299,7 +348,7 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg = self.cfg
-        dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, use_bias=cfg.mlp_bias)
+        dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, use_bias=cfg.mlp_bias, lora=cfg.lora)
         e, m = cfg.hidden_size, cfg.intermediate_size
         gate = Linear((e,), (m,), ("embed",), ("mlp",), name="gate_proj", **dense)(x)
         up = Linear((e,), (m,), ("embed",), ("mlp",), name="up_proj", **dense)(x)
@@ -335,7 +384,7 @@ class Transformer(nn.Module):
             self.layers = nn.scan(
                 layer_cls,
                 variable_axes={"params": 0},
-                split_rngs={"params": True},
+                split_rngs={"params": True, "dropout": True},
                 in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0),
                 length=cfg.num_layers,
                 unroll=cfg.scan_unroll,
@@ -494,12 +543,20 @@ def unstack_layers(params: Params) -> Params:
     return params
 
 
-def forward(cfg: ModelConfig, params: Params, tokens, positions=None, segment_ids=None, cache=None):
-    """Pure forward pass: (logits float32 [B, T, V], updated cache or None)."""
-    return Transformer(cfg).apply({"params": params}, tokens, positions, segment_ids, cache)
+def dropout_rngs(cfg: ModelConfig, rng: jax.Array | None) -> dict[str, jax.Array] | None:
+    """The `rngs` of a training forward pass: adapter dropout (`lora.dropout`) draws from `rng`;
+    without it (or with rng None: evaluation, sampling) nothing is dropped."""
+    return {"dropout": rng} if rng is not None and cfg.lora.enabled and cfg.lora.dropout else None
+
+
+def forward(cfg: ModelConfig, params: Params, tokens, positions=None, segment_ids=None, cache=None, rng=None):
+    """Pure forward pass: (logits float32 [B, T, V], updated cache or None). `rng`: training
+    randomness (adapter dropout), None to run deterministically."""
+    return Transformer(cfg).apply({"params": params}, tokens, positions, segment_ids, cache,
+                                  rngs=dropout_rngs(cfg, rng))
 
 
 def forward_with_values(cfg: ModelConfig, params: Params, tokens, positions=None, segment_ids=None,
-                        cache=None):
+                        cache=None, rng=None):
     return Transformer(cfg).apply({"params": params}, tokens, positions, segment_ids, cache,
-                                  method=Transformer.with_values)
+                                  method=Transformer.with_values, rngs=dropout_rngs(cfg, rng))

@@ -81,7 +81,7 @@ class SGLangBackend:
                  keep_exports: int = 2, **client_options: Any):
         from rlvr.rollout.client import SGLangClient
 
-        self.cfg = dataclasses.replace(cfg, value_head=False)
+        self.cfg = dataclasses.replace(cfg, value_head=False)  # a LoRA policy: exported merged (`update_weights`)
         self.export_dir, self.tokenizer_dir = export_dir, tokenizer_dir
         self.keep_exports = keep_exports
         self._exports: list[str] = []
@@ -116,10 +116,13 @@ class SGLangBackend:
                 "rollout/retries": float(report["retries"]), "rollout/failovers": float(report["failovers"])}
 
     def update_weights(self, params, version: int) -> None:
-        from rlvr.models import hf
+        from rlvr.models import hf, lora
 
         path = os.path.join(self.export_dir, f"weights_v{version}")
-        hf.export_hf_checkpoint(self.cfg, _policy(params), path, tokenizer_dir=self.tokenizer_dir)
+        # a LoRA policy goes out merged (adapters folded in on device, a QLoRA base dequantised): the
+        # servers reload plain weights from disk (SGLang's own LoRA serving is not used)
+        plain = lora.merge(self.cfg, _policy(params))
+        hf.export_hf_checkpoint(lora.without_lora(self.cfg), plain, path, tokenizer_dir=self.tokenizer_dir)
         self._run(self.client.update_weights_from_disk(path, version, pause_mode="in_place"))
         self._exports.append(path)
         while len(self._exports) > self.keep_exports:  # servers being revived re-sync from the latest

@@ -37,6 +37,8 @@ class Sample:
     # per output token: 1 = sampled by the policy, 0 = an observation (multi-turn tool output);
     # None = every output token was sampled (single-turn)
     loss_mask: list[int] | None = None
+    # per output token, added to `advantage`: a dense reward's (on-policy distillation, rlvr.rl.distill)
+    token_advantage: list[float] | None = None
 
     @property
     def sampled_tokens(self) -> int:
@@ -113,6 +115,8 @@ def build_batch(samples: list[Sample], seq_len: int, pad_id: int, aggregation: s
             out["loss_mask"][r, out_span] = 1 if s.loss_mask is None else s.loss_mask
             out["seq_index"][r, span] = i
             out["advantages"][r, out_span] = s.advantage
+            if s.token_advantage is not None:
+                out["advantages"][r, out_span] += s.token_advantage
             out["behaviour_logp"][r, out_span] = s.behaviour_logp
             length = s.sampled_tokens
             weight = 1.0 / max(length, 1) if aggregation == "seq_mean_token_mean" else 1.0

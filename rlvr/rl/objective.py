@@ -87,28 +87,30 @@ def sampling_of(rl) -> Sampling:
     return Sampling(rl.temperature, rl.top_k, rl.top_p, rl.min_p)
 
 
-def model_logprobs(cfg, obj: Objective, params, batch, *, entropy: bool = False, values: bool = False):
+def model_logprobs(cfg, obj: Objective, params, batch, *, entropy: bool = False, values: bool = False, rng=None):
     """(log-probs [B, T-1] of the sampled distribution, its entropy or None, value-head
-    predictions [B, T] or None): chunked when `obj.logprob_chunk_size`, else from the full logits."""
+    predictions [B, T] or None): chunked when `obj.logprob_chunk_size`, else from the full logits.
+    `rng`: adapter dropout (`lora.dropout`) in training, None otherwise."""
     tokens, positions, segment_ids = batch["tokens"], batch["positions"], batch["segment_ids"]
     if obj.logprob_chunk_size:
         return losses.model_token_logprobs(cfg, params, tokens, positions, segment_ids,
                                            chunk_size=obj.logprob_chunk_size, entropy=entropy, values=values,
-                                           sampling=obj.sampling)
+                                           sampling=obj.sampling, rng=rng)
     predicted = None
     if values:
-        logits, predicted, _ = forward_with_values(cfg, params, tokens, positions, segment_ids)
+        logits, predicted, _ = forward_with_values(cfg, params, tokens, positions, segment_ids, rng=rng)
     else:
-        logits, _ = forward(cfg, params, tokens, positions, segment_ids)
+        logits, _ = forward(cfg, params, tokens, positions, segment_ids, rng=rng)
     out = losses.next_token_logprobs(logits, tokens, obj.sampling, entropy=entropy)
     logp, ent = out if entropy else (out, None)
     return logp, ent, predicted
 
 
-def token_terms(cfg, obj: Objective, params, batch: dict[str, jax.Array], frozen):
+def token_terms(cfg, obj: Objective, params, batch: dict[str, jax.Array], frozen, rng=None):
     """(per-token loss [B, T-1], per-token metrics, target mask [B, T-1]) of the batch, before
     aggregation (see the module docstring)."""
-    logp, entropy, values = model_logprobs(cfg, obj, params, batch, entropy=True, values=bool(obj.value_coef))
+    logp, entropy, values = model_logprobs(cfg, obj, params, batch, entropy=True, values=bool(obj.value_coef),
+                                           rng=rng)
     mask = losses.target_mask(batch["loss_mask"], batch["segment_ids"]).astype(jnp.float32)
     shift = lambda name: batch[name][:, 1:]
     advantages, behaviour, seq_index = shift("advantages"), shift("behaviour_logp"), shift("seq_index")
@@ -146,9 +148,8 @@ def token_terms(cfg, obj: Objective, params, batch: dict[str, jax.Array], frozen
 
 def rl_loss(cfg, obj: Objective, params, batch: dict[str, jax.Array], rng, frozen):
     """(Σ weighted per-token loss, aux sums); see the module docstring. `frozen` is None or
-    {"ref": reference params}."""
-    del rng
-    loss, metrics, mask = token_terms(cfg, obj, params, batch, frozen)
+    {"ref": reference params}; `rng` drives adapter dropout (`lora.dropout`)."""
+    loss, metrics, mask = token_terms(cfg, obj, params, batch, frozen, rng)
     loss_sum = jnp.sum(loss * batch["token_weight"][:, 1:] * mask)
     aux = {k: jnp.sum(v * mask) for k, v in metrics.items()}
     aux.update(weight=jnp.sum(batch["row_weight"]), tokens=jnp.sum(mask))

@@ -152,6 +152,8 @@ class ProducerSettings:
     max_refill_rounds: int = 2
     kl_penalty_coef: float = 0.0  # rl.kl_coef when rl.kl_mode = "reward": the KL as a reward penalty
     kl_estimator: str = "k3"
+    distill_coef: float = 1.0  # weight of the teacher's per-token reverse KL (rl.teacher; rlvr.rl.distill)
+    distill_task_advantage: bool = True  # False: the teacher's term alone (pure on-policy distillation)
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
     reward_model_weight: float = 1.0
@@ -178,7 +180,8 @@ class Producer:
 
     def __init__(self, backend, tasks, tokenizer, settings: ProducerSettings, seed: int, cursor: int = 0,
                  buffered: list[ScoredBatch] | None = None, ref_logprobs=None, curriculum=None, replay=None,
-                 reward_model=None, episode_log: str | None = None, make_env=None, agent=None, verifiers=None):
+                 reward_model=None, episode_log: str | None = None, make_env=None, agent=None, verifiers=None,
+                 teacher_logprobs=None):
         self.backend, self.tasks, self.tokenizer, self.settings, self.seed = backend, tasks, tokenizer, settings, seed
         # rlvr.tasks.curriculum.Curriculum: draws each task's (family, level), learns from its group
         self.curriculum = curriculum
@@ -191,6 +194,7 @@ class Producer:
         self.cursor = cursor  # next task index to draw (advanced while generating)
         self.prompts_too_long = 0  # tasks passed over: prompt + max_new_tokens > seq_len
         self.ref_logprobs = ref_logprobs  # samples -> per-token ref log-probs (KL as reward penalty)
+        self.teacher_logprobs = teacher_logprobs  # samples -> per-token teacher log-probs (rlvr.rl.distill)
         self._cond = threading.Condition()
         self._queue: collections.deque[ScoredBatch] = collections.deque(buffered or [])
         self._completed_cursor = buffered[-1].cursor_end if buffered else cursor
@@ -443,7 +447,9 @@ class Producer:
         if self.ref_logprobs is not None and rl.kl_penalty_coef:
             self._kl_penalty(samples)
         for s, a in zip(samples, group_advantages(kept, rl.advantage), strict=True):
-            s.advantage = float(a)
+            s.advantage = float(a) if rl.distill_task_advantage or self.teacher_logprobs is None else 0.0
+        if self.teacher_logprobs is not None:
+            self._distill(samples)
         # generate_s: rollout wall time, scoring included; verify_s: the scoring not overlapped with generation
         stats = {"generate_s": gen_s, "generation_rounds": float(rounds),
                  "groups_generated": float(generated), "groups_filtered": float(len(dropped))}
@@ -507,6 +513,16 @@ class Producer:
         starts = np.cumsum([0] + [len(s.behaviour_logp) for s in samples[:-1]])
         for s, kl in zip(samples, np.add.reduceat(per_token, starts).tolist(), strict=True):
             s.rewards["kl_penalty"] = -self.settings.kl_penalty_coef * kl
+
+    def _distill(self, samples: list[Sample]) -> None:
+        """Every sample's per-token teacher advantage, and rewards["teacher_kl"]: its mean per-token
+        reverse KL to the teacher (rlvr.rl.distill; one teacher pass over the batch)."""
+        from rlvr.rl.distill import teacher_token_advantages
+
+        advantages, kls = teacher_token_advantages([s.behaviour_logp for s in samples], self.teacher_logprobs(samples),
+                                                   [s.loss_mask for s in samples], self.settings.distill_coef)
+        for s, adv, kl in zip(samples, advantages, kls, strict=True):
+            s.token_advantage, s.rewards["teacher_kl"] = adv.tolist(), kl
 
     # --- synchronous / asynchronous production ------------------------------------------------
 

@@ -18,6 +18,7 @@ import ml_collections
 import numpy as np
 
 from rlvr.kernels.chunked_logprob import Sampling
+from rlvr.models import lora
 from rlvr.rl.batching import build_batch
 from rlvr.rl.objective import Objective, rl_loss
 from rlvr.train import step as step_lib
@@ -102,13 +103,16 @@ def mini_batches(arrays: dict[str, np.ndarray], count: int, rng: np.random.Gener
 class PolicyUpdate:
     """One scored batch -> `rl.updates_per_batch` optimizer steps: GAE advantages (PPO) and the
     proximal log-probs first when needed, then one jitted, sharded step per shuffled mini-batch
-    (compiled once per mini-batch shape). Returns the new state and the mean metrics."""
+    (compiled once per mini-batch shape). Returns the new state and the mean metrics. `base`: a LoRA
+    policy's frozen base (the state then holds its adapters), else None."""
 
-    def __init__(self, config: ml_collections.ConfigDict, model, optimizer, shardings, frozen, learning_rate):
+    def __init__(self, config: ml_collections.ConfigDict, model, optimizer, shardings, frozen, learning_rate,
+                 base=None):
         rl = config.rl
         self.config, self.model, self.optimizer, self.shardings = config, model, optimizer, shardings
         self.frozen, self.learning_rate, self.updates = frozen, learning_rate, rl.updates_per_batch
-        self.frozen_sharding = {"ref": shardings["params"]} if frozen is not None else None
+        self.base = base
+        self.frozen_sharding = jax.tree.map(lambda x: x.sharding, frozen) if frozen is not None else None
         objective = Objective.from_config(config)
         self.loss_fn = functools.partial(rl_loss, model.cfg, objective)
         self.old_logprobs = None  # the proximal policy of several mini-batch updates: the weights before them
@@ -125,18 +129,20 @@ class PolicyUpdate:
             self._steps[shape] = (step_lib.build_train_step(
                 self.loss_fn, self.optimizer, self.model.mesh, self.shardings, batch_sh,
                 micro_batches=self.config.train.micro_batches, learning_rate=self.learning_rate,
-                frozen_sharding=self.frozen_sharding), batch_sh)
+                frozen_sharding=self.frozen_sharding,
+                base_sharding=step_lib.base_shardings(self.model.cfg, self.model.mesh)), batch_sh)
         return self._steps[shape]
 
     def __call__(self, state, arrays: dict[str, np.ndarray], samples, step: int):
+        params = state["params"] if self.base is None else lora.combine(state["params"], self.base)
         if self.gae is not None:
-            arrays = self.gae(state["params"], arrays, samples)
+            arrays = self.gae(params, arrays, samples)
         if self.old_logprobs is not None:  # the proximal policy of every mini-batch: the weights before them
-            arrays["old_logp"] = self.old_logprobs(state["params"], arrays)
+            arrays["old_logp"] = self.old_logprobs(params, arrays)
         metrics = []
         for mini in mini_batches(arrays, self.updates, np.random.default_rng([self.config.seed, step])):
             train_step, batch_sh = self._step(mini)
-            state, m = train_step(state, jax.device_put(mini, batch_sh), self.rng, self.frozen)
+            state, m = train_step(state, jax.device_put(mini, batch_sh), self.rng, self.frozen, self.base)
             metrics.append(m)
         metrics = jax.device_get(metrics)
         return state, {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}

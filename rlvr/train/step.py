@@ -10,6 +10,11 @@ by the total weight after accumulating over micro-batches, so N micro-batches gi
 the gradient of one full batch. `frozen` carries inputs that are not trained (e.g. the
 reference policy's params) as a jit argument with its own shardings.
 
+The state's params are what trains: every parameter, or for a LoRA model (`lora.rank` > 0,
+rlvr.models.lora) only the adapters (and a value head), so the optimizer holds state for them
+alone. The frozen base then comes in as `base` (not donated); the loss sees `combine(params, base)`
+and gradients are taken with respect to the adapters only.
+
 The step is jitted with explicit in/out shardings from the logical rules, the state is
 donated, and the RNG is `fold_in(rng, step)`. No host sync happens inside it.
 """
@@ -25,6 +30,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlvr import sharding
+from rlvr.models import lora
 from rlvr.models import params as params_lib
 from rlvr.models.config import ModelConfig
 
@@ -32,12 +38,33 @@ State = dict[str, Any]
 LossFn = Callable[[Any, dict[str, jax.Array], jax.Array, Any], tuple[jax.Array, dict[str, jax.Array]]]
 
 
+def trained_part(cfg: ModelConfig, tree: Any) -> Any:
+    """The part of a params-shaped tree that trains: all of it, or a LoRA model's adapters."""
+    return lora.trainable(tree) if cfg.lora.enabled else tree
+
+
+def base_shardings(cfg: ModelConfig, mesh: Mesh, rules: sharding.Rules = sharding.LOGICAL_AXIS_RULES):
+    """Shardings of a LoRA model's frozen base (the step's `base` argument); None without LoRA."""
+    return lora.frozen(params_lib.param_shardings(cfg, mesh, rules)) if cfg.lora.enabled else None
+
+
+def abstract_base(cfg: ModelConfig, mesh: Mesh) -> Any:
+    """ShapeDtypeStructs (with shardings) of a LoRA model's frozen base, for ahead-of-time compiles;
+    None without LoRA."""
+    if not cfg.lora.enabled:
+        return None
+    shapes = lora.frozen(params_lib.abstract_params(cfg))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+                        base_shardings(cfg, mesh))
+
+
 def state_shardings(cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh,
                     rules: sharding.Rules = sharding.LOGICAL_AXIS_RULES) -> State:
     """Shardings of {step, params, opt_state}: optimizer moments shaped like their parameter
-    follow its sharding; other state (factored Adafactor rows/cols, counters) is replicated."""
-    param_sh = params_lib.param_shardings(cfg, mesh, rules)
-    abstract = params_lib.abstract_params(cfg)
+    follow its sharding; other state (factored Adafactor rows/cols, counters) is replicated.
+    `params` is the trained part (`trained_part`)."""
+    param_sh = trained_part(cfg, params_lib.param_shardings(cfg, mesh, rules))
+    abstract = trained_part(cfg, params_lib.abstract_params(cfg))
     opt_shape = jax.eval_shape(optimizer.init, abstract)
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_sh = optax.tree_map_params(
@@ -56,7 +83,7 @@ def init_state(params, optimizer: optax.GradientTransformation, shardings: State
 
 def abstract_state(cfg: ModelConfig, optimizer: optax.GradientTransformation, shardings: State) -> State:
     """ShapeDtypeStructs (with shardings) of the train state, for checkpoint restore."""
-    params = params_lib.abstract_params(cfg)
+    params = trained_part(cfg, params_lib.abstract_params(cfg))
     shapes = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params,
               "opt_state": jax.eval_shape(optimizer.init, params)}
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -117,17 +144,21 @@ def build_train_step(
     micro_batches: int = 1,
     learning_rate: optax.Schedule | None = None,
     frozen_sharding: Any = None,
+    base_sharding: Any = None,
 ):
-    """Returns jitted `step(state, batch, rng, frozen) -> (state, metrics)` (frozen may be None).
+    """Returns jitted `step(state, batch, rng, frozen, base) -> (state, metrics)` (frozen may be
+    None; base is a LoRA model's frozen base, `base_shardings`, else None).
 
     Metrics: every aux sum divided by the total weight, plus `weight`, `grad_norm`,
-    `param_norm` and `learning_rate` (when a schedule is given).
+    `param_norm` (of what trains) and `learning_rate` (when a schedule is given).
     """
 
-    def step(state: State, batch: dict[str, jax.Array], rng: jax.Array, frozen: Any):
+    def step(state: State, batch: dict[str, jax.Array], rng: jax.Array, frozen: Any, base: Any):
         step_rng = jax.random.fold_in(rng, state["step"])
+        trained_loss = loss_fn if base is None else (
+            lambda params, *args: loss_fn(lora.combine(params, base), *args))
         with sharding.activation_sharding(mesh):
-            grads, sums = accumulate_gradients(loss_fn, state["params"], batch, step_rng, frozen,
+            grads, sums = accumulate_gradients(trained_loss, state["params"], batch, step_rng, frozen,
                                                micro_batches)
         weight = jnp.maximum(sums["weight"].astype(jnp.float32), 1.0)
         grads = jax.tree.map(lambda g: g / weight.astype(g.dtype), grads)
@@ -143,7 +174,7 @@ def build_train_step(
     replicated = NamedSharding(mesh, PartitionSpec())
     return jax.jit(
         step,
-        in_shardings=(shardings, batch_sharding, replicated, frozen_sharding),
+        in_shardings=(shardings, batch_sharding, replicated, frozen_sharding, base_sharding),
         out_shardings=(shardings, replicated),
         donate_argnums=(0,),
     )

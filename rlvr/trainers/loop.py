@@ -1,7 +1,9 @@
 """The training loop shared by every trainer: restore → step → metrics → checkpoint.
 
 A trainer hands in what differs (a loss function, a data stream, optional frozen inputs such
-as reference params); the loop owns the optimizer, shardings, checkpoints and metrics.
+as reference params); the loop owns the optimizer, shardings, checkpoints and metrics. For a LoRA
+model the train state (and so the optimizer and the checkpoints) holds only the adapters; the
+frozen base goes to every step beside it (rlvr.train.step).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import ml_collections
 
 from rlvr import observe
 from rlvr.api import Model
+from rlvr.models import lora
 from rlvr.train import flops
 from rlvr.train import step as step_lib
 from rlvr.train.checkpoint import Checkpointer
@@ -28,6 +31,25 @@ class LoopResult:
     state: dict[str, Any]
     last_metrics: dict[str, float]
     resumed_from: int | None
+    params: Any = None  # the trained policy: the state's params, with a LoRA model's frozen base
+
+
+def split_trained(model: Model) -> tuple[Any, Any]:
+    """(what trains, the frozen base or None): a LoRA model's adapters and base, else (params, None)."""
+    return lora.split(model.params) if model.cfg.lora.enabled else (model.params, None)
+
+
+def base_record(config: ml_collections.ConfigDict, workdir: str, cfg) -> dict[str, str]:
+    """What a LoRA checkpoint records beside its adapters: the frozen base it adapts (the run's
+    starting point, rebuilt from the workdir's config.json by `api.load_trained`)."""
+    from rlvr import start
+
+    return {"lora_base": start.run_source(config, workdir).describe()} if cfg.lora.enabled else {}
+
+
+def policy_params(trained: Any, base: Any) -> Any:
+    """The whole policy from what trains and the frozen base (None: nothing frozen)."""
+    return trained if base is None else lora.combine(trained, base)
 
 
 def train_loop(config: ml_collections.ConfigDict, workdir: str, model: Model, loss_fn, data,
@@ -45,14 +67,17 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str, model: Model, lo
         resumed_from = int(state["step"])
         print(f"resumed from step {resumed_from} ({checkpoints.directory})")
         observe.drop_metrics_after(workdir, resumed_from)
-    else:
-        state = step_lib.init_state(model.params, optimizer, shardings)
-    model.params = None  # now owned (and donated) by `state`
+    trained, base = split_trained(model)
+    if resumed_from is None:
+        state = step_lib.init_state(trained, optimizer, shardings)
+    model.params = trained = None  # now owned (and donated) by `state`
 
     batch_sh = step_lib.batch_shardings(data.peek(), model.mesh)
     train_step = step_lib.build_train_step(
         loss_fn, optimizer, model.mesh, shardings, batch_sh, micro_batches=config.train.micro_batches,
-        learning_rate=learning_rate_schedule(config.optimizer, num_steps), frozen_sharding=frozen_sharding)
+        learning_rate=learning_rate_schedule(config.optimizer, num_steps), frozen_sharding=frozen_sharding,
+        base_sharding=step_lib.base_shardings(model.cfg, model.mesh))
+    record = base_record(config, workdir, model.cfg)
     rng = jax.random.key(config.seed)
     step_flops = flops.train_flops_per_token(model.cfg, config.data.seq_len) * tokens_per_batch
     peak = flops.machine_peak(model.cfg.dtype)
@@ -65,7 +90,7 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str, model: Model, lo
     with PreemptionGuard() as guard:
         for step in range(start, num_steps):
             batch = jax.device_put(next(data), batch_sh)
-            state, metrics = train_step(state, batch, rng, frozen)
+            state, metrics = train_step(state, batch, rng, frozen, base)
             done, window_steps = step + 1, window_steps + 1
             if step == start:  # one host sync, to separate compile time from step time
                 jax.block_until_ready(metrics)
@@ -80,9 +105,9 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str, model: Model, lo
                 progress.update(done, {"loss": metrics["loss"]})
                 window_start, window_steps = time.perf_counter(), 0
             if done % config.checkpoint.every_steps == 0 or done == num_steps:
-                checkpoints.save(done, state, {"data": data.get_state()}, force=True)
+                checkpoints.save(done, state, {"data": data.get_state(), **record}, force=True)
             if done < num_steps and guard.should_stop():
-                checkpoints.save_now(done, state, {"data": data.get_state()})
+                checkpoints.save_now(done, state, {"data": data.get_state(), **record})
                 preempted_at = done
                 break
     progress.close()
@@ -90,4 +115,5 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str, model: Model, lo
     writer.close()
     if preempted_at is not None:
         raise Preempted(preempted_at, checkpoints.directory)
-    return LoopResult(state, {k: float(v) for k, v in jax.device_get(metrics).items()}, resumed_from)
+    return LoopResult(state, {k: float(v) for k, v in jax.device_get(metrics).items()}, resumed_from,
+                      policy_params(state["params"], base))

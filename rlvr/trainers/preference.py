@@ -20,6 +20,7 @@ from rlvr import api, losses
 from rlvr.data.pairs import PairStream
 from rlvr.data.sources import load_records
 from rlvr.losses import preference as pref
+from rlvr.models import lora
 from rlvr.models.transformer import forward, forward_with_values
 from rlvr.trainers.loop import train_loop
 from rlvr.trainers.sft import write_summary
@@ -33,16 +34,16 @@ def _both_sides(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
             for k in ("tokens", "positions", "segment_ids", "loss_mask")}
 
 
-def sequence_logprobs(cfg, params, rows: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """Summed log-prob of each row's response tokens, and the response lengths."""
-    logits, _ = forward(cfg, params, rows["tokens"], rows["positions"], rows["segment_ids"])
+def sequence_logprobs(cfg, params, rows: dict[str, jax.Array], rng=None) -> tuple[jax.Array, jax.Array]:
+    """Summed log-prob of each row's response tokens, and the response lengths (`rng`: adapter dropout)."""
+    logits, _ = forward(cfg, params, rows["tokens"], rows["positions"], rows["segment_ids"], rng=rng)
     logp = losses.next_token_logprobs(logits, rows["tokens"])
     mask = losses.target_mask(rows["loss_mask"], rows["segment_ids"]).astype(jnp.float32)
     return jnp.sum(logp * mask, axis=1), jnp.sum(mask, axis=1)
 
 
-def pair_logprobs(cfg, params, batch) -> dict[str, jax.Array]:
-    sums, lengths = sequence_logprobs(cfg, params, _both_sides(batch))
+def pair_logprobs(cfg, params, batch, rng=None) -> dict[str, jax.Array]:
+    sums, lengths = sequence_logprobs(cfg, params, _both_sides(batch), rng)
     pairs = batch["chosen_tokens"].shape[0]
     return {"chosen": sums[:pairs], "rejected": sums[pairs:],
             "chosen_len": lengths[:pairs], "rejected_len": lengths[pairs:]}
@@ -50,8 +51,7 @@ def pair_logprobs(cfg, params, batch) -> dict[str, jax.Array]:
 
 def preference_loss(cfg, p: ml_collections.ConfigDict, params, batch, rng, frozen):
     """Sum over pairs of the configured preference loss; weight = number of pairs."""
-    del rng
-    lp = pair_logprobs(cfg, params, batch)
+    lp = pair_logprobs(cfg, params, batch, rng)
     if p.loss in ("dpo", "cdpo", "ipo"):
         if frozen is not None:  # online reference: the frozen initial params
             ref = jax.lax.stop_gradient(pair_logprobs(cfg, frozen, batch))
@@ -72,10 +72,11 @@ def preference_loss(cfg, p: ml_collections.ConfigDict, params, batch, rng, froze
     return pref.to_step_sums(loss, metrics)
 
 
-def pair_scores(cfg, params, batch) -> tuple[jax.Array, jax.Array]:
+def pair_scores(cfg, params, batch, rng=None) -> tuple[jax.Array, jax.Array]:
     """Reward-model scores: the value head at each row's last response token."""
     rows = _both_sides(batch)
-    _, values, _ = forward_with_values(cfg, params, rows["tokens"], rows["positions"], rows["segment_ids"])
+    _, values, _ = forward_with_values(cfg, params, rows["tokens"], rows["positions"], rows["segment_ids"],
+                                       rng=rng)
     last = jnp.argmax(jnp.cumsum(rows["loss_mask"], axis=1), axis=1)  # first index of the max = last 1
     scores = jnp.take_along_axis(values, last[:, None], axis=1)[:, 0]
     pairs = batch["chosen_tokens"].shape[0]
@@ -83,8 +84,8 @@ def pair_scores(cfg, params, batch) -> tuple[jax.Array, jax.Array]:
 
 
 def reward_model_loss(cfg, params, batch, rng, frozen):
-    del rng, frozen
-    loss, metrics = pref.bradley_terry(*pair_scores(cfg, params, batch))
+    del frozen
+    loss, metrics = pref.bradley_terry(*pair_scores(cfg, params, batch, rng))
     return pref.to_step_sums(loss, metrics)
 
 
@@ -133,6 +134,14 @@ def evaluate_pairs(config, cfg, params, tokenizer, records, ref_params=None) -> 
     return result
 
 
+def reference_params(model: api.Model):
+    """The frozen reference: a copy of the initial params, or a LoRA model's frozen base (the policy
+    with its adapters at zero; no copy)."""
+    if model.cfg.lora.enabled:
+        return lora.frozen(model.params)
+    return jax.tree.map(jnp.copy, model.params)
+
+
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     tokenizer = api.build_tokenizer(config)
     if config.job == "rm" and not config.model.value_head:
@@ -143,7 +152,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     stream = _pair_stream(config, tokenizer, load_records(config.data), shuffle=True)
     held_out = load_records(config.data, "eval") if config.data.eval_path else None
     uses_reference = config.job == "dpo" and pref.needs_reference(p.loss)
-    ref_params = jax.tree.map(jnp.copy, model.params) if uses_reference or held_out else None
+    ref_params = reference_params(model) if uses_reference or held_out else None
     frozen = None
     if config.job == "rm":
         loss_fn = functools.partial(reward_model_loss, cfg)
@@ -159,6 +168,6 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     summary: dict[str, Any] = {"job": config.job, "loss_type": "bradley_terry" if config.job == "rm" else p.loss,
                                "final_step": config.train.num_steps, **result.last_metrics}
     if held_out:
-        summary.update(evaluate_pairs(config, cfg, result.state["params"], tokenizer, held_out, ref_params))
+        summary.update(evaluate_pairs(config, cfg, result.params, tokenizer, held_out, ref_params))
     write_summary(workdir, summary)
     return summary

@@ -37,7 +37,7 @@ import numpy as np
 from rlvr import api, evaluation, observe, start
 from rlvr.envs.sandboxes import pool_counters
 from rlvr.launch.ray_workers import make_verifier_workers
-from rlvr.rl import backends
+from rlvr.rl import backends, distill
 from rlvr.rl.batching import build_batch
 from rlvr.rl.objective import sampling_of, token_means
 from rlvr.rl.producer import Producer, ProducerSettings, ScoredBatch, load_moments, passed
@@ -50,6 +50,7 @@ from rlvr.train import step as step_lib
 from rlvr.train.checkpoint import Checkpointer
 from rlvr.train.optimizer import build_optimizer, learning_rate_schedule
 from rlvr.train.preemption import Preempted, PreemptionGuard
+from rlvr.trainers.loop import policy_params, split_trained
 
 # --- the initial policy ------------------------------------------------------------------------
 
@@ -86,7 +87,8 @@ def demonstrations(tasks, count: int, seed: int, off_format_fraction: float, pro
 
 def warm_start(config: ml_collections.ConfigDict, workdir: str, tasks) -> str:
     """SFT on `rl.sft_demos` demonstrations into `workdir/sft` (resumable; skipped when done).
-    Returns the SFT workdir."""
+    Returns the SFT workdir. From a random init it trains every weight even for a LoRA run (whose
+    frozen base is then this SFT model); from a checkpoint it trains what the RL run will."""
     from rlvr.trainers import sft
 
     rl = config.rl
@@ -112,6 +114,8 @@ def warm_start(config: ml_collections.ConfigDict, workdir: str, tasks) -> str:
     c.train.num_steps = rl.sft_steps
     c.train.log_every = max(rl.sft_steps // 4, 1)
     c.checkpoint.every_steps = rl.sft_steps
+    if start.source(config).kind == "random":  # adapters on a random base learn nothing: SFT trains every weight
+        c.lora.rank, c.lora.quantize = 0, "none"
     print(f"warm start: SFT on {rl.sft_demos} demonstrations for {rl.sft_steps} steps -> {sft_dir}")
     start.write_workdir(c, sft_dir)
     sft.train(c, sft_dir)
@@ -122,7 +126,7 @@ def initial_model(config: ml_collections.ConfigDict, workdir: str, tasks) -> tup
     """(the policy RL starts from, a pointer to it for the record and for resuming)."""
     if config.rl.sft_steps:
         sft_dir = warm_start(config, workdir, tasks)
-        return api.load_trained(sft_dir), f"rlvr-workdir:{sft_dir}"
+        return api.build_model(config, src=start.Source("workdir", sft_dir)), f"rlvr-workdir:{sft_dir}"
     return api.build_model(config), policy_pointer(config)
 
 
@@ -280,6 +284,7 @@ class Run:
     tasks: Any
     model: api.Model
     reference_pointer: str  # the initial policy, for the record and for resuming
+    base: Any = None  # a LoRA policy's frozen base (the state trains its adapters); None otherwise
     optimizer: Any = None
     checkpoints: Checkpointer | None = None
     state: Any = None
@@ -307,9 +312,14 @@ class Run:
         self.evals.append(_eval_point(step, result))
         self.eval_details.append({"step": step, **result})
 
+    def policy_params(self):
+        """The whole policy: the state's params, with a LoRA policy's frozen base."""
+        return policy_params(self.state["params"], self.base)
+
     def extra_state(self) -> dict[str, Any]:
+        record = {"lora_base": self.reference_pointer} if self.base is not None else {}
         return {"producer": self.producer.state(), "reference": self.reference_pointer, "history": self.history,
-                "evals": self.evals, "eval_details": self.eval_details}
+                "evals": self.evals, "eval_details": self.eval_details, **record}
 
     def row_multiple(self) -> int:
         """Train rows are a multiple of this: data shards × micro-batches × mini-batches."""
@@ -389,26 +399,30 @@ def start_run(config: ml_collections.ConfigDict, workdir: str) -> Run:
     run = Run(config, workdir, tokenizer, tasks, model, reference_pointer)
     run.samples_log = observe.SampleLog(workdir, tokenizer)
     ref_params = restore_or_init_state(run)
-    run.backend = build_backend(config, model, run.state["params"], tokenizer, workdir, version=run.start)
+    run.backend = build_backend(config, model, run.policy_params(), tokenizer, workdir, version=run.start)
     run.producer = build_producer(run, ref_params)
     rl, steps = config.rl, config.train.num_steps * config.rl.updates_per_batch
     # The reference runs inside the step for a KL loss term, or (rl.reference_model) to report the KL.
     in_step = ref_params is not None and (rl.kl_mode == "loss" or rl.reference_model)
     shardings = step_lib.state_shardings(model.cfg, run.optimizer, model.mesh)
     run.update = PolicyUpdate(config, model, run.optimizer, shardings, {"ref": ref_params} if in_step else None,
-                              learning_rate_schedule(config.optimizer, steps))
+                              learning_rate_schedule(config.optimizer, steps), base=run.base)
     return run
 
 
 def restore_or_init_state(run: Run):
     """Sets the run's optimizer, checkpointer and train state (restored when resuming, with the
-    record so far); returns the frozen reference params (None when no KL is used or reported)."""
+    record so far); returns the frozen reference params (None when no KL is used or reported): a copy
+    of the initial policy, or a LoRA policy's frozen base (no copy)."""
     config, model, rl = run.config, run.model, run.config.rl
     updates = rl.updates_per_batch
     run.optimizer = build_optimizer(config.optimizer, config.train.num_steps * updates)  # a step per mini-batch
     shardings = step_lib.state_shardings(model.cfg, run.optimizer, model.mesh)
     use_ref = rl.reference_model or rl.kl_coef > 0
-    ref_params = jax.tree.map(jnp.copy, model.params) if use_ref else None
+    trained, run.base = split_trained(model)
+    ref_params = None
+    if use_ref:
+        ref_params = run.base if run.base is not None else jax.tree.map(jnp.copy, model.params)
     run.checkpoints = Checkpointer(os.path.join(run.workdir, "checkpoints"), config.checkpoint.keep,
                                    config.checkpoint.async_save)
     if config.checkpoint.resume and run.checkpoints.latest_step() is not None:
@@ -417,8 +431,8 @@ def restore_or_init_state(run: Run):
         for log in ("metrics.jsonl", "samples.jsonl"):
             observe.drop_metrics_after(run.workdir, int(run.state["step"]) // updates, log)
     else:
-        run.state = step_lib.init_state(model.params, run.optimizer, shardings)
-    model.params = None  # owned (and donated) by `state`
+        run.state = step_lib.init_state(trained, run.optimizer, shardings)
+    model.params = trained = None  # owned (and donated) by `state`
     run.start = int(run.state["step"]) // updates
     run.history = run.extra.get("history", [])
     # (checkpoints from before per-domain evaluation have no domain dict)
@@ -442,6 +456,11 @@ def build_producer(run: Run, ref_params) -> Producer:
     if rl.kl_mode == "reward" and ref_params is not None:
         ref_fn = reference_logprobs_fn(run.model.cfg, ref_params, rl.seq_len, run.tokenizer.pad_id, sampling_of(rl),
                                        config.train.logprob_chunk_size)
+    teacher_fn = None
+    if rl.teacher:
+        teacher_cfg, teacher_params = distill.load_teacher(rl.teacher, run.model.mesh, run.tokenizer.vocab_size)
+        teacher_fn = reference_logprobs_fn(teacher_cfg, teacher_params, rl.seq_len, run.tokenizer.pad_id,
+                                           sampling_of(rl), config.train.logprob_chunk_size)
     if rl.curriculum:
         run.curriculum = Curriculum(run.tasks.levels(), mixture=run.tasks.weights,
                                     band=(rl.curriculum_band_low, rl.curriculum_band_high), floor=rl.curriculum_floor,
@@ -467,7 +486,7 @@ def build_producer(run: Run, ref_params) -> Producer:
                     buffered=[ScoredBatch.from_json(b) for b in producer_state["buffered"]], ref_logprobs=ref_fn,
                     curriculum=run.curriculum, replay=replay, reward_model=reward_model,
                     episode_log=os.path.join(run.workdir, "episodes.jsonl"), make_env=env_factory(rl),
-                    agent=run.agent, verifiers=verifiers)
+                    agent=run.agent, verifiers=verifiers, teacher_logprobs=teacher_fn)
 
 
 def run_steps(run: Run) -> int | None:
@@ -527,7 +546,7 @@ def one_step(run: Run, step: int) -> tuple[dict[str, float], ScoredBatch]:
                          rl.pack, run.row_multiple(), min_rows=rl.prompts_per_step * rl.group_size)
     run.state, metrics = run.update(run.state, arrays, batch.samples, step)
     t2 = time.perf_counter()
-    run.backend.update_weights(run.state["params"], step + 1)
+    run.backend.update_weights(run.policy_params(), step + 1)
     run.producer.set_version(step + 1)
     t3 = time.perf_counter()
     record = {**rollout_metrics(batch, step), **token_means(metrics)}

@@ -30,15 +30,31 @@ from rlvr.trainers.loop import train_loop
 def sft_loss(cfg, params, batch, rng, frozen, *, logprob_chunk_size: int = 0):
     """Sum of target-token NLL; weight = number of target tokens. `logprob_chunk_size` > 0
     (`train.logprob_chunk_size`): log-probs in chunks of that many positions, never the full logits."""
-    del rng, frozen
+    del frozen
     if logprob_chunk_size:
         logp, _, _ = losses.model_token_logprobs(cfg, params, batch["tokens"], batch["positions"],
-                                                 batch["segment_ids"], chunk_size=logprob_chunk_size)
+                                                 batch["segment_ids"], chunk_size=logprob_chunk_size, rng=rng)
     else:
-        logits, _ = forward(cfg, params, batch["tokens"], batch["positions"], batch["segment_ids"])
+        logits, _ = forward(cfg, params, batch["tokens"], batch["positions"], batch["segment_ids"], rng=rng)
         logp = losses.next_token_logprobs(logits, batch["tokens"])
     mask = losses.target_mask(batch["loss_mask"], batch["segment_ids"])
     return -jnp.sum(logp * mask), {"weight": mask.sum(), "target_tokens": mask.sum()}
+
+
+def distill_loss(cfg, teacher_cfg, top_k: int, weight: float, chunk_size: int, params, batch, rng, frozen):
+    """Logit distillation (`distill.*`, rlvr.losses.distill): Σ over target tokens of (1 - weight)·NLL +
+    weight·KL(teacher top-k ‖ student); `frozen["teacher"]`: the teacher's params. Reports both terms."""
+    from rlvr.losses.distill import model_hidden_and_head, topk_forward_kl
+
+    args = (batch["tokens"], batch["positions"], batch["segment_ids"])
+    x, head, tied = model_hidden_and_head(cfg, params, *args, rng=rng)
+    xt, head_t, tied_t = model_hidden_and_head(teacher_cfg, frozen["teacher"], *args)
+    logp, kl = topk_forward_kl(x, head, xt, head_t, batch["tokens"][:, 1:], top_k=top_k, chunk_size=chunk_size,
+                               student_vocab_major=tied, teacher_vocab_major=tied_t)
+    mask = losses.target_mask(batch["loss_mask"], batch["segment_ids"]).astype(jnp.float32)
+    nll, kl = -jnp.sum(logp * mask), jnp.sum(kl * mask)
+    return (1 - weight) * nll + weight * kl, {"weight": mask.sum(), "target_tokens": mask.sum(), "nll": nll,
+                                              "distill_kl": kl}
 
 
 def configured_loss(config: ml_collections.ConfigDict, cfg):
@@ -92,8 +108,17 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     api.check_vocab(model.cfg, tokenizer)
     data = build_data(config, tokenizer)
     tokens_per_batch = config.data.batch_size * config.data.seq_len
-    result = train_loop(config, workdir, model, configured_loss(config, model.cfg), data, tokens_per_batch)
-    final = api.Model(model.cfg, result.state["params"], model.mesh)
+    loss_fn, frozen, frozen_sharding = configured_loss(config, model.cfg), None, None
+    if config.distill.teacher:
+        from rlvr.rl.distill import load_teacher
+
+        d = config.distill
+        teacher_cfg, teacher = load_teacher(d.teacher, model.mesh, tokenizer.vocab_size, "distill.teacher")
+        loss_fn = functools.partial(distill_loss, model.cfg, teacher_cfg, d.top_k, d.weight, d.chunk_size)
+        frozen = {"teacher": teacher}
+        frozen_sharding = jax.tree.map(lambda x: x.sharding, frozen)
+    result = train_loop(config, workdir, model, loss_fn, data, tokens_per_batch, frozen, frozen_sharding)
+    final = api.Model(model.cfg, result.params, model.mesh)
     summary: dict[str, Any] = {"job": "sft", "final_step": config.train.num_steps,
                                "final_loss": result.last_metrics.get("loss"),
                                "tokens_per_s": result.last_metrics.get("tokens_per_s"),

@@ -1,0 +1,62 @@
+"""Logit distillation: forward KL from a teacher's top-k next-token distribution, in chunks.
+
+    KL_t = Σ_{v ∈ top-k_T(t)} p̂_T(v) · (log p̂_T(v) − log p_S(v))
+
+p̂_T is the teacher's softmax restricted to its k most likely tokens at position t (renormalised over
+them), p_S the student's full softmax. Positions are taken `chunk_size` at a time: each chunk projects
+both models' final hidden states to logits [B, chunk, V], takes the teacher's top-k and the student's
+log-probs there and at the target token, and drops the logits (recomputed in the backward pass), so
+neither model's [tokens × vocab] logits exist at once. A teacher whose vocabulary is padded beyond the
+student's (same tokenizer, another size) has its extra ids masked.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rlvr.kernels.chunked_logprob.reference import project
+
+
+def _chunks(x: jax.Array, chunk: int) -> jax.Array:
+    """[B, T, ...] -> [T/chunk, B, chunk, ...] (T padded with zeros to a multiple of chunk)."""
+    b, t = x.shape[:2]
+    pad = -t % chunk
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape(b, (t + pad) // chunk, chunk, *x.shape[2:]), 1, 0)
+
+
+def topk_forward_kl(student_hidden: jax.Array, student_head: jax.Array, teacher_hidden: jax.Array,
+                    teacher_head: jax.Array, targets: jax.Array, *, top_k: int, chunk_size: int,
+                    student_vocab_major: bool = False, teacher_vocab_major: bool = False):
+    """(student log-prob of each target [B, T], forward KL from the teacher's top-k [B, T]): hidden
+    states [B, T, E] predicting `targets` [B, T]; heads [E, V] (or [V, E] when vocab-major, tied)."""
+    vocab = student_head.shape[0 if student_vocab_major else 1]
+    teacher_hidden = jax.lax.stop_gradient(teacher_hidden)
+
+    @jax.checkpoint
+    def one(args):
+        hs, ht, tgt = args
+        logp_s = jax.nn.log_softmax(project(hs, student_head, student_vocab_major).astype(jnp.float32), axis=-1)
+        logits_t = project(ht, teacher_head, teacher_vocab_major).astype(jnp.float32)[..., :vocab]
+        top, index = jax.lax.top_k(jax.nn.log_softmax(logits_t, axis=-1), top_k)
+        top = jax.lax.stop_gradient(top - jax.nn.logsumexp(top, axis=-1, keepdims=True))  # renormalised over top-k
+        kl = jnp.sum(jnp.exp(top) * (top - jnp.take_along_axis(logp_s, index, axis=-1)), axis=-1)
+        return jnp.take_along_axis(logp_s, tgt[..., None], axis=-1)[..., 0], kl
+
+    t = targets.shape[1]
+    logp, kl = jax.lax.map(one, (_chunks(student_hidden, chunk_size), _chunks(teacher_hidden, chunk_size),
+                                 _chunks(targets, chunk_size)))
+    unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(targets.shape[0], -1)[:, :t]
+    return unchunk(logp), unchunk(kl)
+
+
+def model_hidden_and_head(cfg, params, tokens, positions, segment_ids, rng=None):
+    """(final hidden states [B, T-1, E] predicting tokens[:, 1:], the output head, vocab-major?)
+    as `rlvr.losses.model_token_logprobs` projects them."""
+    from rlvr.losses import _hidden_and_values
+
+    x, _ = _hidden_and_values(cfg, params, tokens, positions, segment_ids, False, rng)
+    tied = cfg.tie_word_embeddings
+    head = params["embed_tokens"].astype(x.dtype) if tied else params["lm_head"]["kernel"].astype(cfg.dtype)
+    return x[:, :-1], head, tied

@@ -1,0 +1,62 @@
+"""On-policy distillation: a teacher's per-token log-probs on the student's own samples as a dense reward.
+
+With `rl.teacher` (a Hugging Face directory or an rlvr workdir, possibly of another size, with the
+student's tokenizer) every sampled token t of every rollout gets the advantage
+
+    A_t = A_task · [rl.distill_task_advantage] − rl.distill_coef · (log π_student(x_t) − log π_teacher(x_t))
+
+where log π_student is the sampler's own log-prob of the token (its behaviour log-prob) and
+log π_teacher the teacher's, under the same sampling transformation (`rl.temperature`, top-k/p): the
+per-token reverse KL KL(π_student ‖ π_teacher), estimated on the student's samples, with its policy
+gradient (no discount: each token is credited with its own term, as in on-policy distillation). The
+teacher term is added after the group normalisation of the task advantage, so it is not whitened
+away; `rl.distill_task_advantage=False` trains on the teacher alone (pure distillation).
+
+Teacher log-probs come from `rlvr.rl.update.reference_logprobs_fn`: the teacher's final hidden states
+go through the chunked log-prob kernel, so neither model's [tokens × vocab] logits are materialised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from jax.sharding import Mesh
+
+from rlvr.config_lib import ConfigError
+
+
+def load_teacher(path: str, mesh: Mesh, vocab: int, field: str = "rl.teacher"):
+    """(ModelConfig, plain params) of the teacher at `path` (an HF directory or an rlvr workdir: a LoRA
+    run's adapters merged), without a value head; also the SFT job's logit-distillation teacher
+    (`distill.teacher`, rlvr.losses.distill). `vocab`: the student tokenizer's size, which the teacher's
+    vocabulary must cover; `field`: the config key named in errors."""
+    from rlvr import api, start
+    from rlvr.models import hf, lora
+
+    kind = start.init_overrides(path)  # raises a ConfigError naming the path when it is neither
+    if "init.hf_checkpoint" in kind:
+        cfg, params = hf.load_hf_checkpoint(path, mesh=mesh)
+    else:
+        model = api.load_trained(path, mesh=mesh)
+        cfg, params = lora.without_lora(model.cfg), lora.merge(model.cfg, model.params)
+    params = {k: v for k, v in params.items() if k != "value_proj"}
+    cfg = dataclasses.replace(cfg, value_head=False)
+    if cfg.vocab_size < vocab:
+        raise ConfigError(f"{field}={path!r}: its vocabulary ({cfg.vocab_size}) is smaller than the student "
+                          f"tokenizer's ({vocab}); the teacher must share the student's tokenizer.")
+    return cfg, params
+
+
+def teacher_token_advantages(behaviour_logp: list[np.ndarray], teacher_logp: list[np.ndarray],
+                             loss_masks: list[np.ndarray | None], coef: float) -> tuple[list[np.ndarray], list[float]]:
+    """Per sample: (the per-token distillation advantage −coef·(log π_student − log π_teacher), 0 on
+    observation tokens) and the sample's mean per-token reverse-KL estimate over its sampled tokens."""
+    advantages, kls = [], []
+    for student, teacher, mask in zip(behaviour_logp, teacher_logp, loss_masks, strict=True):
+        student, teacher = np.asarray(student, np.float32), np.asarray(teacher, np.float32)
+        sampled = np.ones_like(student) if mask is None else np.asarray(mask, np.float32)
+        gap = (student - teacher) * sampled
+        advantages.append(-coef * gap)
+        kls.append(float(gap.sum() / max(sampled.sum(), 1.0)))
+    return advantages, kls
