@@ -21,6 +21,11 @@ Sources, first match wins:
   or RLVR_DISTRIBUTED=auto      initialize() is called without arguments
   otherwise                     a single host: nothing is called
 A count of 1 process is a single host too.
+
+RLVR_HEARTBEAT_TIMEOUT_S (optional, any multi-host source): how long the coordination service waits
+for a silent process before it fails the whole job (JAX's default: 100 s). A host that dies (SIGKILL,
+machine lost) makes every other process exit with "tasks ... stopped sending heartbeats" after it,
+rather than hang; the job's rerun resumes from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ NUM_PROCESSES = "RLVR_NUM_PROCESSES"
 PROCESS_ID = "RLVR_PROCESS_ID"
 MODE = "RLVR_DISTRIBUTED"  # "" (decide from the environment) | "auto" | "off"
 COORDINATOR_PORT = "RLVR_COORDINATOR_PORT"  # Slurm: overrides the port derived from the job id
+HEARTBEAT_TIMEOUT = "RLVR_HEARTBEAT_TIMEOUT_S"
 EXPLICIT = (COORDINATOR, NUM_PROCESSES, PROCESS_ID)
 
 
@@ -63,6 +69,16 @@ def plan_from_env(env: Mapping[str, str]) -> DistributedPlan:
         raise DistributedEnvError(f"{MODE}={env[MODE]!r}: use 'auto', 'off' or leave it unset.")
     if mode == "off":
         return DistributedPlan("off", None)
+    plan = _plan(env, mode)
+    if plan.kwargs is not None and env.get(HEARTBEAT_TIMEOUT, "").strip():
+        seconds = _int(env, HEARTBEAT_TIMEOUT)
+        if seconds < 1:
+            raise DistributedEnvError(f"{HEARTBEAT_TIMEOUT}={seconds}: must be >= 1 (seconds).")
+        plan.kwargs["heartbeat_timeout_seconds"] = seconds
+    return plan
+
+
+def _plan(env: Mapping[str, str], mode: str) -> DistributedPlan:
     given = [name for name in EXPLICIT if env.get(name, "").strip()]
     if given:
         return _explicit(env, given)
@@ -82,7 +98,10 @@ def initialize_from_env(env: Mapping[str, str] | None = None) -> DistributedPlan
     if plan.kwargs is not None:
         import jax
 
+        from rlvr.train import preemption
+
         jax.distributed.initialize(**plan.kwargs)
+        preemption.join_jax_preemption_service()
     return plan
 
 

@@ -42,6 +42,20 @@ def write_run_info(config: ml_collections.ConfigDict, workdir: str) -> None:
         json.dump(info, f, indent=2)
 
 
+def writes_shared_files() -> bool:
+    """Whether this process writes the workdir's logs and summaries: process 0 of a multi-host job
+    (the others hold the same records and share the workdir; two writers would duplicate lines, or
+    race on a rewrite)."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+def open_log(path: str, mode: str = "a"):
+    """`open(path, mode)` on the process that writes shared files; os.devnull on the others."""
+    return open(path if writes_shared_files() else os.devnull, mode)
+
+
 class MetricsWriter:
     """Appends one JSON object per record to `workdir/metrics.jsonl`, and scalars to
     TensorBoard event files under `workdir/tensorboard` (tensorboardX: no TensorFlow). In a
@@ -53,7 +67,7 @@ class MetricsWriter:
 
         os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(workdir, filename)
-        self._file = open(self.path if jax.process_index() == 0 else os.devnull, "a")
+        self._file = open_log(self.path)
         self._tb = None
         if tensorboard and jax.process_index() == 0:
             from tensorboardX import SummaryWriter
@@ -101,10 +115,9 @@ class SampleLog:
     job writes."""
 
     def __init__(self, workdir: str, tokenizer, filename: str = "samples.jsonl"):
-        import jax
 
         self.tokenizer = tokenizer
-        self._file = open(os.path.join(workdir, filename) if jax.process_index() == 0 else os.devnull, "a")
+        self._file = open_log(os.path.join(workdir, filename))
 
     def records(self, step: int, tag: str, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """`samples` ({family, level, task_index, prompt_ids, output_ids, rewards, truncated}) as records."""
@@ -159,9 +172,9 @@ def describe_sample(record: dict[str, Any], width: int = 300) -> str:
 
 def drop_metrics_after(workdir: str, step: int, filename: str = "metrics.jsonl") -> None:
     """On resume from checkpoint `step`: removes records of later steps, which a killed run wrote
-    after its last checkpoint and the resumed run is about to write again."""
+    after its last checkpoint and the resumed run is about to write again. Process 0 only."""
     path = os.path.join(workdir, filename)
-    if not os.path.exists(path):
+    if not writes_shared_files() or not os.path.exists(path):
         return
     with open(path) as f:
         lines = f.readlines()

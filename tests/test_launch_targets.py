@@ -25,6 +25,7 @@ import jax
 import pytest
 import yaml
 from rlvr.launch import distributed, fit, sweep
+from rlvr.launch.local_cluster import k8s_pod_env
 from rlvr.launch.targets import TARGETS, k8s, k8s_validate, options, xm
 
 from rlvr import config_lib
@@ -106,6 +107,10 @@ def test_plan_from_env_decisions():
         "coordinator_address": "a1:61517", "num_processes": 4, "process_id": 3, "local_device_ids": [1],
         "cluster_detection_method": "deactivate"}
     assert distributed.plan_from_env({**slurm, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}).kwargs is None
+    heartbeat = distributed.plan_from_env({**slurm, "RLVR_HEARTBEAT_TIMEOUT_S": "5"})
+    assert heartbeat.kwargs["heartbeat_timeout_seconds"] == 5
+    with pytest.raises(distributed.DistributedEnvError, match="RLVR_HEARTBEAT_TIMEOUT_S=0: must be >= 1"):
+        distributed.plan_from_env({**slurm, "RLVR_HEARTBEAT_TIMEOUT_S": "0"})
     assert distributed.plan_from_env({"TPU_WORKER_HOSTNAMES": "h0,h1,h2,h3"}) == distributed.DistributedPlan("tpu", {})
     assert distributed.plan_from_env({"TPU_WORKER_HOSTNAMES": "h0"}).kwargs is None
     with pytest.raises(distributed.DistributedEnvError, match="RLVR_NUM_PROCESSES, RLVR_PROCESS_ID missing"):
@@ -168,17 +173,8 @@ def load_yaml(paths: list[str]) -> list[dict]:
 
 
 def pod_env(container: dict, completion_index: int) -> dict[str, str]:
-    """The container's environment as the kubelet resolves it for the pod at `completion_index`
-    (Indexed Jobs annotate each pod with batch.kubernetes.io/job-completion-index)."""
-    annotations = {"batch.kubernetes.io/job-completion-index": str(completion_index)}
-    env = {}
-    for var in container["env"]:
-        if "value" in var:
-            env[var["name"]] = var["value"]
-        else:
-            key = re.fullmatch(r"metadata\.annotations\['(.+)'\]", var["valueFrom"]["fieldRef"]["fieldPath"]).group(1)
-            env[var["name"]] = annotations[key]
-    return env
+    """The container's environment as the kubelet resolves it for the pod at `completion_index`."""
+    return k8s_pod_env(container, completion_index)
 
 
 def trainer_of(jobset: dict) -> tuple[dict, dict, dict]:

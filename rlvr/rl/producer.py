@@ -40,6 +40,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from rlvr import observe
 from rlvr.envs import rollout as episodes_lib
 from rlvr.launch.ray_workers import LocalVerifierWorkers
 from rlvr.rl import advantages as adv_lib
@@ -368,7 +369,7 @@ class Producer:
         stats["episode_env_s"] += sum(t.trace.get("env_s", 0.0) for t in trajectories)
         if not self.episode_log:
             return
-        with self._log_lock, open(self.episode_log, "a") as f:
+        with self._log_lock, observe.open_log(self.episode_log) as f:
             for job, t in zip(jobs, trajectories, strict=True):
                 f.write(json.dumps({"step": step, "task": job.task.to_json(), "rewards": t.rewards,
                                     "truncated": t.truncated, "turns": t.turns, "trace": t.trace}) + "\n")

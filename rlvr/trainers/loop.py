@@ -106,7 +106,7 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str, model: Model, lo
                 window_start, window_steps = time.perf_counter(), 0
             if done % config.checkpoint.every_steps == 0 or done == num_steps:
                 checkpoints.save(done, state, {"data": data.get_state(), **record}, force=True)
-            if guard.requested and done < num_steps:
+            if done < num_steps and guard.should_stop():
                 checkpoints.save_now(done, state, {"data": data.get_state(), **record})
                 preempted_at = done
                 break

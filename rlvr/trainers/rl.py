@@ -97,10 +97,14 @@ def warm_start(config: ml_collections.ConfigDict, workdir: str, tasks) -> str:
         return sft_dir
     os.makedirs(sft_dir, exist_ok=True)
     demos = os.path.join(sft_dir, "demos.jsonl")
-    with open(demos, "w") as f:
+    # every process writes the same file, then reads it: each through its own temporary name and an
+    # atomic rename, so no process reads a file another one is still writing
+    partial = f"{demos}.{jax.process_index()}.tmp"
+    with open(partial, "w") as f:
         for demo in demonstrations(tasks, rl.sft_demos, config.seed, rl.sft_off_format, rl.prompt_format,
                                    rl.env.to_dict()):
             f.write(json.dumps(demo) + "\n")
+    os.replace(partial, demos)
     c = ml_collections.ConfigDict(config.to_dict())
     c.job = "sft"
     c.data.source, c.data.path, c.data.eval_path = "jsonl", demos, ""
@@ -260,7 +264,7 @@ def _record_value_head(workdir: str) -> None:
     """Marks model.value_head in the run's config.json, so `api.load_trained(workdir)` rebuilds
     the checkpoint's structure (policy + value head)."""
     path = os.path.join(workdir, "config.json")
-    if os.path.exists(path):
+    if observe.writes_shared_files() and os.path.exists(path):
         with open(path) as f:
             recorded = json.load(f)
         recorded["model"]["value_head"] = True
@@ -353,6 +357,7 @@ class Run:
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     """The RL job (see the module docstring): start (or resume) the run, train, summarise."""
     wall_start = time.perf_counter()
+    check_processes(config.rl, jax.process_count())
     run = start_run(config, workdir)
     try:  # from here on, any failure (evaluation included) closes the backend and producer
         preempted_at = run_steps(run)
@@ -361,6 +366,25 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     if preempted_at is not None:
         raise Preempted(preempted_at, run.checkpoints.directory)
     return write_summary(run, time.perf_counter() - wall_start)
+
+
+def check_processes(rl: ml_collections.ConfigDict, processes: int) -> None:
+    """Several JAX processes (a multi-host job) run the rollout SPMD: each drives the same embedded
+    engine over the global mesh, so every process must take the same host-side decisions in the same
+    order. Synchronous rollout does (tests/test_multihost.py: bitwise the one-process result); what
+    depends on timing or on a remote server's answers would let the processes diverge, so it is
+    refused. Raises api.ConfigError naming the setting."""
+    if processes == 1:
+        return
+    refused = {"rl.mode='async'": rl.mode == "async", "rl.backend='sglang'": rl.backend == "sglang",
+               "rl.schedule.lag_factor > 0": rl.schedule.lag_factor > 0,
+               "rl.schedule.deadline_s > 0": rl.schedule.deadline_s > 0}
+    bad = [name for name, on in refused.items() if on]
+    if bad:
+        raise api.ConfigError(f"{', '.join(bad)} with {processes} JAX processes: a multi-host RL job runs "
+                              "rl.mode='sync' on the embedded engine with time-independent scheduling (the "
+                              "processes must take identical rollout decisions); set those, or run the trainer "
+                              "as one process (README 'Running across hosts').")
 
 
 def start_run(config: ml_collections.ConfigDict, workdir: str) -> Run:
@@ -471,7 +495,7 @@ def run_steps(run: Run) -> int | None:
     on their schedules. Returns the step a preemption request stopped the run at (None when done)."""
     config, rl, num_steps = run.config, run.config.rl, run.config.train.num_steps
     writer = observe.MetricsWriter(run.workdir, tensorboard=config.train.tensorboard)
-    failures_log = open(os.path.join(run.workdir, "failures.jsonl"), "a")
+    failures_log = observe.open_log(os.path.join(run.workdir, "failures.jsonl"))
     progress = observe.Progress(num_steps, run.start)
     guard = PreemptionGuard().__enter__()
     try:
@@ -500,7 +524,7 @@ def run_steps(run: Run) -> int | None:
                 if done == num_steps:
                     run.evaluate(done, "after")
                 run.checkpoints.save(done, run.state, run.extra_state(), force=True)
-            if guard.requested and done < num_steps:
+            if done < num_steps and guard.should_stop():
                 # async: let the batch being generated finish (bounded), so it is saved, not regenerated
                 run.producer.drain(config.checkpoint.preemption_grace_s)
                 run.checkpoints.save_now(done, run.state, run.extra_state())
@@ -561,7 +585,7 @@ def write_summary(run: Run, wall_s: float) -> dict[str, Any]:
     plot = write_plot(run.workdir, run.history, evals)
     if plot:
         summary["plot"] = plot
-    with open(os.path.join(run.workdir, "summary.json"), "w") as f:
+    with observe.open_log(os.path.join(run.workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print(f"held-out accuracy: before RL {before:.3f} -> after RL {after:.3f} "
           f"({summary['improvement_points']:+.1f} points)")

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from rlvr import api, losses
+from rlvr import api, losses, observe
 from rlvr.data.arithmetic import ArithmeticData
 from rlvr.data.chat import check_tool_calls, encode_record, uses_tools
 from rlvr.data.sources import load_records
@@ -133,6 +133,6 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
 
 def write_summary(workdir: str, summary: dict[str, Any]) -> None:
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
+    with observe.open_log(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print("summary: " + json.dumps(summary))
