@@ -67,6 +67,17 @@ def _assert_same_params(workdir, reference, atol=1e-6):
         np.testing.assert_allclose(a, b, rtol=0, atol=atol)
 
 
+def _assert_same_samples(workdir, reference):
+    """The same completions, tokens and rewards; the engine's per-token log-probs (rounded to 3 decimals
+    in samples.jsonl) within one rounding step: the sharded engine may sum in another order, and a value
+    on a rounding boundary then prints one digit apart."""
+    got, want = (observe.read_metrics(str(w), "samples.jsonl") for w in (workdir, reference))
+    assert len(got) == len(want) > 0
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a.pop("logprobs", []), b.pop("logprobs", []), rtol=0, atol=1.5e-3)
+        assert a == b
+
+
 def _wait_for(ready, cluster, timeout_s=TIMEOUT):
     deadline = time.time() + timeout_s
     while not ready():
@@ -166,8 +177,7 @@ def test_rl_sync_on_two_processes_matches_one_process(tmp_path, tmp_path_factory
     assert ref_metrics[0]["reward"] > 0 and ref_metrics[0]["loss"] != 0  # the update is not trivially zero
     got = [(m["step"], m["reward"], m["loss"]) for m in _metrics(workdir) if "reward" in m]
     assert got == [(m["step"], m["reward"], m["loss"]) for m in ref_metrics]
-    assert observe.read_metrics(str(workdir), "samples.jsonl") == observe.read_metrics(str(rl_reference),
-                                                                                       "samples.jsonl")
+    _assert_same_samples(workdir, rl_reference)
     _assert_same_params(workdir, rl_reference, atol=0)
 
 
