@@ -1,0 +1,224 @@
+"""The engine's device calls and the reading of their results (a mixin of `rlvr.rollout.engine.Engine`).
+
+Per `Engine.step`: `_prefill` dispatches one fixed-size chunk of every unfinished prompt (a chunk
+that ends its prompt samples the first token and arms the slot's on-device decode state; a prompt
+with one token left is armed directly, `_arm`); `_decode` dispatches `decode_steps` decode steps
+for every running sequence in one device call (`device_fns.decode`), continuing from the state the
+previous call left; `_process` then reads all but the newest call's tokens, so the host's
+bookkeeping overlaps the device's next call. A batch with a constrained (grammar) request decodes
+one token per call and waits for the tokens before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlvr.kernels.paged_attention import ragged_pages
+from rlvr.rollout import device_fns
+from rlvr.rollout import extras as extras_lib
+from rlvr.rollout.sequence import Sequence
+
+# The decode attention's page list comes in chunks of max(RAGGED_MIN_CHUNK, table / RAGGED_CHUNKS)
+# entries, looped over on device: one compiled program whatever the pages held, padded by < 1 chunk.
+RAGGED_CHUNKS, RAGGED_MIN_CHUNK = 16, 64
+
+
+@dataclasses.dataclass
+class _Inflight:
+    """A dispatched device call whose tokens the host has not read yet."""
+    kind: str  # "prefill" | "decode"
+    seqs: list  # prefill: the rows' sequences (None = not completing); decode: per slot
+    tokens: jax.Array
+    logprobs: jax.Array
+    emitted: jax.Array | None
+    version: int
+    extras: dict = dataclasses.field(default_factory=dict)  # extra log-probs (top-k, requested ids)
+
+
+class Dispatch:
+    """Prefill and decode dispatch, and the reading of their tokens (see the module docstring)."""
+
+    def _top(self, seqs: list) -> int:
+        """The compiled number of top log-probs a call computes for these sequences (0: none)."""
+        return extras_lib.top_bucket(max((s.request.top_logprobs_num for s in seqs if s is not None), default=0))
+
+    def _masks(self, seqs: list, rows: int) -> jax.Array | None:
+        """Packed grammar masks of constrained sequences (all tokens for the other rows), or None."""
+        if not any(s is not None and s.extras.grammar is not None for s in seqs):
+            return None
+        masks = np.full((rows, -(-self.cfg.vocab_size // 8)), 255, np.uint8)
+        for i, seq in enumerate(seqs):
+            if seq is not None and seq.extras.grammar is not None:
+                budget = seq.max_new - len(seq.output)
+                masks[i] = seq.extras.grammar.mask(seq.extras.state, budget, sorted(seq.stop_ids))
+        return jnp.asarray(masks)
+
+    def _constrained(self) -> bool:
+        return any(s.extras.grammar is not None and self.active[s.slot] for s in self._running())
+
+    def _filters(self, slots: np.ndarray) -> bool:
+        """Whether any of these rows asks for top-k, top-p or min-p (compiles the filter paths)."""
+        table = self._sampling
+        return bool(np.any((table["top_k"][slots] > 0) | (table["top_p"][slots] < 1) | (table["min_p"][slots] > 0)))
+
+    def _small_chunk(self) -> int:
+        return max(self.prefill_chunk // 4, 1)
+
+    def _prefill(self) -> None:
+        pending = [s for s in self._running() if s.prefilled < len(s.prompt)]
+        last_token = [s for s in pending if s.prefilled == len(s.prompt) - 1]
+        if last_token:
+            self._arm(last_token)
+            pending = [s for s in pending if s.prefilled < len(s.prompt)]
+        for start in range(0, len(pending), self.prefill_rows):
+            seqs = pending[start: start + self.prefill_rows]
+            rows = 1 if len(seqs) == 1 else self.prefill_rows
+            longest = max(len(s.prompt) - s.prefilled for s in seqs)
+            self._dispatch_prefill(seqs, rows, self._small_chunk() if longest <= self._small_chunk()
+                                   else self.prefill_chunk)
+
+    def _dispatch_prefill(self, seqs: list[Sequence], rows: int, chunk: int, filters: bool | None = None) -> None:
+        tokens, positions, segments = (np.zeros((rows, chunk), np.int32) for _ in range(3))
+        table = np.zeros((rows, self.pages_per_row), np.int32)
+        slots, completes = np.zeros(rows, np.int32), np.zeros(rows, bool)
+        finishing = [None] * rows
+        for i, seq in enumerate(seqs):
+            end = min(seq.prefilled + chunk, len(seq.prompt))
+            self._ensure_pages(seq, end)
+            n = end - seq.prefilled
+            tokens[i, :n] = seq.prompt[seq.prefilled: end]
+            positions[i, :n] = np.arange(seq.prefilled, end)
+            segments[i, :n] = 1
+            table[i], slots[i] = self.page_table[seq.slot], seq.slot
+            seq.prefilled = end
+            if end == len(seq.prompt):
+                completes[i], finishing[i] = True, seq
+                seq.device_tokens = end + 1
+                self.active[seq.slot] = True
+            self._cache_prompt_pages(seq)
+        host_slots = slots[: len(seqs)]
+        sampling = {k: v[slots] for k, v in self._sampling.items()}
+        table, tokens, positions, segments, slots, completes, sampling = jax.device_put(
+            (table, tokens, positions, segments, slots, completes, sampling))  # one transfer
+        start = time.perf_counter()
+        self.pool, self.state, tok, logprob, more = device_fns.prefill(
+            self.decode_cfg, self._filters(host_slots) if filters is None else filters, self.params, self.pool,
+            table, tokens, positions, segments, self.state, slots, completes, sampling, self._top(finishing),
+            self._masks(finishing, rows))
+        self._times["prefill_calls"] += 1
+        self._time_call("prefill", rows * chunk, start, tok)
+        self._restore_counts([s for s in finishing if s is not None])
+        if any(finishing):
+            self.inflight.append(_Inflight("prefill", finishing, tok, logprob, None, self.weight_version, more))
+
+    def _arm(self, seqs: list[Sequence]) -> None:
+        """Prompts with one token left go straight to decoding (`device_fns.arm`)."""
+        slots = np.full(self.max_slots, self.max_slots, np.int32)
+        tokens, positions = np.zeros(self.max_slots, np.int32), np.zeros(self.max_slots, np.int32)
+        for i, seq in enumerate(seqs):
+            slots[i], tokens[i], positions[i] = seq.slot, seq.prompt[-1], len(seq.prompt) - 1
+            seq.prefilled = seq.device_tokens = len(seq.prompt)
+            self.active[seq.slot] = True
+        self.state = device_fns.arm(self.state, *jax.device_put((slots, tokens, positions)))
+        self._restore_counts(seqs)
+
+    def _restore_counts(self, seqs: list[Sequence]) -> None:
+        """Penalties of retracted sequences count the output they had before (their slot's counts
+        were just started over)."""
+        carried = [s for s in seqs if s.extras.carried_tokens]
+        if not carried or "counts" not in self.state:
+            return
+        counts = np.stack([np.bincount(s.extras.carried[0], minlength=self.cfg.vocab_size) for s in carried])
+        slots = np.array([s.slot for s in carried], np.int32)
+        self.state = device_fns.add_counts(self.state, jnp.asarray(slots), jnp.asarray(counts, jnp.int32))
+
+    def _cache_prompt_pages(self, seq: Sequence) -> None:
+        """Full prompt pages just dispatched go into the prefix cache (later readers are
+        dispatched after the writes, so they see them)."""
+        full = seq.prefilled // self.page_size
+        if full > len(seq.nodes):
+            nodes = self.prefix.insert(seq.prompt[: full * self.page_size], seq.pages[:full])
+            self.prefix.lock(nodes[len(seq.nodes):])
+            seq.nodes = nodes
+
+    def _decode(self) -> bool:
+        """Dispatches the next decode call; with a constrained sequence running, the call is one
+        step and waits for the tokens before it (each mask follows from the token before)."""
+        steps = self.decode_steps
+        if self._constrained():
+            self._process(keep=0)
+            steps = 1
+        seqs = [s if s is not None and self.active[s.slot] else None for s in self.slots]
+        if not any(seqs):
+            return False
+        reach = np.zeros(self.max_slots, np.int64)  # tokens whose KV this call may write, per row
+        for i, seq in enumerate(seqs):
+            if seq is not None:
+                final = len(seq.prompt) + seq.max_new
+                reach[i] = min(seq.device_tokens + steps, final, self.max_len + 1) - 1
+                self._ensure_pages(seq, reach[i])
+                seq.device_tokens = min(seq.device_tokens + steps, final)
+        self._dispatch_decode(seqs, reach, steps=steps)
+        return True
+
+    def _dispatch_decode(self, seqs: list, reach: np.ndarray | None = None, filters: bool | None = None,
+                         steps: int | None = None) -> None:
+        reach = np.zeros(self.max_slots, np.int64) if reach is None else reach
+        entries = self.max_slots * self.pages_per_row
+        chunk = max(RAGGED_MIN_CHUNK, -(-entries // RAGGED_CHUNKS))
+        ragged = ragged_pages(self.page_table, reach, self.page_size, chunk, -(-entries // chunk))
+        active = active_host = np.array([s is not None for s in seqs]) & self.active
+        if self._sampling_device is None:
+            self._sampling_device = jax.device_put(self._sampling)
+        table, ragged, active = jax.device_put((self.page_table, ragged, active))  # one transfer
+        filters = self._filters(np.flatnonzero(active_host)) if filters is None else filters
+        mask = self._masks(seqs, self.max_slots)
+        start = time.perf_counter()
+        self.pool, self.state, toks, logprobs, emitted, more = device_fns.decode(
+            self.decode_cfg, 1 if mask is not None else steps or self.decode_steps, filters, self.params, self.pool,
+            table, ragged, self.state, active, self._sampling_device, self._top(seqs), mask)
+        self._times["decode_calls"] += 1
+        self._time_call("decode", (int(active_host.sum()), self.max_slots), start, emitted)
+        self.inflight.append(_Inflight("decode", seqs, toks, logprobs, emitted, self.weight_version, more))
+
+    def _time_call(self, kind: str, size: Any, start: float, output: jax.Array) -> None:
+        if self.call_times is not None:
+            jax.block_until_ready(output)
+            self.call_times.append((kind, size, time.perf_counter() - start))
+
+    def _process(self, keep: int) -> None:
+        """Reads the tokens of all but the last `keep` dispatched calls, oldest first."""
+        while len(self.inflight) > keep:
+            call = self.inflight.popleft()
+            start = time.perf_counter()
+            tokens, logprobs = np.asarray(call.tokens), np.asarray(call.logprobs)
+            emitted = None if call.emitted is None else np.asarray(call.emitted)
+            more = {k: np.asarray(v) for k, v in call.extras.items()}
+            self._times["device_wait_s"] += time.perf_counter() - start
+            for i, seq in enumerate(call.seqs):
+                if seq is None or seq.finish is not None:
+                    continue
+                if call.kind == "prefill":
+                    if seq.max_new <= 0:
+                        self._finish(seq, {"type": "length", "length": seq.extras.carried_tokens})
+                    else:
+                        self._append(seq, [int(tokens[i])], [float(logprobs[i])], call.version,
+                                     {k: v[i][None] for k, v in more.items()})
+                elif emitted[i]:
+                    n = int(emitted[i])
+                    self._append(seq, tokens[i, :n].tolist(), logprobs[i, :n].tolist(), call.version,
+                                 {k: v[i, :n] for k, v in more.items()})
+
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[float], version: int,
+                more: dict[str, np.ndarray]) -> None:
+        before = len(seq.output)
+        reason = seq.accept(tokens, logprobs, version, more)
+        self._times["generated_tokens"] += len(seq.output) - before
+        if reason is not None:
+            self._finish(seq, reason)
