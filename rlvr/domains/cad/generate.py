@@ -142,7 +142,8 @@ def reference_script(s: dict[str, Any]) -> str:
                 f"    translate([{-lx / 2 + s['p'] / 2} + i * {s['p']}, {-ly / 2 + s['p'] / 2} + j * {s['p']}, "
                 f"{s['t']}]) {_cyl(s['h'], s['d'])};\n}}")
     elif k == "flange":
-        body = (f"difference() {{\n  union() {{\n    {_cyl(s['t'], s['D'])};\n    {_cyl(s['t'] + s['hub_h'], s['hub_d'])};\n"
+        body = (f"difference() {{\n  union() {{\n    {_cyl(s['t'], s['D'])};\n"
+                f"    {_cyl(s['t'] + s['hub_h'], s['hub_d'])};\n"
                 f"  }}\n  translate([0, 0, -1]) {_cyl(s['t'] + s['hub_h'] + 2, s['bore'])};\n"
                 f"  for (i = [0:{s['n'] - 1}])\n    rotate([0, 0, i * 360 / {s['n']}]) "
                 f"translate([{s['pcd'] / 2}, 0, 0]) {_cyl(3 * s['t'], s['d'], True)};\n}}")
@@ -155,7 +156,8 @@ def reference_script(s: dict[str, Any]) -> str:
                 f"{_cyl(3 * s['t'], s['hole_d'], True)};\n}}")
     elif k == "clevis":
         x = s["gap"] / 2
-        body = (f"difference() {{\n  union() {{\n    {_box(s['l'], s['w'], s['t'])};\n    for (m = [0, 1]) mirror([m, 0, 0])\n"
+        body = (f"difference() {{\n  union() {{\n    {_box(s['l'], s['w'], s['t'])};\n"
+                f"    for (m = [0, 1]) mirror([m, 0, 0])\n"
                 f"      translate([{x}, {-s['w'] / 2}, 0]) cube([{s['lug_t']}, {s['w']}, {s['t'] + s['lug_h']}]);\n"
                 f"  }}\n  translate([0, 0, {s['t'] + s['lug_h'] * 0.6}]) rotate([0, 90, 0]) "
                 f"{_cyl(s['gap'] + 2 * s['lug_t'] + 2, s['pin_d'], True)};\n}}")
@@ -170,7 +172,8 @@ def describe(s: dict[str, Any]) -> str:
     through = "through hole (along z)"
     words = {
         "cylinder": f"a solid cylinder, diameter {s.get('d')} mm, height {s.get('h')} mm",
-        "frustum": f"a cone frustum, height {s.get('h')} mm, base diameter {s.get('d1')} mm, top diameter {s.get('d2')} mm",
+        "frustum": (f"a cone frustum, height {s.get('h')} mm, base diameter {s.get('d1')} mm, top diameter "
+                    f"{s.get('d2')} mm"),
         "sphere": f"a solid sphere of diameter {s.get('d')} mm resting on z = 0",
         "hex_prism": (f"a regular hexagonal prism, {s.get('w')} mm across corners (one corner on +x), "
                       f"height {s.get('h')} mm"),
@@ -198,10 +201,12 @@ def describe(s: dict[str, Any]) -> str:
                    f"through both; {s.get('n')} {s.get('d')} mm through holes on a {s.get('pcd')} mm pitch circle, "
                    f"the first on +x"),
         "pillow_block": (f"a pillow block: a base plate {s.get('l')} x {s.get('w')} mm, {s.get('t')} mm thick; a "
-                         f"cylindrical housing of diameter {s.get('housing_d')} mm and length {s.get('w')} mm (the base's "
+                         f"cylindrical housing of diameter {s.get('housing_d')} mm and length {s.get('w')} mm "
+                         f"(the base's "
                          f"width) whose axis runs along y at height {s.get('axis_h')} mm, joined to the base by a "
                          f"block as wide (x) as the housing's diameter; a {s.get('bore')} mm bore through the housing "
-                         f"along its axis; two {s.get('hole_d')} mm mounting through holes at x = -{s.get('hole_x')} and "
+                         f"along its axis; two {s.get('hole_d')} mm mounting through holes at "
+                         f"x = -{s.get('hole_x')} and "
                          f"x = +{s.get('hole_x')} mm"),
         "clevis": (f"a clevis: a base plate {s.get('l')} x {s.get('w')} mm, {s.get('t')} mm thick; two lugs "
                    f"{s.get('lug_t')} mm thick (x), as wide as the base (y), rising {s.get('lug_h')} mm above it, "

@@ -91,10 +91,16 @@ def png(image: np.ndarray) -> bytes:
 
 def as_text(image: np.ndarray) -> str:
     """The depth image as characters (every other row: a character is about twice as tall as wide)."""
-    rows = []
-    for row in image[::2]:
-        rows.append("".join(" " if p == 0 else SHADES[1 + (int(p) - 1) * (len(SHADES) - 2) // 254] for p in row))
-    return "\n".join(r.rstrip() for r in rows)
+    rows = ["".join(" " if p == 0 else SHADES[1 + (int(p) - 1) * (len(SHADES) - 2) // 254] for p in row)
+            for row in image[::2]]
+    return _trim(rows)
+
+
+def _trim(rows: list[str]) -> str:
+    """The rows without trailing spaces, and without the empty rows above and below the part."""
+    rows = [r.rstrip() for r in rows]
+    filled = [i for i, r in enumerate(rows) if r]
+    return "\n".join(rows[filled[0]:filled[-1] + 1]) if filled else "(empty)"
 
 
 def compare_text(candidate: np.ndarray, target: np.ndarray) -> str:
@@ -103,7 +109,7 @@ def compare_text(candidate: np.ndarray, target: np.ndarray) -> str:
     a, b = candidate[::2] > 0, target[::2] > 0
     chars = np.full(a.shape, " ")
     chars[a & b], chars[a & ~b], chars[~a & b] = "#", "+", "-"
-    return "\n".join("".join(r).rstrip() for r in chars)
+    return _trim(["".join(r) for r in chars])
 
 
 def silhouette_iou(candidate: np.ndarray, target: np.ndarray) -> float:

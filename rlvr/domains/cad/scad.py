@@ -47,12 +47,11 @@ def limits(base: Any = None) -> Any:
 
 def diagnostics(stderr: str, limit: int = 1500) -> str:
     """OpenSCAD's ERROR / WARNING / ECHO lines (not its cache statistics)."""
-    lines = _DIAGNOSTIC.findall(stderr) and [m.group(0) for m in _DIAGNOSTIC.finditer(stderr)]
-    text = "\n".join(lines or [])
-    return text[:limit]
+    return "\n".join(m.group(0) for m in _DIAGNOSTIC.finditer(stderr))[:limit]
 
 
-def run_candidate(script: str, *, backend: str = "runsc", base_limits: Any = None, episode: Any = None) -> tuple[Any, bytes | None]:
+def run_candidate(script: str, *, backend: str = "runsc", base_limits: Any = None,
+                  episode: Any = None) -> tuple[Any, bytes | None]:
     """(sandbox Result, STL bytes or None) of the model's `script`: in `episode`'s workspace when given, else in
     a fresh sandbox. The STL is None unless OpenSCAD exited 0 with no limit hit and wrote something."""
     require_openscad()

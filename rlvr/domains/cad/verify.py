@@ -64,10 +64,23 @@ def parse_stl(data: bytes) -> np.ndarray:
     return tris
 
 
-def to_mesh(triangles: np.ndarray) -> Any:
-    """A trimesh with shared vertices (exact duplicates merged)."""
-    trimesh, _ = _libs()
+def canonical(triangles: np.ndarray) -> np.ndarray:
+    """The triangles in an order that depends on the geometry only (OpenSCAD's face order varies from run to
+    run): each triangle starts at its smallest vertex (winding kept), then triangles sorted by coordinates."""
     tris = np.asarray(triangles, np.float64).reshape(-1, 3, 3)
+    if not len(tris):
+        return tris
+    keys = tris[:, :, 0] * 1e12 + tris[:, :, 1] * 1e6 + tris[:, :, 2]  # a vertex order (ties rotate the same way)
+    first = np.argmin(keys, axis=1)
+    tris = tris[np.arange(len(tris))[:, None], (first[:, None] + np.arange(3)) % 3]
+    flat = np.round(tris.reshape(len(tris), 9), 6)
+    return tris[np.lexsort(flat.T[::-1])]
+
+
+def to_mesh(triangles: np.ndarray) -> Any:
+    """A trimesh with shared vertices (exact duplicates merged), built from the canonical triangle order."""
+    trimesh, _ = _libs()
+    tris = canonical(triangles)
     return trimesh.Trimesh(vertices=tris.reshape(-1, 3), faces=np.arange(len(tris) * 3).reshape(-1, 3), process=True)
 
 
