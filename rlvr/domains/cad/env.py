@@ -186,9 +186,7 @@ class CadEnv(ToolEnv):
         target = self.target()
         for view in render.VIEWS:  # what was asked, next to every episode (once per target: named by content)
             self._save(target.images[view], "target", view)
-        if self.answer is None:
-            return 0.0
-        script = script_of(self.answer)
+        script = script_of(self.answer) if self.answer is not None else ""  # no answer: every measure logged as 0
         scores, stl = score_script(script, self.task, episode=self.episode() if script else None)
         self.details.update({f"cad.{k}": v for k, v in scores.items() if k != "terminal"})
         if scores["compiles"] and stl is not None:
