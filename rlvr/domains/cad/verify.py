@@ -134,6 +134,7 @@ class Target:
     def __init__(self, stl: bytes):
         self.triangles = parse_stl(stl)
         self.mesh = to_mesh(self.triangles)
+        _ = self.mesh.area_faces, self.mesh.is_watertight  # fill trimesh's caches now: threads then only read them
         self.solid = manifold(self.mesh)
         if self.solid is None:
             raise MeshError("the target is not a closed 2-manifold solid")
