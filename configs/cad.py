@@ -13,7 +13,11 @@ benchmarks/results/cad_sandbox.json), so verification runs on `rl.verifier_worke
 
 `tiny,smoke` plays two RL steps of tool episodes with the 2-layer byte-level model (no tool declarations, two
 turns of 24 tokens): a check that the pipeline runs (episodes.jsonl with their images in
-WORKDIR/episode_images), not a learning check; the byte model writes no valid OpenSCAD.
+WORKDIR/episode_images), not a learning check; the byte model writes no valid OpenSCAD. `MODEL,tools,smoke`
+ran with a random 2-layer Qwen3 of tests/hf_fixtures (BPE, chat template, tools declared): 70 s wall on the
+shared 2-core CPU, `tiny,smoke` 115 s (benchmarks/results/cad_smoke.json). Prompts of `cad_openscad` are up to
+~300 tokens with that fixture's 1,024-id BPE (`python -m rlvr.tasks.preview --task=cad_openscad
+--tokenizer=MODEL --prompt_format=chat`).
 
 Variants (comma-separated after MODEL or tiny): `tools`, `smoke`.
 """
