@@ -23,8 +23,6 @@ from rlvr.envs import episodes, make_env, play
 from rlvr.envs.tools import call_text
 from rlvr.tasks.audit import FP_REWARD
 
-pytestmark = pytest.mark.skipif(not os.path.exists(scad.OPENSCAD), reason=scad.INSTALL_HINT)
-
 
 def box_stl(lo, hi) -> bytes:
     """A binary STL of an axis-aligned box, written here (not by OpenSCAD)."""
@@ -62,11 +60,13 @@ def test_geometry_and_renders_match_hand_computed_values():
             cv.parse_stl(bad)
 
 
+@pytest.mark.sandbox
 @pytest.mark.parametrize("level", gen.LEVELS)
-def test_references_reach_iou_one_and_every_probe_scores_low(level):
+def test_references_reach_iou_one_and_every_probe_scores_low(level, monkeypatch):
     """Through gVisor: the reference scores 1 (IoU >= 0.99); its target's volume is the spec's; the empty
     program, a huge cube, the target's bounding box as one cube and a program importing the reference's mesh
     from its host path all score below the audit's line."""
+    monkeypatch.setenv("RLVR_CODE_EXECUTOR", "runsc")  # gVisor whatever the environment says
     family = FAMILIES["cad_openscad"](seed=0)
     task = family.task(level, level=level)
     target = cv.target(scad.target_stl(task.answer))
@@ -82,9 +82,11 @@ def test_references_reach_iou_one_and_every_probe_scores_low(level):
     assert level not in (0, 3) or kinds == [f"hack:{k}" for k, _ in probe_scripts(task)]
 
 
-def test_scripted_episode_saves_images_refuses_escapes_and_replays(tmp_path):
+@pytest.mark.sandbox
+def test_scripted_episode_saves_images_refuses_escapes_and_replays(tmp_path, monkeypatch):
     family = FAMILIES["cad_openscad_tools"](seed=0)
     task = family.task(1, level=2)
+    monkeypatch.setenv("RLVR_CODE_EXECUTOR", "runsc")
     images = tmp_path / "episode_images"
     with make_env(task, artifact_dir=str(images)) as env:
         play(env, family.reference_turns(task))

@@ -66,6 +66,14 @@ def run_candidate(script: str, *, backend: str = "runsc", base_limits: Any = Non
     return result, stl
 
 
+def with_count(stl: bytes) -> bytes:
+    """The binary STL with its triangle count filled in: written to a pipe, OpenSCAD 2021 cannot seek back to it
+    and leaves 0 (a file with 0 there is one OpenSCAD's own import() reads as empty)."""
+    if len(stl) < 84 or (len(stl) - 84) % 50:
+        return stl
+    return stl[:80] + ((len(stl) - 84) // 50).to_bytes(4, "little") + stl[84:]
+
+
 def target_path(script: str) -> str:
     return os.path.join(TARGET_DIR, hashlib.sha256(script.encode()).hexdigest()[:24] + ".stl")
 
@@ -87,12 +95,13 @@ def target_stl(script: str) -> bytes:
         if done.returncode != 0 or not done.stdout:
             raise RuntimeError(f"reference script failed (rc {done.returncode}): "
                                f"{diagnostics(done.stderr.decode(errors='replace'))}")
+        stl = with_count(done.stdout)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "wb") as f:
-            f.write(done.stdout)
+            f.write(stl)
         with open(os.path.join(work, MAIN)) as src, open(path[:-4] + ".scad", "w") as dst:
             dst.write(src.read())
         os.replace(tmp, path)
-        return done.stdout
+        return stl
     finally:
         shutil.rmtree(work, ignore_errors=True)
