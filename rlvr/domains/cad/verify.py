@@ -7,7 +7,8 @@ be 84 + 50 n bytes, at most `MAX_TRIANGLES`, finite coordinates) and measures ev
                  bounding box (trimesh)
   volumetric IoU vol(A n B) / vol(A u B) with exact mesh booleans (manifold3d)
   baseline       the IoU the target's own bounding box (one cube) reaches: `skill` = (IoU - baseline) /
-                 (1 - baseline) is the IoU's improvement over that trivial answer (<= 0 for the cube itself)
+                 (1 - baseline) is the IoU's improvement over that trivial answer (<= 0 for the cube itself;
+                 clipped at -1)
   Chamfer        the mean nearest-surface distance both ways between 2,000 surface samples of each mesh (fixed
                  seed), divided by the target's bounding-box diagonal
   renders        silhouette IoU and depth error of the three axis views (rlvr.domains.cad.render), in the
@@ -174,7 +175,7 @@ def score(candidate_stl: bytes | None, tgt: Target) -> dict[str, float]:
     if solid is not None:
         out["watertight"] = 1.0
         out["iou"] = iou(solid, tgt.solid)
-        out["skill"] = (out["iou"] - tgt.baseline) / (1 - tgt.baseline)
+        out["skill"] = max(-1.0, (out["iou"] - tgt.baseline) / (1 - tgt.baseline))  # -1: far worse than the box
     met = sum(out["skill"] >= t for t in SKILL_THRESHOLDS) / len(SKILL_THRESHOLDS)
     terminal = (WEIGHTS["compiles"] + WEIGHTS["watertight"] * out["watertight"] + WEIGHTS["bbox"] * out["bbox"]
                 + WEIGHTS["iou"] * met * out["watertight"])
