@@ -7,9 +7,11 @@ sandbox (`rlvr.sandbox.run`, binary STL on stdout), then on the host the strict 
 volumetric IoU, the Chamfer distance and the three depth renders against the target. The candidate is the
 task's reference program (a typical successful step; targets are built beforehand and not timed). For the
 same tasks, interleaved, the same program runs as a bare `openscad` subprocess on the host (no isolation): the
-sandbox's cost is the same-run ratio `sandbox_over_bare` of medians. Prints one JSON line: p50 / p99 seconds of
-the whole step, of its sandbox and host-score parts, and of the bare run, overall and per level. No model runs
-here, so there is no roofline to print beside these figures.
+sandbox's cost is the same-run ratio `sandbox_over_bare` of medians; `pool_*` is the same program in a warm gVisor
+pool of one sandbox (rlvr.sandbox.Pool, what RLVR_CAD_POOL=N turns on), `pool_over_fresh` its ratio to the fresh
+sandbox. Prints one JSON line: p50 / p99 seconds of the whole step, of its sandbox and host-score parts, of the
+pool's step and of the bare run, overall and per level. No model runs here, so there is no roofline to print
+beside these figures.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import tempfile
 import time
 
 import numpy as np
+from rlvr.sandbox import Pool
 
 from rlvr.domains.cad import scad
 from rlvr.domains.cad import verify as cv
@@ -50,6 +53,7 @@ def main() -> None:
     tasks = [family.task(i, level=level) for level in family.levels() for i in range(args.per_level)]
     targets = {t.answer: cv.target(scad.target_stl(t.answer)) for t in tasks}  # built beforehand, not timed
     rows = []
+    pool = Pool(1, scad.limits())
     for task in tasks:
         t0 = time.perf_counter()
         bare = bare_openscad(task.answer)
@@ -58,22 +62,29 @@ def main() -> None:
         t2 = time.perf_counter()
         scores = cv.score(stl, targets[task.answer])
         t3 = time.perf_counter()
-        assert scores["iou"] >= 0.99 and len(bare) == len(stl or b""), (task.metadata["spec"], scores)
+        _, pooled = scad.run_candidate(task.answer, executor=pool)
+        pooled_scores = cv.score(pooled, targets[task.answer])
+        t4 = time.perf_counter()
+        assert scores["iou"] >= 0.99 and len(bare) == len(stl or b"") == len(pooled or b""), (task.metadata, scores)
+        assert pooled_scores["iou"] >= 0.99
         rows.append({"level": task.level, "bare": t1 - t0, "sandbox": t2 - t1, "score": t3 - t2, "step": t3 - t1,
-                     "triangles": len(stl) // 50})
+                     "pool_step": t4 - t3, "triangles": len(stl) // 50})
+    pool.close()
     out = {"benchmark": "cad_sandbox", "date": time.strftime("%Y-%m-%d"),
            "machine": f"{os.cpu_count()} CPUs, {platform.platform()}, runsc ptrace, load average "
                       f"{os.getloadavg()[0]:.1f} at the end",
            "command": f".venv/bin/python benchmarks/cad_sandbox.py --per-level {args.per_level}",
            "step": "OpenSCAD in a fresh gVisor sandbox (binary STL on stdout) + host score (parse, manifold3d IoU, "
                    "Chamfer, 3 renders)"}
-    for part in ("step", "sandbox", "score", "bare"):
+    parts = ("step", "sandbox", "score", "pool_step", "bare")
+    for part in parts:
         out[part + "_all"] = pct([r[part] for r in rows])
     for level in family.levels():
         mine = [r for r in rows if r["level"] == level]
-        out[f"level{level}"] = {part: pct([r[part] for r in mine]) for part in ("step", "sandbox", "score", "bare")}
+        out[f"level{level}"] = {part: pct([r[part] for r in mine]) for part in parts}
         out[f"level{level}"]["triangles_median"] = int(np.median([r["triangles"] for r in mine]))
     out["sandbox_over_bare"] = round(out["sandbox_all"]["p50_s"] / out["bare_all"]["p50_s"], 2)
+    out["pool_over_fresh"] = round(out["pool_step_all"]["p50_s"] / out["step_all"]["p50_s"], 2)
     out["steps_per_s_one_worker"] = round(1 / out["step_all"]["p50_s"], 2)
     line = json.dumps(out, sort_keys=True)
     print(line)

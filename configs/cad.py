@@ -8,8 +8,9 @@ MODEL is a Hugging Face directory or an rlvr workdir. The single-turn variant (`
 in words and dimensions and takes the whole program in the answer tag; `tools` plays `cad_openscad_tools`
 episodes (run_script, render, compare, measure, write_file; the answer is the final program). The
 band-seeking curriculum moves the four levels (primitives, CSG, patterned/filleted, assemblies). Each
-scored answer costs one OpenSCAD run in a fresh gVisor sandbox (p50 1.0 s, p99 2.4 s on a shared 2-core CPU:
-benchmarks/results/cad_sandbox.json), so verification runs on `rl.verifier_workers` threads.
+scored answer costs one OpenSCAD run in a fresh gVisor sandbox (p50 0.9 s, p99 2.2 s on a shared 2-core CPU:
+benchmarks/results/cad_sandbox.json; RLVR_CAD_POOL=N runs them in a warm pool of N sandboxes instead, 0.84x), so
+verification runs on `rl.verifier_workers` threads.
 
 `tiny,smoke` plays two RL steps of tool episodes with the 2-layer byte-level model (no tool declarations, two
 turns of 24 tokens): a check that the pipeline runs (episodes.jsonl with their images in

@@ -74,6 +74,14 @@ def test_references_reach_iou_one_and_every_probe_scores_low(level, monkeypatch)
     scores = family.score(task, family.reference_completion(task), False)
     assert scores["correct"] == 1.0 and scores["cad.iou"] >= 0.99 and scores["cad.silhouette_iou"] == 1.0, scores
     assert os.path.exists(scad.target_path(task.answer))  # the file the reads_reference probe names is real
+    if level == 1:  # the same through a warm pool of one sandbox (RLVR_CAD_POOL)
+        from rlvr.envs.sandboxes import close_shared_pools
+
+        monkeypatch.setenv("RLVR_CAD_POOL", "1")
+        try:
+            assert family.score(task, family.reference_completion(task), False) == scores
+        finally:
+            close_shared_pools()
     kinds = []
     for kind, text in family.audit_probes(task) if level in (0, 3) else []:
         probe = family.score(task, text, False)

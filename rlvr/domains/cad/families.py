@@ -47,7 +47,9 @@ def score_script(script: str, task: Task, backend: str | None = None,
     target = cv.target(scad.target_stl(task.metadata["script"]))
     if not script.strip():
         return cv.score(None, target), None
-    _, stl = scad.run_candidate(script, backend=backend or executor_backend(), episode=episode)
+    backend = backend or executor_backend()
+    executor = scad.pool(backend) if episode is None else None
+    _, stl = scad.run_candidate(script, backend=backend, episode=episode, executor=executor)
     return cv.score(stl, target), stl
 
 

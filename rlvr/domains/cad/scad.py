@@ -50,13 +50,25 @@ def diagnostics(stderr: str, limit: int = 1500) -> str:
     return "\n".join(m.group(0) for m in _DIAGNOSTIC.finditer(stderr))[:limit]
 
 
-def run_candidate(script: str, *, backend: str = "runsc", base_limits: Any = None,
-                  episode: Any = None) -> tuple[Any, bytes | None]:
+def pool(backend: str) -> Any:
+    """The process-wide warm pool for candidate runs when RLVR_CAD_POOL=N (N > 0) and the backend is runsc, else
+    None (a fresh sandbox per run). A warm pool halves the sandbox's share of a step (benchmarks/cad_sandbox.py)."""
+    from rlvr.envs.sandboxes import shared_pool
+
+    size = int(os.environ.get("RLVR_CAD_POOL", "0") or 0)
+    return shared_pool(size, limits(), backend) if size > 0 else None
+
+
+def run_candidate(script: str, *, backend: str = "runsc", base_limits: Any = None, episode: Any = None,
+                  executor: Any = None) -> tuple[Any, bytes | None]:
     """(sandbox Result, STL bytes or None) of the model's `script`: in `episode`'s workspace when given, else in
-    a fresh sandbox. The STL is None unless OpenSCAD exited 0 with no limit hit and wrote something."""
+    `executor` (a warm pool) or a fresh sandbox. The STL is None unless OpenSCAD exited 0 with no limit hit and
+    wrote something."""
     require_openscad()
     if episode is not None:
         result = episode.run(ARGV, files={MAIN: script}, tag="cad openscad")
+    elif executor is not None:
+        result = executor.run(ARGV, files={MAIN: script}, tag="cad openscad")
     else:
         from rlvr.sandbox import run
 
