@@ -63,22 +63,6 @@ def test_greedy_equals_naive_loop_for_ragged_batch_with_chunked_prefill(params):
         assert out.finish_reason == {"type": "length", "length": 12}
 
 
-def test_decode_gathers_the_rows_left_into_smaller_batches(params):
-    """16 slots decode in batches of 16 or 8 rows (the rows still decoding, gathered): as the
-    shorter outputs finish, the rest move to the 8-row program. Greedy rows, batched with sampled
-    ones (a misplaced sampling row would sample them), equal the naive loop's outputs."""
-    prompts = _prompts([5, 20, 9, 3, 16, 12, 7, 30, 4, 11], seed=3)
-    lengths = [2, 3, 9, 2, 3, 2, 8, 2, 9, 3]
-    engine = Engine(CFG, params, **{**OPTS, "max_slots": 16})
-    assert engine.decode_batches() == [8, 16]
-    outs = engine.generate([_req(f"g{i}", p, max_new_tokens=n, temperature=float(i % 2), sampling_seed=i)
-                            for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))])
-    assert [len(o.output_ids) for o in outs] == lengths
-    for prompt, n, out in list(zip(prompts, lengths, outs, strict=True))[::2]:
-        assert out.output_ids == _naive_greedy(params, prompt, n)
-    assert engine.metrics()["compiles_decode"] >= 2  # both batch sizes ran
-
-
 def _np_sampled_logprobs(logits, temperature, top_k=-1, top_p=1.0, min_p=0.0):
     """Independent reference: log-probs [T, V] of the distribution a temperature/top-k/top-p/min-p
     sampler draws from (the most likely tokens: at most top_k, while the mass before a token is

@@ -10,9 +10,7 @@ call N+1 before it reads call N's tokens, and never syncs inside a call. Compile
 grow with `steps` (one loop body).
 
 Shapes per engine are few and fixed: prefill [rows, chunk] (two row counts x two chunk sizes),
-decode [R] x `steps` for up to three batch sizes R (the slots, half, a quarter: the rows
-decoding are gathered into the smallest that holds them, so a batch's tail with few rows left
-costs less per step), the ragged page list in fixed-size chunks. Params are
+decode [slots] x `steps` with the ragged page list padded to a power-of-two bucket. Params are
 an argument (not a closure): a weight update swaps arrays without recompiling. The page pool
 and the decode state are donated and updated in place.
 """
@@ -109,24 +107,17 @@ def prefill(cfg: ModelConfig, filters: bool, params, pool, page_table, tokens, p
     return {"k": cache["k"], "v": cache["v"]}, new_state, token, logprob, extras
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 11), donate_argnums=(4, 7))
-def decode(cfg: ModelConfig, steps: int, filters: bool, params, pool, page_table, ragged, state, rows, active,
-           sampling, top: int = 0, mask=None):
-    """Up to `steps` decode steps for the slots `rows` [R] (a batch of R <= S rows; entries >= S
-    are padding), the other slots untouched: the work follows the rows decoding, not the slots.
-    `page_table` [R, W], `ragged`, `active` [R] and `mask` are per row, `state` and `sampling`
-    per slot [S]. Rows not `active` are treated as done. A row stops (and writes nothing more)
-    after a stop token (past min_new_tokens) or at max_new_tokens; the loop ends when all rows
-    have. Returns the pool, the new state, the sampled tokens and log-probs [R, steps], how many
-    tokens each row emitted, and the extra log-probs [R, steps, ...] asked for (`top`,
-    `sampling["logprob_ids"]`). `filters`: see `sampling.sample_tokens`. `mask` (packed grammar
-    masks, see `logit_process`) holds for one token: the host passes steps=1 with it. Penalties
-    run when the state has counts."""
-    full_state = state
-    safe = jnp.minimum(rows, state["token"].shape[0] - 1)
-    state = {k: v[safe] for k, v in full_state.items()}
-    sampling = {k: v[safe] for k, v in sampling.items()}
-    slots = rows.shape[0]
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 10), donate_argnums=(4, 7))
+def decode(cfg: ModelConfig, steps: int, filters: bool, params, pool, page_table, ragged, state, active, sampling,
+           top: int = 0, mask=None):
+    """Up to `steps` decode steps for every slot [S]; rows not `active` are treated as done. A
+    row stops (and writes nothing more) after a stop token (past min_new_tokens) or at
+    max_new_tokens; the loop ends when all rows have. Returns the pool, the new state, the
+    sampled tokens and log-probs [S, steps], how many tokens each row emitted, and the extra
+    log-probs [S, steps, ...] asked for (`top`, `sampling["logprob_ids"]`).
+    `filters`: see `sampling.sample_tokens`. `mask` (packed grammar masks, see `logit_process`)
+    holds for one token: the host passes steps=1 with it. Penalties run when the state has counts."""
+    slots = state["token"].shape[0]
     start = jnp.where(active, state["count"], 0)
     empty = {}
     if top:
@@ -159,10 +150,9 @@ def decode(cfg: ModelConfig, steps: int, filters: bool, params, pool, page_table
              jnp.zeros((slots, steps), jnp.int32), jnp.zeros((slots, steps), jnp.float32), state.get("counts"),
              empty)
     _, pool, token, pos, count, done, toks, logprobs, counts, extras = jax.lax.while_loop(cond, body, carry)
-    new_rows = {"token": token, "position": pos, "count": count, "done": jnp.where(active, done, state["done"])}
+    new_state = {"token": token, "position": pos, "count": count, "done": jnp.where(active, done, state["done"])}
     if counts is not None:
-        new_rows["counts"] = counts
-    new_state = {k: full_state[k].at[rows].set(v, mode="drop") for k, v in new_rows.items()}
+        new_state["counts"] = counts
     return pool, new_state, toks, logprobs, jnp.where(active, count, 0) - start, extras
 
 

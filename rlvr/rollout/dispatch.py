@@ -27,9 +27,6 @@ from rlvr.rollout.sequence import Sequence
 # The decode attention's page list comes in chunks of max(RAGGED_MIN_CHUNK, table / RAGGED_CHUNKS)
 # entries, looped over on device: one compiled program whatever the pages held, padded by < 1 chunk.
 RAGGED_CHUNKS, RAGGED_MIN_CHUNK = 16, 64
-# Decode calls gather the rows decoding into a batch of the slots, half or a quarter of them, each
-# of at least this many rows (a program each; smaller batches gain little per step on CPU/TPU).
-DECODE_MIN_BATCH = 8
 
 
 @dataclasses.dataclass
@@ -171,40 +168,24 @@ class Dispatch:
         return True
 
     def _dispatch_decode(self, seqs: list, reach: np.ndarray | None = None, filters: bool | None = None,
-                         steps: int | None = None, batch: int | None = None) -> None:
-        """Dispatches a decode call for the slots with a sequence in `seqs` (per slot), gathered
-        into the smallest decode batch that holds them (or `batch` rows)."""
-        live = np.flatnonzero(np.array([s is not None for s in seqs]) & self.active)
-        size = batch or min(b for b in self.decode_batches() if b >= len(live))
-        rows = np.full(size, self.max_slots, np.int32)
-        rows[: len(live)] = live
-        table = np.zeros((size, self.pages_per_row), np.int32)
-        table[: len(live)] = self.page_table[live]
-        tokens = np.zeros(size, np.int64)  # tokens whose KV this call may write, per row
-        tokens[: len(live)] = 0 if reach is None else reach[live]
-        entries = size * self.pages_per_row
+                         steps: int | None = None) -> None:
+        reach = np.zeros(self.max_slots, np.int64) if reach is None else reach
+        entries = self.max_slots * self.pages_per_row
         chunk = max(RAGGED_MIN_CHUNK, -(-entries // RAGGED_CHUNKS))
-        ragged = ragged_pages(table, tokens, self.page_size, chunk, -(-entries // chunk))
-        active = np.arange(size) < len(live)
-        row_seqs = [seqs[i] for i in live] + [None] * (size - len(live))
+        ragged = ragged_pages(self.page_table, reach, self.page_size, chunk, -(-entries // chunk))
+        active = active_host = np.array([s is not None for s in seqs]) & self.active
         if self._sampling_device is None:
             self._sampling_device = jax.device_put(self._sampling)
-        table, ragged, rows_device, active = jax.device_put((table, ragged, rows, active))  # one transfer
-        filters = self._filters(live) if filters is None else filters
-        mask = self._masks(row_seqs, size)
+        table, ragged, active = jax.device_put((self.page_table, ragged, active))  # one transfer
+        filters = self._filters(np.flatnonzero(active_host)) if filters is None else filters
+        mask = self._masks(seqs, self.max_slots)
         start = time.perf_counter()
         self.pool, self.state, toks, logprobs, emitted, more = device_fns.decode(
             self.decode_cfg, 1 if mask is not None else steps or self.decode_steps, filters, self.params, self.pool,
-            table, ragged, self.state, rows_device, active, self._sampling_device, self._top(seqs), mask)
+            table, ragged, self.state, active, self._sampling_device, self._top(seqs), mask)
         self._times["decode_calls"] += 1
-        self._time_call("decode", (len(live), size), start, emitted)
-        self.inflight.append(_Inflight("decode", row_seqs, toks, logprobs, emitted, self.weight_version, more))
-
-    def decode_batches(self) -> list[int]:
-        """The decode batch sizes (rows per call) this engine compiles: the slots, and half and a
-        quarter of them while that is at least DECODE_MIN_BATCH rows."""
-        smaller = {self.max_slots // d for d in (2, 4) if self.max_slots // d >= DECODE_MIN_BATCH}
-        return sorted({self.max_slots} | smaller)
+        self._time_call("decode", (int(active_host.sum()), self.max_slots), start, emitted)
+        self.inflight.append(_Inflight("decode", seqs, toks, logprobs, emitted, self.weight_version, more))
 
     def _time_call(self, kind: str, size: Any, start: float, output: jax.Array) -> None:
         if self.call_times is not None:

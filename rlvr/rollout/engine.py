@@ -19,9 +19,8 @@ sampling table: the `Slots` mixin), `dispatch` (the device calls and reading the
 `Dispatch` mixin), `device_fns` (the jitted functions themselves).
 
 Compiled shapes are a bounded set (`warmup()` compiles them all up front): prefill [1 or
-prefill_rows, prefill_chunk/4 or prefill_chunk] and one decode program per decode batch size
-(`decode_batches()`: the slots, half and a quarter of them; its attention loops over the pages
-held, `kernels/paged_attention/ragged.py`); each x2 when a request uses
+prefill_rows, prefill_chunk/4 or prefill_chunk] and one decode program (its attention loops over
+the pages held, `kernels/paged_attention/ragged.py`); each x2 when a request uses
 top-k/top-p/min-p. `metrics()` reports compile counts, the prefix-cache hit rate and host vs
 device time.
 
@@ -311,8 +310,7 @@ class Engine(Slots, Dispatch):
             for rows in sorted({1, self.prefill_rows}):
                 for chunk in sorted({self._small_chunk(), self.prefill_chunk}):
                     self._dispatch_prefill([], rows, chunk, variant)
-            for batch in self.decode_batches():
-                self._dispatch_decode([None] * self.max_slots, filters=variant, batch=batch)
+            self._dispatch_decode([None] * self.max_slots, filters=variant)
         self._process(keep=0)
 
     def _eos_id(self) -> int | None:
