@@ -225,9 +225,9 @@ def test_abort_pause_update_resume_tags_versions(params):
 
 
 def test_compilation_is_one_decode_program_and_four_prefill_shapes_paid_up_front(params):
-    """`warmup()` compiles one decode program per decode batch size (one with 4 slots; its
-    attention loops over the pages held, whatever their number) and at most 4 prefill shapes;
-    workloads of other ids, seeds, prompt lengths and output lengths then compile nothing new."""
+    """`warmup()` compiles one decode program (its attention loops over the pages held, whatever
+    their number) and at most 4 prefill shapes; workloads of other ids, seeds, prompt lengths and
+    output lengths then compile nothing new."""
     def counts():
         return device_fns.decode._cache_size(), device_fns.prefill._cache_size()
 
