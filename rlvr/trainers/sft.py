@@ -96,7 +96,7 @@ def evaluate_loss(config: ml_collections.ConfigDict, model: api.Model, tokenizer
     stream = TokenStream(examples, lambda x: x, d.batch_size, d.seq_len, tokenizer.pad_id, 0, d.pack, shuffle=False)
     loss_fn = jax.jit(configured_loss(config, model.cfg))
     total, weight = 0.0, 0.0
-    while stream.cursor < len(examples):
+    while not stream.exhausted():
         loss_sum, aux = loss_fn(model.params, next(stream), None, None)
         total, weight = total + float(loss_sum), weight + float(aux["weight"])
     return total / max(weight, 1.0)
