@@ -89,7 +89,7 @@ def apply_by_rows(fn, params, rows_of, shapes: dict[str, jax.ShapeDtypeStruct], 
         return jax.device_get(out)
     from jax.experimental import multihost_utils
 
-    return multihost_utils.process_allgather(out)
+    return multihost_utils.process_allgather(out, tiled=True)
 
 
 def merged_state(data) -> dict[str, Any]:
