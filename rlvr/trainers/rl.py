@@ -394,11 +394,29 @@ def check_processes(rl: ml_collections.ConfigDict, processes: int) -> None:
                               "across hosts').")
 
 
+def check_episodes(rl: ml_collections.ConfigDict, tasks, processes: int) -> None:
+    """Multi-turn episodes (tool and sandbox environments, rl.agent) are refused on several JAX processes:
+    a 2-process agentic run built different train batches on its two processes (JAX's device_put check
+    stopped it), most likely because the episode threads submit turns to the engine in an order that
+    differs from process to process (not yet confirmed). Raises api.ConfigError saying what to run."""
+    from rlvr.rl.producer import is_episode_task
+
+    if processes == 1:
+        return
+    episodic = sorted(name for name, family in tasks.families.items() if is_episode_task(family.task(0)))
+    if rl.agent or episodic:
+        raise api.ConfigError(f"multi-turn episodes ({'rl.agent' if rl.agent else ', '.join(episodic)}) with "
+                              f"{processes} JAX processes: agentic RL runs as one JAX process for now (one host, "
+                              "all its accelerators); rollout can still scale out with rl.backend='sglang' "
+                              "(README 'Running across hosts').")
+
+
 def start_run(config: ml_collections.ConfigDict, workdir: str) -> Run:
     """The initial policy, its train state (restored from the latest checkpoint when resuming) and
     frozen reference, the rollout backend on the current weights, the producer and the update."""
     tokenizer = api.build_tokenizer(config)
     tasks = build_tasks(config.rl, config.seed)
+    check_episodes(config.rl, tasks, jax.process_count())
     model, reference_pointer = initial_model(config, workdir, tasks)
     if config.rl.advantage == "gae":
         model = api.with_value_head(model)
