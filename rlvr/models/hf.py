@@ -37,7 +37,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from rlvr import sharding
-from rlvr.models.config import ModelConfig
+from rlvr.models.config import ModelConfig, VisionConfig
 from rlvr.models.params import abstract_params, param_shardings
 from rlvr.models.tokenizer import TOKENIZER_FILES, Tokenizer, write_chat_template
 
@@ -117,8 +117,10 @@ PARAM_TABLE: tuple[HFParam, ...] = (
 )
 
 
-def dim_sizes(cfg: ModelConfig) -> dict[str, int]:
-    """Sizes of the named dims used in `HFParam.hf_dims`."""
+def dim_sizes(cfg: ModelConfig | VisionConfig) -> dict[str, int]:
+    """Sizes of the named dims used in `HFParam.hf_dims` (a VLM's vision table: `VisionConfig.dim_sizes`)."""
+    if isinstance(cfg, VisionConfig):
+        return cfg.dim_sizes()
     return {"vocab": cfg.vocab_size, "embed": cfg.hidden_size, "mlp": cfg.intermediate_size,
             "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim}
 
@@ -321,7 +323,7 @@ def config_to_hf(cfg: ModelConfig, extra: Mapping[str, Any] | None = None) -> di
 # --- loading -----------------------------------------------------------------------------
 
 
-def _weight_files(path: str) -> dict[str, str]:
+def weight_files(path: str) -> dict[str, str]:
     """{tensor name: file} for a single-file or sharded (index json) checkpoint."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -420,18 +422,24 @@ def load_hf_checkpoint(
         raise ValueError("model.value_head: HF checkpoints have no value head; load without it and add one.")
     if mesh is None:
         mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
-    files = _weight_files(path)
+    files = weight_files(path)
     _check_names(cfg, files.keys())
-    shapes, shardings = abstract_params(cfg), param_shardings(cfg, mesh, rules)
+    return cfg, load_table(cfg, table_for(cfg), files, abstract_params(cfg), param_shardings(cfg, mesh, rules))
+
+
+def load_table(cfg: ModelConfig | VisionConfig, table: list[HFParam], files: Mapping[str, str], shapes: Params,
+               shardings: Params) -> Params:
+    """The params of `table`'s rows read from `files` ({HF name: safetensors file}), each device
+    shard read straight into place; `shapes` / `shardings` are the abstract params and their shardings."""
     params: Params = {}
     with contextlib.ExitStack() as stack:
         reader = _Reader(files, stack)
-        for entry in table_for(cfg):
+        for entry in table:
             abstract = get_path(shapes, entry.path)
             value = _load_param(entry, cfg, reader, abstract.shape, get_path(shardings, entry.path),
                                 np.dtype(abstract.dtype))
             _set_path(params, entry.path, value)
-    return cfg, params
+    return params
 
 
 # --- export ------------------------------------------------------------------------------
