@@ -7,8 +7,9 @@ embedding, blocks with 2-D RoPE and windowed or full attention, the 2x2 patch me
 `<|image_pad|>` placeholders and M-RoPE positions from `mrope_positions`), then `forward_vlm`.
 
 Layout, as HF's `Qwen2_5_VLForConditionalGeneration`:
-* patches arrive flattened [N, channels*2*14*14] in merge-block order (the 4 patches of each 2x2
-  block adjacent: `rlvr.data.images.patchify`), all images of a batch concatenated;
+* patches arrive flattened [channels*2*14*14] in merge-block order (the 4 patches of each 2x2
+  block adjacent: `rlvr.data.images.patchify`); each row of a batch carries its own images'
+  patches, padded to a capacity, so images shard and split into micro-batches with their tokens;
 * ViT attention is within one image (full-attention layers) or within one window of
   `window_size` pixels (the others). HF permutes the patches window by window and runs attention
   per window; here the patches stay in place and a [N, N] mask says which may attend (same
@@ -42,11 +43,14 @@ Params = dict[str, Any]
 
 
 class ImageInputs(NamedTuple):
-    """The images of a batch, laid out on the host (`image_inputs`); a pytree of arrays.
+    """The images of a batch, each row's own (so a batch shards and splits into micro-batches by
+    row like its tokens), laid out on the host by `image_inputs`; a pytree of arrays.
 
-    patches [N, patch_dim] float; vit_positions [N, 2] (row, column of each patch in its image);
-    frame_ids [N] (full attention: same frame of the same image); window_ids [N] (windowed
-    attention); rope_positions [B, T, 3] the decoder's M-RoPE ids."""
+    patches [B, P, patch_dim] float: row b's images' patches, then padding up to the capacity P;
+    vit_positions [B, P, 2] (row, column of each patch in its image); frame_ids [B, P] (full
+    attention: same frame of the same image); window_ids [B, P] (windowed attention); padding
+    patches have ids of their own (they attend to themselves only, and their merged features
+    come after the row's placeholders' so are never used); rope_positions [B, T, 3] M-RoPE ids."""
 
     patches: Any
     vit_positions: Any
@@ -123,27 +127,48 @@ def mrope_positions(vcfg: VisionConfig, tokens: np.ndarray, segment_ids: np.ndar
     return out, deltas
 
 
-def image_inputs(vcfg: VisionConfig, patches: np.ndarray, grids: Sequence[Sequence[int]], tokens: np.ndarray,
-                 segment_ids: np.ndarray) -> ImageInputs:
-    """The `ImageInputs` of a batch: `patches` [N, patch_dim] and `grids` [(t, h, w)] as the image
-    processor gives them (rlvr.data.images), in the order their placeholders appear in `tokens`."""
-    grids = [tuple(int(v) for v in g) for g in grids]
-    if len(patches) != sum(t * h * w for t, h, w in grids):
-        raise ValueError(f"{len(patches)} patches for grids {grids}: expected one row per patch.")
-    vit_positions, frames, windows = patch_layout(vcfg, grids)
-    rope, _ = mrope_positions(vcfg, tokens, segment_ids, grids)
-    return ImageInputs(np.asarray(patches, np.float32), vit_positions, frames, windows, rope)
+def image_inputs(vcfg: VisionConfig, patches: Sequence[np.ndarray], grids: Sequence[Sequence[Sequence[int]]],
+                 tokens: np.ndarray, segment_ids: np.ndarray, capacity: int | None = None) -> ImageInputs:
+    """The `ImageInputs` of a batch: per row, its images' `patches` [n, patch_dim] and `grids`
+    [(t, h, w)] as the image processor gives them (rlvr.data.images.preprocess), in the order their
+    placeholders appear in the row's tokens. `capacity`: patches per row (default: the most any
+    row has); a fixed capacity keeps shapes, and so the compiled step, the same across batches."""
+    rows = len(tokens)
+    if len(patches) != rows or len(grids) != rows:
+        raise ValueError(f"image_inputs: {len(patches)} patch arrays and {len(grids)} grid lists for {rows} rows; "
+                         "give one of each per row (empty for a row without images).")
+    counts = [sum(t * h * w for t, h, w in g) for g in grids]
+    need = max(counts)
+    capacity = -(-max(need, vcfg.merge_unit) // vcfg.merge_unit) * vcfg.merge_unit if capacity is None else capacity
+    if need > capacity or capacity % vcfg.merge_unit:
+        raise ValueError(f"data.image_patches={capacity}: must be a multiple of {vcfg.merge_unit} and hold the "
+                         f"{need} patches of the row with the most; raise it or use fewer/smaller images.")
+    out = np.zeros((rows, capacity, vcfg.patch_dim), np.float32)
+    pos = np.zeros((rows, capacity, 2), np.int32)
+    pad_ids = -1 - np.arange(capacity, dtype=np.int32)  # one attention group per padding patch
+    frames, windows = np.tile(pad_ids, (rows, 1)), np.tile(pad_ids, (rows, 1))
+    rope = np.zeros((*np.shape(tokens), 3), np.int32)
+    for b in range(rows):
+        grid = [tuple(int(v) for v in g) for g in grids[b]]
+        if len(patches[b]) != counts[b]:
+            raise ValueError(f"row {b}: {len(patches[b])} patches for grids {grid}: expected one per patch.")
+        rope[b] = mrope_positions(vcfg, tokens[b:b + 1], segment_ids[b:b + 1], grid)[0][0]
+        if grid:
+            n = counts[b]
+            out[b, :n] = patches[b]
+            pos[b, :n], frames[b, :n], windows[b, :n] = patch_layout(vcfg, grid)
+    return ImageInputs(out, pos, frames, windows, rope)
 
 
 # --- the vision encoder --------------------------------------------------------------------
 
 
 def vision_rope(vcfg: VisionConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """2-D RoPE cos/sin [N, head_dim]: the first half of the frequencies turn with the row, the
-    second with the column (HF's axial rope), duplicated in rotate-half layout."""
+    """2-D RoPE cos/sin [..., head_dim] of positions [..., 2]: the first half of the frequencies turn
+    with the row, the second with the column (HF's axial rope), duplicated in rotate-half layout."""
     half = vcfg.head_dim // 2
     inv_freq = 1.0 / (vcfg.rope_theta ** (jnp.arange(0, half, 2, dtype=jnp.float32) / half))
-    angles = (positions.astype(jnp.float32)[..., None] * inv_freq).reshape(positions.shape[0], -1)
+    angles = (positions.astype(jnp.float32)[..., None] * inv_freq).reshape(*positions.shape[:-1], -1)
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
 
@@ -160,8 +185,8 @@ class VisionBlock(nn.Module):
         mask = jnp.where(is_full, masks[0], masks[1])
         qkv = Linear((e,), (3, h, d), ("embed",), (None, "heads", "head_dim"), name="qkv", **dense)(
             RMSNorm(**norm, name="norm1")(x))
-        q, k = (apply_rope(qkv[None, :, i], cos[None], sin[None]) for i in (0, 1))
-        out = dot_product_attention(q, k, qkv[None, :, 2], mask[None, None, None])[0]
+        q, k = (apply_rope(qkv[:, :, i], cos, sin) for i in (0, 1))
+        out = dot_product_attention(q, k, qkv[:, :, 2], mask[:, None, None])
         x = x + Linear((h, d), (e,), ("heads", "head_dim"), ("embed",), name="proj", **dense)(out)
         y = RMSNorm(**norm, name="norm2")(x)
         gate = Linear((e,), (v.intermediate_size,), ("embed",), ("mlp",), name="gate_proj", **dense)(y)
@@ -172,7 +197,7 @@ class VisionBlock(nn.Module):
 
 
 class VisionTransformer(nn.Module):
-    """Patches [N, patch_dim] -> decoder-width features [N / merge_unit, out_hidden_size]."""
+    """Patches [B, P, patch_dim] -> decoder-width features [B, P / merge_unit, out_hidden_size]."""
 
     vcfg: VisionConfig
 
@@ -180,17 +205,18 @@ class VisionTransformer(nn.Module):
     def __call__(self, patches, vit_positions, frame_ids, window_ids):
         v = self.vcfg
         dense = dict(dtype=v.dtype, param_dtype=v.param_dtype)
-        pixels = patches.reshape(-1, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
-        x = Linear(pixels.shape[1:], (v.hidden_size,), (None,) * 4, ("embed",), name="patch_embed", **dense)(pixels)
+        pixels = patches.reshape(*patches.shape[:2], v.in_channels, v.temporal_patch_size, v.patch_size,
+                                 v.patch_size)
+        x = Linear(pixels.shape[2:], (v.hidden_size,), (None,) * 4, ("embed",), name="patch_embed", **dense)(pixels)
         cos, sin = vision_rope(v, vit_positions)
-        masks = jnp.stack([frame_ids[:, None] == frame_ids[None, :], window_ids[:, None] == window_ids[None, :]])
+        masks = jnp.stack([ids[:, :, None] == ids[:, None, :] for ids in (frame_ids, window_ids)])  # [2, B, P, P]
         is_full = jnp.isin(jnp.arange(v.num_layers), jnp.asarray(v.full_attention_layers, jnp.int32))
         blocks = nn.scan(VisionBlock, variable_axes={"params": 0}, split_rngs={"params": True},
                          in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0), length=v.num_layers,
                          metadata_params={nn.PARTITION_NAME: "layers"})(v, name="blocks")
         x, _ = blocks(x, cos, sin, masks, is_full)
         x = RMSNorm(v.hidden_size, v.rms_norm_eps, param_dtype=v.param_dtype, name="ln_q")(x)
-        x = x.reshape(-1, v.hidden_size * v.merge_unit)
+        x = x.reshape(x.shape[0], -1, v.hidden_size * v.merge_unit)
         x = Linear((x.shape[-1],), (x.shape[-1],), (None,), ("mlp",), use_bias=True, name="merger_fc1", **dense)(x)
         x = nn.gelu(x, approximate=False)
         return Linear((x.shape[-1],), (v.out_hidden_size,), ("mlp",), ("embed",), use_bias=True, name="merger_fc2",
@@ -198,11 +224,12 @@ class VisionTransformer(nn.Module):
 
 
 def scatter_image_features(embeds: jax.Array, tokens: jax.Array, features: jax.Array, image_token_id: int):
-    """`embeds` [B, T, E] with the placeholders' rows replaced, in row-major order, by the rows of
-    `features` [M, E] (HF's `masked_scatter`); the counts are checked on the host (`image_inputs`)."""
+    """`embeds` [B, T, E] with each row's placeholders replaced, in order, by the rows of its
+    `features` [B, M, E] (HF's `masked_scatter`); the counts are checked on the host (`image_inputs`)."""
     is_image = tokens == image_token_id
-    index = jnp.clip(jnp.cumsum(is_image.reshape(-1)) - 1, 0, features.shape[0] - 1).reshape(tokens.shape)
-    return jnp.where(is_image[..., None], features.astype(embeds.dtype)[index], embeds)
+    index = jnp.clip(jnp.cumsum(is_image, axis=1) - 1, 0, features.shape[1] - 1)
+    gathered = jnp.take_along_axis(features.astype(embeds.dtype), index[..., None], axis=1)
+    return jnp.where(is_image[..., None], gathered, embeds)
 
 
 class VisionLanguageModel(Transformer):
@@ -234,7 +261,7 @@ def init_vlm_boxed(cfg: ModelConfig, vcfg: VisionConfig, rng: jax.Array):
     """The VLM's params with their logical-axis boxes, from a one-image dummy batch."""
     grid = [(1, vcfg.spatial_merge_size, vcfg.spatial_merge_size)]
     tokens = np.full((1, 1), vcfg.image_token_id)
-    dummy = image_inputs(vcfg, np.zeros((vcfg.merge_unit, vcfg.patch_dim), np.float32), grid, tokens,
+    dummy = image_inputs(vcfg, [np.zeros((vcfg.merge_unit, vcfg.patch_dim), np.float32)], [grid], tokens,
                          np.ones_like(tokens))
     return VisionLanguageModel(cfg, vcfg).init(rng, jnp.asarray(tokens), None, None, dummy)["params"]
 

@@ -1,0 +1,138 @@
+"""The Qwen2.5-VL-layout VLM (rlvr.models.vision): logits against transformers on mixed image+text
+batches, HF export round trip, the image processor against HF's, packed rows against unpacked.
+
+The HF model is random (`initializer_range=0.2` so logits are O(5)) with 2 ViT layers, one windowed
+and one full, and images large enough for several attention windows."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from rlvr.data import images  # noqa: E402
+from rlvr.models import vision  # noqa: E402
+from rlvr.models.config import ModelConfig, VisionConfig  # noqa: E402
+
+IMG, VS, VE = 290, 292, 293
+GRIDS = [(1, 8, 12), (1, 4, 6)]  # in patches: 2x3 and 1x2 windows of 4x4 patches
+
+
+def _rows(rng, pieces):
+    """Token rows: text runs between <|vision_start|> <|image_pad|>*n <|vision_end|> blocks."""
+    rows = []
+    for texts, counts in pieces:
+        row = []
+        for i, n in enumerate(texts):
+            row += list(rng.integers(0, 280, n))
+            if i < len(counts):
+                row += [VS] + [IMG] * counts[i] + [VE]
+        rows.append(row)
+    length = max(map(len, rows))
+    ids, mask = np.zeros((len(rows), length), np.int64), np.zeros((len(rows), length), np.int64)
+    for b, row in enumerate(rows):
+        ids[b, :len(row)], mask[b, :len(row)] = row, 1
+    return ids, mask
+
+
+def _logits(cfg, vcfg, params, ids, segments, imgs, positions=None):
+    positions = np.broadcast_to(np.arange(ids.shape[1]), ids.shape) if positions is None else positions
+    fn = jax.jit(lambda p, i: vision.forward_vlm(cfg, vcfg, p, jnp.asarray(ids), jnp.asarray(positions),
+                                                 jnp.asarray(segments), i)[0])
+    return np.asarray(fn(params, imgs))
+
+
+@pytest.mark.hf
+def test_vlm_logits_match_hf_and_export_round_trips(tmp_path):
+    import torch
+    import transformers
+
+    from rlvr.models import vlm_hf
+
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]},
+                         initializer_range=0.2, rms_norm_eps=1e-6),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           window_size=56, fullatt_block_indexes=[1], initializer_range=0.2),
+        image_token_id=IMG, video_token_id=291, vision_start_token_id=VS, vision_end_token_id=VE)
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    model.save_pretrained(tmp_path / "hf")
+    rng = np.random.default_rng(0)
+    pixels = rng.normal(size=(sum(t * h * w for t, h, w in GRIDS), 3 * 2 * 14 * 14)).astype(np.float32)
+    ids, mask = _rows(rng, [([5, 3], [24]), ([2, 4], [6])])  # right-padded, one image per row
+
+    def hf_logits(m):
+        with torch.no_grad():
+            return m(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), pixel_values=torch.tensor(pixels),
+                     image_grid_thw=torch.tensor(GRIDS), mm_token_type_ids=torch.tensor((ids == IMG).astype(np.int64))
+                     ).logits.numpy()
+
+    ref = hf_logits(model)
+    cfg, vcfg, params = vlm_hf.load_vlm_checkpoint(str(tmp_path / "hf"))
+    imgs = vision.image_inputs(vcfg, [pixels[:96], pixels[96:]], [[GRIDS[0]], [GRIDS[1]]], ids, mask)
+    err = np.abs(_logits(cfg, vcfg, params, ids, mask, imgs) - ref)[mask == 1].max()
+    vlm_hf.export_vlm_checkpoint(cfg, vcfg, params, str(tmp_path / "export"))
+    reloaded = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "export").eval()
+    export_err = np.abs(hf_logits(reloaded) - ref)[mask == 1].max()
+    print(f"\n[vlm parity] max|dlogit|={err:.2e} export round trip={export_err:.2e} max|logit|={np.abs(ref).max():.1f}")
+    assert np.abs(ref).max() > 1.0
+    assert err <= 1e-4
+    assert export_err <= 1e-6
+
+
+@pytest.mark.hf
+def test_image_preprocessing_matches_hf_processor(tmp_path):
+    import base64
+    import io
+
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    rng = np.random.default_rng(0)
+    pictures = [Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8))
+                for shape in ((100, 150, 3), (30, 40, 3), (300, 61, 3), (64, 64))]  # upscaled, thin, grey
+    ref = Qwen2VLImageProcessorPil()(pictures, return_tensors="np")
+    buffer = io.BytesIO()
+    pictures[0].save(buffer, "PNG")
+    pictures[1].save(tmp_path / "b.png")
+    sources = ["data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode(), str(tmp_path / "b.png"),
+               *pictures[2:]]
+    patches, grids = images.preprocess(sources, VisionConfig())
+    assert grids == [tuple(g) for g in ref["image_grid_thw"].tolist()]
+    np.testing.assert_allclose(patches, ref["pixel_values"], atol=1e-6, rtol=0)
+    text = images.expand_placeholders(f"a{images.IMAGE_PAD}b{images.IMAGE_PAD}", grids[:2], VisionConfig())
+    assert text.count(images.IMAGE_PAD) == sum(t * h * w // 4 for t, h, w in grids[:2])
+    with pytest.raises(ValueError, match="placeholders"):
+        images.expand_placeholders(images.IMAGE_PAD, grids[:2], VisionConfig())
+
+
+def test_packed_rows_equal_separate_rows():
+    """Two image+text sequences packed into one row (segment ids, positions restarting) give the
+    logits they give in rows of their own: the M-RoPE ids, ViT groups and placeholders are per segment."""
+    cfg = ModelConfig(family="qwen2", vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True, qk_norm=False, mrope_section=(2, 3, 3))
+    vcfg = VisionConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, out_hidden_size=64,
+                        window_size=56, full_attention_layers=(1,), image_token_id=IMG)
+    rng = np.random.default_rng(1)
+    params = jax.tree_util.tree_map_with_path(  # random weights of O(1) logits, without an init pass
+        lambda path, s: np.ones(s.shape, np.float32) if path[-1].key == "scale"
+        else rng.normal(0, 0.2, s.shape).astype(np.float32), vision.vlm_abstract_params(cfg, vcfg))
+    pixels = [rng.normal(size=(t * h * w, vcfg.patch_dim)).astype(np.float32) for t, h, w in GRIDS]
+    ids, mask = _rows(rng, [([5, 3], [24]), ([2, 4], [6])])
+    separate = vision.image_inputs(vcfg, pixels, [[GRIDS[0]], [GRIDS[1]]], ids, mask)
+    ref = _logits(cfg, vcfg, params, ids, mask, separate)
+    n0, n1 = mask.sum(1)
+    packed_ids = np.concatenate([ids[0, :n0], ids[1, :n1]])[None]
+    segments = np.array([[1] * n0 + [2] * n1])
+    positions = np.array([list(range(n0)) + list(range(n1))])
+    packed = vision.image_inputs(vcfg, [np.concatenate(pixels)], [GRIDS], packed_ids, segments)
+    out = _logits(cfg, vcfg, params, packed_ids, segments, packed, positions)
+    assert np.abs(ref).max() > 1.0
+    np.testing.assert_allclose(out[0, :n0], ref[0, :n0], atol=1e-3)  # fp32 rounding of different shapes; a wrong id is O(1)
+    np.testing.assert_allclose(out[0, n0:], ref[1, :n1], atol=1e-3)  # fp32 rounding of different shapes; a wrong id is O(1)
