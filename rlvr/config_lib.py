@@ -23,7 +23,8 @@ class ConfigError(ValueError):
     """A bad config value; the message names the field and how to fix it."""
 
 
-_FIELD_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+_FIELD_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "tuple[int, ...]": tuple,
+                "VisionConfig | None": object}  # model.vision: a VLM's encoder, a mapping of VisionConfig fields
 
 
 def model_config_dict(preset: str = "", **overrides) -> ml_collections.ConfigDict:
@@ -99,6 +100,10 @@ def base_config() -> ml_collections.ConfigDict:
         "batch_size": 8,  # sequences (SFT) or pairs (preference) per step
         "seq_len": 128,  # tokens per training row (SFT, preference pairs)
         "pack": True,  # SFT: several examples per row with segment ids
+        # records with image content parts (a VLM): image patches per row (0 = the batch's most: shapes, and so
+        # compilations, vary), and the largest image area in pixels before patching (the processor's max_pixels)
+        "image_patches": 0,
+        "image_max_pixels": 28 * 28 * 1280,
         "max_operand": 99,  # data.source="arithmetic": the largest operand
     })
     c.optimizer = ml_collections.ConfigDict({

@@ -4,6 +4,7 @@ batches, HF export round trip, the image processor against HF's, packed rows aga
 The HF model is random (`initializer_range=0.2` so logits are O(5)) with 2 ViT layers, one windowed
 and one full, and images large enough for several attention windows."""
 
+import dataclasses
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -16,6 +17,8 @@ import pytest  # noqa: E402
 from rlvr.data import images  # noqa: E402
 from rlvr.models import vision  # noqa: E402
 from rlvr.models.config import ModelConfig, VisionConfig  # noqa: E402
+from rlvr.models.params import abstract_params  # noqa: E402
+from rlvr.models.transformer import forward  # noqa: E402
 
 IMG, VS, VE = 290, 292, 293
 GRIDS = [(1, 8, 12), (1, 4, 6)]  # in patches: 2x3 and 1x2 windows of 4x4 patches
@@ -38,10 +41,10 @@ def _rows(rng, pieces):
     return ids, mask
 
 
-def _logits(cfg, vcfg, params, ids, segments, imgs, positions=None):
+def _logits(cfg, params, ids, segments, imgs, positions=None):
     positions = np.broadcast_to(np.arange(ids.shape[1]), ids.shape) if positions is None else positions
-    fn = jax.jit(lambda p, i: vision.forward_vlm(cfg, vcfg, p, jnp.asarray(ids), jnp.asarray(positions),
-                                                 jnp.asarray(segments), i)[0])
+    fn = jax.jit(lambda p, i: forward(cfg, p, jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(segments),
+                                      images=i)[0])
     return np.asarray(fn(params, imgs))
 
 
@@ -50,7 +53,7 @@ def test_vlm_logits_match_hf_and_export_round_trips(tmp_path):
     import torch
     import transformers
 
-    from rlvr.models import vlm_hf
+    from rlvr.models import hf
 
     config = transformers.Qwen2_5_VLConfig(
         text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -74,10 +77,10 @@ def test_vlm_logits_match_hf_and_export_round_trips(tmp_path):
                      ).logits.numpy()
 
     ref = hf_logits(model)
-    cfg, vcfg, params = vlm_hf.load_vlm_checkpoint(str(tmp_path / "hf"))
-    imgs = vision.image_inputs(vcfg, [pixels[:96], pixels[96:]], [[GRIDS[0]], [GRIDS[1]]], ids, mask)
-    err = np.abs(_logits(cfg, vcfg, params, ids, mask, imgs) - ref)[mask == 1].max()
-    vlm_hf.export_vlm_checkpoint(cfg, vcfg, params, str(tmp_path / "export"))
+    cfg, params = hf.load_hf_checkpoint(str(tmp_path / "hf"))
+    imgs = vision.image_inputs(cfg.vision, [pixels[:96], pixels[96:]], [[GRIDS[0]], [GRIDS[1]]], ids, mask)
+    err = np.abs(_logits(cfg, params, ids, mask, imgs) - ref)[mask == 1].max()
+    hf.export_hf_checkpoint(cfg, params, str(tmp_path / "export"))
     reloaded = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "export").eval()
     export_err = np.abs(hf_logits(reloaded) - ref)[mask == 1].max()
     print(f"\n[vlm parity] max|dlogit|={err:.2e} export round trip={export_err:.2e} max|logit|={np.abs(ref).max():.1f}")
@@ -117,22 +120,64 @@ def test_packed_rows_equal_separate_rows():
     logits they give in rows of their own: the M-RoPE ids, ViT groups and placeholders are per segment."""
     cfg = ModelConfig(family="qwen2", vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True, qk_norm=False, mrope_section=(2, 3, 3))
-    vcfg = VisionConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, out_hidden_size=64,
-                        window_size=56, full_attention_layers=(1,), image_token_id=IMG)
+    cfg = dataclasses.replace(cfg, vision=VisionConfig(
+        hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, out_hidden_size=64, window_size=56,
+        full_attention_layers=(1,), image_token_id=IMG))
+    vcfg = cfg.vision
     rng = np.random.default_rng(1)
     params = jax.tree_util.tree_map_with_path(  # random weights of O(1) logits, without an init pass
         lambda path, s: np.ones(s.shape, np.float32) if path[-1].key == "scale"
-        else rng.normal(0, 0.2, s.shape).astype(np.float32), vision.vlm_abstract_params(cfg, vcfg))
+        else rng.normal(0, 0.2, s.shape).astype(np.float32), abstract_params(cfg))
     pixels = [rng.normal(size=(t * h * w, vcfg.patch_dim)).astype(np.float32) for t, h, w in GRIDS]
     ids, mask = _rows(rng, [([5, 3], [24]), ([2, 4], [6])])
     separate = vision.image_inputs(vcfg, pixels, [[GRIDS[0]], [GRIDS[1]]], ids, mask)
-    ref = _logits(cfg, vcfg, params, ids, mask, separate)
+    ref = _logits(cfg, params, ids, mask, separate)
     n0, n1 = mask.sum(1)
     packed_ids = np.concatenate([ids[0, :n0], ids[1, :n1]])[None]
     segments = np.array([[1] * n0 + [2] * n1])
     positions = np.array([list(range(n0)) + list(range(n1))])
     packed = vision.image_inputs(vcfg, [np.concatenate(pixels)], [GRIDS], packed_ids, segments)
-    out = _logits(cfg, vcfg, params, packed_ids, segments, packed, positions)
-    assert np.abs(ref).max() > 1.0
-    np.testing.assert_allclose(out[0, :n0], ref[0, :n0], atol=1e-3)  # fp32 rounding of different shapes; a wrong id is O(1)
-    np.testing.assert_allclose(out[0, n0:], ref[1, :n1], atol=1e-3)  # fp32 rounding of different shapes; a wrong id is O(1)
+    out = _logits(cfg, params, packed_ids, segments, packed, positions)
+    assert np.abs(ref).max() > 1.0  # tolerance: fp32 rounding of other shapes; a wrong id or mask is O(1)
+    np.testing.assert_allclose(out[0, :n0], ref[0, :n0], atol=1e-3)
+    np.testing.assert_allclose(out[0, n0:], ref[1, :n1], atol=1e-3)
+
+
+@pytest.mark.hf
+def test_sft_trainer_takes_chat_records_with_images(tmp_path):
+    """`rlvr.main.run` (the SFT trainer) from a Qwen2.5-VL checkpoint on chat records whose user turns
+    hold image parts (file paths and a base64 data URL): it trains, the encoder included (the images
+    reach the loss), and the workdir reloads as the same VLM."""
+    import base64
+    import json
+
+    from hf_fixtures import write_random_vlm
+    from PIL import Image
+
+    from rlvr import api, config_lib, main
+    from rlvr.models import hf
+
+    write_random_vlm(str(tmp_path / "hf"))
+    rng = np.random.default_rng(0)
+    records = []
+    for i in range(8):
+        Image.fromarray(rng.integers(0, 256, (56, 84, 3), dtype=np.uint8)).save(tmp_path / f"{i}.png")
+        source = str(tmp_path / f"{i}.png")
+        if i == 0:
+            source = "data:image/png;base64," + base64.b64encode((tmp_path / "0.png").read_bytes()).decode()
+        records.append({"messages": [
+            {"role": "user", "content": [{"type": "image", "image": source}, {"type": "text", "text": "Value?"}]},
+            {"role": "assistant", "content": f"{i}"}]})
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = config_lib.load_config("configs/sft_tiny.py:smoke", {
+        "init.hf_checkpoint": str(tmp_path / "hf"), "model.preset": "", "data.path": str(tmp_path / "train.jsonl"),
+        "data.eval_path": str(tmp_path / "train.jsonl"), "data.seq_len": 64, "data.batch_size": 8,
+        "data.image_patches": 32})
+    summary = main.run(config, str(tmp_path / "run"))
+    assert np.isfinite(summary["final_loss"]) and np.isfinite(summary["heldout_loss"])
+    start_cfg, start = hf.load_hf_checkpoint(str(tmp_path / "hf"))
+    trained = api.load_trained(str(tmp_path / "run"))
+    assert trained.cfg.vision == start_cfg.vision
+    moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), trained.params["visual"],
+                         start["visual"])
+    assert min(jax.tree.leaves(moved)) > 0  # every encoder tensor got a gradient step

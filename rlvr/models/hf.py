@@ -177,6 +177,10 @@ def iter_hf_tensors(cfg: ModelConfig, params: Params) -> Iterator[tuple[str, np.
 
 def to_hf_tensors(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
     """All parameters as `{hf_name: numpy array}` in HF layout (value head excluded)."""
+    if cfg.vision is not None:
+        from rlvr.models import vlm_hf
+
+        return vlm_hf.to_hf_tensors(cfg, params)
     return dict(iter_hf_tensors(cfg, params))
 
 
@@ -243,8 +247,12 @@ def _sliding_from_hf(hf: Mapping[str, Any], model_type: str) -> int:
 
 
 def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
-    """A `ModelConfig` from a HF `config.json` dict (llama / qwen2 / qwen3 / mistral)."""
+    """A `ModelConfig` from a HF `config.json` dict (llama / qwen2 / qwen3 / mistral; qwen2_5_vl: a VLM)."""
     model_type = hf.get("model_type")
+    if model_type == "qwen2_5_vl":
+        from rlvr.models import vlm_hf
+
+        return vlm_hf.config_from_hf(hf, **overrides)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"config.json model_type={model_type!r} is not supported; supported model types "
                          f"are {SUPPORTED_MODEL_TYPES}.")
@@ -295,6 +303,10 @@ def _check_exportable(cfg: ModelConfig) -> None:
 
 def config_to_hf(cfg: ModelConfig, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A `config.json` dict that transformers 5.x (and 4.x / SGLang) loads."""
+    if cfg.vision is not None:
+        from rlvr.models import vlm_hf
+
+        return vlm_hf.config_to_hf(cfg) | dict(extra or {})
     _check_exportable(cfg)
     out: dict[str, Any] = {
         "architectures": [ARCHITECTURES[cfg.family]], "model_type": cfg.family,
@@ -422,6 +434,10 @@ def load_hf_checkpoint(
         raise ValueError("model.value_head: HF checkpoints have no value head; load without it and add one.")
     if mesh is None:
         mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    if cfg.vision is not None:
+        from rlvr.models import vlm_hf
+
+        return cfg, vlm_hf.load_vlm_params(cfg, path, mesh, rules)
     files = weight_files(path)
     _check_names(cfg, files.keys())
     return cfg, load_table(cfg, table_for(cfg), files, abstract_params(cfg), param_shardings(cfg, mesh, rules))

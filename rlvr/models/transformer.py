@@ -573,9 +573,16 @@ def dropout_rngs(cfg: ModelConfig, rng: jax.Array | None) -> dict[str, jax.Array
     return {"dropout": rng} if rng is not None and cfg.lora.enabled and cfg.lora.dropout else None
 
 
-def forward(cfg: ModelConfig, params: Params, tokens, positions=None, segment_ids=None, cache=None, rng=None):
+def forward(cfg: ModelConfig, params: Params, tokens, positions=None, segment_ids=None, cache=None, rng=None,
+            images=None):
     """Pure forward pass: (logits float32 [B, T, V], updated cache or None). `rng`: training
-    randomness (adapter dropout), None to run deterministically."""
+    randomness (adapter dropout), None to run deterministically. `images`: a VLM's
+    (`rlvr.models.vision.ImageInputs`; needs `cfg.vision`)."""
+    if images is not None:
+        from rlvr.models.vision import VisionLanguageModel
+
+        return VisionLanguageModel(cfg).apply({"params": params}, tokens, positions, segment_ids, images, cache,
+                                              rngs=dropout_rngs(cfg, rng))
     return Transformer(cfg).apply({"params": params}, tokens, positions, segment_ids, cache,
                                   rngs=dropout_rngs(cfg, rng))
 

@@ -25,7 +25,6 @@ text HF table apply unchanged) plus `visual/...`, with logical axes from the sam
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -33,9 +32,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 
-from rlvr import sharding
 from rlvr.models.config import ModelConfig, VisionConfig
 from rlvr.models.transformer import Linear, RMSNorm, Transformer, apply_rope, dot_product_attention
 
@@ -74,9 +71,8 @@ def patch_layout(vcfg: VisionConfig, grids: Sequence[Sequence[int]]) -> tuple[np
         if h % m or w % m:
             raise ValueError(f"image grid {(t, h, w)}: height and width in patches must be multiples of "
                              f"spatial_merge_size={m}; resize with rlvr.data.images.smart_resize.")
-        rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-        order = lambda a: a.reshape(h // m, m, w // m, m).transpose(0, 2, 1, 3).reshape(-1)  # noqa: E731
-        rows, cols = order(rows), order(cols)
+        grid = np.stack(np.meshgrid(np.arange(h), np.arange(w), indexing="ij"), -1)  # [h, w, 2]
+        rows, cols = grid.reshape(h // m, m, w // m, m, 2).transpose(0, 2, 1, 3, 4).reshape(-1, 2).T
         per_side = -(-(w // m) // window)
         win = (rows // m // window) * per_side + (cols // m // window)
         n_windows = (-(-(h // m) // window)) * per_side
@@ -175,12 +171,14 @@ def vision_rope(vcfg: VisionConfig, positions: jax.Array) -> tuple[jax.Array, ja
 
 class VisionBlock(nn.Module):
     vcfg: VisionConfig
+    dtype: str = "float32"
+    param_dtype: str = "float32"
 
     @nn.compact
     def __call__(self, x, cos, sin, masks, is_full):
         v = self.vcfg
-        dense = dict(dtype=v.dtype, param_dtype=v.param_dtype, use_bias=True)
-        norm = dict(dim=v.hidden_size, eps=v.rms_norm_eps, param_dtype=v.param_dtype)
+        dense = dict(dtype=self.dtype, param_dtype=self.param_dtype, use_bias=True)
+        norm = dict(dim=v.hidden_size, eps=v.rms_norm_eps, param_dtype=self.param_dtype)
         e, h, d = v.hidden_size, v.num_heads, v.head_dim
         mask = jnp.where(is_full, masks[0], masks[1])
         qkv = Linear((e,), (3, h, d), ("embed",), (None, "heads", "head_dim"), name="qkv", **dense)(
@@ -200,11 +198,13 @@ class VisionTransformer(nn.Module):
     """Patches [B, P, patch_dim] -> decoder-width features [B, P / merge_unit, out_hidden_size]."""
 
     vcfg: VisionConfig
+    dtype: str = "float32"  # the decoder's compute and parameter dtypes
+    param_dtype: str = "float32"
 
     @nn.compact
     def __call__(self, patches, vit_positions, frame_ids, window_ids):
         v = self.vcfg
-        dense = dict(dtype=v.dtype, param_dtype=v.param_dtype)
+        dense = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         pixels = patches.reshape(*patches.shape[:2], v.in_channels, v.temporal_patch_size, v.patch_size,
                                  v.patch_size)
         x = Linear(pixels.shape[2:], (v.hidden_size,), (None,) * 4, ("embed",), name="patch_embed", **dense)(pixels)
@@ -213,9 +213,9 @@ class VisionTransformer(nn.Module):
         is_full = jnp.isin(jnp.arange(v.num_layers), jnp.asarray(v.full_attention_layers, jnp.int32))
         blocks = nn.scan(VisionBlock, variable_axes={"params": 0}, split_rngs={"params": True},
                          in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0), length=v.num_layers,
-                         metadata_params={nn.PARTITION_NAME: "layers"})(v, name="blocks")
+                         metadata_params={nn.PARTITION_NAME: "layers"})(v, **dense, name="blocks")
         x, _ = blocks(x, cos, sin, masks, is_full)
-        x = RMSNorm(v.hidden_size, v.rms_norm_eps, param_dtype=v.param_dtype, name="ln_q")(x)
+        x = RMSNorm(v.hidden_size, v.rms_norm_eps, param_dtype=self.param_dtype, name="ln_q")(x)
         x = x.reshape(x.shape[0], -1, v.hidden_size * v.merge_unit)
         x = Linear((x.shape[-1],), (x.shape[-1],), (None,), ("mlp",), use_bias=True, name="merger_fc1", **dense)(x)
         x = nn.gelu(x, approximate=False)
@@ -233,58 +233,43 @@ def scatter_image_features(embeds: jax.Array, tokens: jax.Array, features: jax.A
 
 
 class VisionLanguageModel(Transformer):
-    """The decoder (`Transformer`, its parameters at the same paths) with a `visual` encoder."""
-
-    vcfg: VisionConfig = VisionConfig()
+    """The decoder (`Transformer`, its parameters at the same paths) with a `visual` encoder
+    (`cfg.vision`)."""
 
     def setup(self):
         super().setup()
-        self.visual = VisionTransformer(self.vcfg)
+        self.visual = VisionTransformer(self.cfg.vision, self.cfg.dtype, self.cfg.param_dtype)
 
     def __call__(self, tokens, positions=None, segment_ids=None, images: ImageInputs | None = None, cache=None):
         """(logits float32 [B, T, V], cache); without `images`, the text model."""
         if images is None:
             return super().__call__(tokens, positions, segment_ids, cache)
         features = self.visual(images.patches, images.vit_positions, images.frame_ids, images.window_ids)
-        embeds = scatter_image_features(self.embed(tokens), tokens, features, self.vcfg.image_token_id)
+        embeds = scatter_image_features(self.embed(tokens), tokens, features, self.cfg.vision.image_token_id)
         x, cache = self.hidden_states(tokens, positions, segment_ids, cache, embeds, images.rope_positions)
         return self.logits(x), cache
 
 
-def forward_vlm(cfg: ModelConfig, vcfg: VisionConfig, params: Params, tokens, positions=None, segment_ids=None,
+def forward_vlm(cfg: ModelConfig, params: Params, tokens, positions=None, segment_ids=None,
                 images: ImageInputs | None = None, cache=None):
-    """Pure forward pass of the VLM: (logits float32 [B, T, V], updated cache or None)."""
-    return VisionLanguageModel(cfg, vcfg).apply({"params": params}, tokens, positions, segment_ids, images, cache)
+    """Pure forward pass of the VLM (`cfg.vision` set): (logits float32 [B, T, V], cache or None)."""
+    return VisionLanguageModel(cfg).apply({"params": params}, tokens, positions, segment_ids, images, cache)
 
 
-def init_vlm_boxed(cfg: ModelConfig, vcfg: VisionConfig, rng: jax.Array):
+def init_vlm_boxed(cfg: ModelConfig, rng: jax.Array):
     """The VLM's params with their logical-axis boxes, from a one-image dummy batch."""
-    grid = [(1, vcfg.spatial_merge_size, vcfg.spatial_merge_size)]
-    tokens = np.full((1, 1), vcfg.image_token_id)
-    dummy = image_inputs(vcfg, [np.zeros((vcfg.merge_unit, vcfg.patch_dim), np.float32)], [grid], tokens,
-                         np.ones_like(tokens))
-    return VisionLanguageModel(cfg, vcfg).init(rng, jnp.asarray(tokens), None, None, dummy)["params"]
+    v = cfg.vision
+    grid = [(1, v.spatial_merge_size, v.spatial_merge_size)]
+    tokens = np.full((1, 1), v.image_token_id)
+    dummy = image_inputs(v, [np.zeros((v.merge_unit, v.patch_dim), np.float32)], [grid], tokens, np.ones_like(tokens))
+    return VisionLanguageModel(cfg).init(rng, jnp.asarray(tokens), None, None, dummy)["params"]
 
 
-def _boxed_shapes(cfg: ModelConfig, vcfg: VisionConfig):
-    return jax.eval_shape(functools.partial(init_vlm_boxed, cfg, vcfg), jax.random.key(0))
+IMAGE_KEYS = ImageInputs._fields
 
 
-def vlm_abstract_params(cfg: ModelConfig, vcfg: VisionConfig) -> Params:
-    """Pytree of jax.ShapeDtypeStruct: the VLM's parameter shapes without allocating them."""
-    return nn.unbox(_boxed_shapes(cfg, vcfg))
-
-
-def vlm_param_shardings(cfg: ModelConfig, vcfg: VisionConfig, mesh: Mesh,
-                        rules: sharding.Rules = sharding.LOGICAL_AXIS_RULES) -> Params:
-    """NamedSharding for every VLM parameter, from its logical axes and the rules table."""
-    return jax.tree.map(lambda p: sharding.logical_to_sharding(tuple(p.names), p.value.shape, mesh, rules),
-                        _boxed_shapes(cfg, vcfg), is_leaf=lambda x: isinstance(x, nn.Partitioned))
-
-
-def init_vlm_params(cfg: ModelConfig, vcfg: VisionConfig, rng: jax.Array, mesh: Mesh,
-                    rules: sharding.Rules = sharding.LOGICAL_AXIS_RULES) -> Params:
-    """Random VLM parameters created directly in their shardings."""
-    init = jax.jit(lambda r: nn.unbox(init_vlm_boxed(cfg, vcfg, r)),
-                   out_shardings=vlm_param_shardings(cfg, vcfg, mesh, rules))
-    return init(rng)
+def batch_images(batch: dict[str, Any]) -> ImageInputs | None:
+    """The `ImageInputs` a training batch carries under `image_*` keys (rlvr.data.images), or None."""
+    if "image_patches" not in batch:
+        return None
+    return ImageInputs(*(batch[f"image_{k}"] for k in IMAGE_KEYS))

@@ -3,13 +3,13 @@
 The decoder's tensors are the text model's (`hf.PARAM_TABLE`, family qwen2, same names: HF saves
 Qwen2.5-VL as `model.layers.*`, `lm_head.weight`); the encoder's are `VISION_TABLE`, rows of the
 same `HFParam` kind over `VisionConfig.dim_sizes`. Loading reads each device shard straight into
-place (`hf.load_table`), as the text path does.
+place (`hf.load_table`), as the text path does. `rlvr.models.hf`'s load / export / config
+functions hand a `qwen2_5_vl` checkpoint (or a config with `vision`) to this module.
 """
 
 from __future__ import annotations
 
-import json
-import os
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from rlvr import sharding
 from rlvr.models import hf
 from rlvr.models.config import ModelConfig, VisionConfig
-from rlvr.models.vision import vlm_abstract_params, vlm_param_shardings
+from rlvr.models.params import abstract_params, param_shardings
 
 Params = dict[str, Any]
 MODEL_TYPE = "qwen2_5_vl"
@@ -64,13 +64,13 @@ def _text_dict(config: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[int, ..
     return text, section
 
 
-def config_from_hf(config: Mapping[str, Any], **overrides: Any) -> tuple[ModelConfig, VisionConfig]:
-    """(decoder config, vision config) from a Qwen2.5-VL `config.json` dict."""
+def config_from_hf(config: Mapping[str, Any], **overrides: Any) -> ModelConfig:
+    """The VLM's config (the decoder's, with `vision`) from a Qwen2.5-VL `config.json` dict."""
     if config.get("model_type") != MODEL_TYPE:
         raise ValueError(f"config.json model_type={config.get('model_type')!r}: the VLM loader reads "
                          f"{MODEL_TYPE!r} checkpoints (Qwen2.5-VL layout).")
     text, section = _text_dict(config)
-    cfg = hf.config_from_hf(text, mrope_section=section, **overrides)
+    cfg = hf.config_from_hf(text, mrope_section=section, **{k: v for k, v in overrides.items() if k != "vision"})
     vision = dict(config["vision_config"])
     if vision.get("hidden_act", "silu") != "silu":
         raise ValueError(f"vision_config.hidden_act={vision['hidden_act']!r}: the encoder's MLP is SwiGLU (silu).")
@@ -82,16 +82,17 @@ def config_from_hf(config: Mapping[str, Any], **overrides: Any) -> tuple[ModelCo
         in_channels=vision.get("in_channels", vision.get("in_chans", 3)), patch_size=vision["patch_size"],
         temporal_patch_size=vision["temporal_patch_size"], spatial_merge_size=vision["spatial_merge_size"],
         window_size=vision["window_size"], full_attention_layers=tuple(vision["fullatt_block_indexes"]),
-        rope_theta=float(theta), dtype=cfg.dtype, param_dtype=cfg.param_dtype, **ids)
+        rope_theta=float(theta), **ids)
     if vcfg.out_hidden_size != cfg.hidden_size:
         raise ValueError(f"vision_config.out_hidden_size={vcfg.out_hidden_size} must equal the decoder's "
                          f"hidden_size={cfg.hidden_size}.")
-    return cfg, vcfg
+    return dataclasses.replace(cfg, vision=vcfg)
 
 
-def config_to_hf(cfg: ModelConfig, vcfg: VisionConfig) -> dict[str, Any]:
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """A transformers-5 `config.json` dict (nested text and vision configs)."""
-    text = hf.config_to_hf(cfg)
+    vcfg = cfg.vision
+    text = hf.config_to_hf(dataclasses.replace(cfg, vision=None))
     text.pop("architectures")
     text.pop("rope_scaling")
     text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": list(cfg.mrope_section)}
@@ -109,37 +110,23 @@ def config_to_hf(cfg: ModelConfig, vcfg: VisionConfig) -> dict[str, Any]:
             "vision_end_token_id": vcfg.vision_end_token_id, "dtype": cfg.param_dtype}
 
 
-def load_vlm_checkpoint(path: str, mesh: Mesh | None = None, rules: sharding.Rules = sharding.LOGICAL_AXIS_RULES,
-                        overrides: Mapping[str, Any] | None = None) -> tuple[ModelConfig, VisionConfig, Params]:
-    """(cfg, vcfg, params) from a Qwen2.5-VL checkpoint directory, each shard read into place."""
-    with open(os.path.join(path, "config.json")) as f:
-        cfg, vcfg = config_from_hf(json.load(f), **dict(overrides or {}))
-    if mesh is None:
-        mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
+def load_vlm_params(cfg: ModelConfig, path: str, mesh: Mesh, rules: sharding.Rules) -> Params:
+    """The VLM's params (`cfg` from `config_from_hf`) from a checkpoint directory, each shard read into place."""
     files = hf.weight_files(path)
-    missing = [n for e in VISION_TABLE for n in e.names(vcfg) if n not in files]
+    missing = [n for e in VISION_TABLE for n in e.names(cfg.vision) if n not in files]
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} vision tensors, e.g. {missing[:3]}; is it Qwen2.5-VL?")
-    shapes, shardings = vlm_abstract_params(cfg, vcfg), vlm_param_shardings(cfg, vcfg, mesh, rules)
-    params = hf.load_table(cfg, hf.table_for(cfg), files, shapes, shardings)
-    params |= hf.load_table(vcfg, list(VISION_TABLE), files, shapes, shardings)
-    return cfg, vcfg, params
+    shapes, shardings = abstract_params(cfg), param_shardings(cfg, mesh, rules)
+    text_cfg = dataclasses.replace(cfg, vision=None)
+    params = hf.load_table(text_cfg, hf.table_for(text_cfg), files, shapes, shardings)
+    return params | hf.load_table(cfg.vision, list(VISION_TABLE), files, shapes, shardings)
 
 
-def to_hf_tensors(cfg: ModelConfig, vcfg: VisionConfig, params: Params) -> dict[str, np.ndarray]:
+def to_hf_tensors(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
     """All parameters as `{hf_name: numpy array}` in the HF layout."""
-    tensors = hf.to_hf_tensors(cfg, params)
+    tensors = hf.to_hf_tensors(dataclasses.replace(cfg, vision=None), params)
     for entry in VISION_TABLE:
         value = np.asarray(jax.device_get(hf.get_path(params, entry.path)))
-        for i, name in enumerate(entry.names(vcfg)):
-            tensors[name] = hf.to_hf(entry, vcfg, value[i] if entry.per_layer else value)
+        for i, name in enumerate(entry.names(cfg.vision)):
+            tensors[name] = hf.to_hf(entry, cfg.vision, value[i] if entry.per_layer else value)
     return tensors
-
-
-def export_vlm_checkpoint(cfg: ModelConfig, vcfg: VisionConfig, params: Params, out_dir: str,
-                          max_shard_bytes: int = 5 * 2**30) -> None:
-    """Writes config.json and the weights in the layout `Qwen2_5_VLForConditionalGeneration` loads."""
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config_to_hf(cfg, vcfg), f, indent=2)
-    hf.write_safetensors(to_hf_tensors(cfg, vcfg, params), out_dir, max_shard_bytes)
