@@ -17,6 +17,7 @@ import pytest  # noqa: E402
 from rlvr.data import images  # noqa: E402
 from rlvr.models import vision  # noqa: E402
 from rlvr.models.config import ModelConfig, VisionConfig  # noqa: E402
+from rlvr.models.generate import greedy_generate  # noqa: E402
 from rlvr.models.params import abstract_params  # noqa: E402
 from rlvr.models.transformer import forward  # noqa: E402
 
@@ -87,6 +88,17 @@ def test_vlm_logits_match_hf_and_export_round_trips(tmp_path):
     assert np.abs(ref).max() > 1.0
     assert err <= 1e-4
     assert export_err <= 1e-6
+
+    # decoding after an image prompt (cached prefill with the image, then M-RoPE ids + the prompt's
+    # delta): the greedy tokens of transformers' generate
+    n = int(mask[0].sum())
+    with torch.no_grad():
+        hf_tokens = model.generate(input_ids=torch.tensor(ids[:1, :n]), pixel_values=torch.tensor(pixels[:96]),
+                                   image_grid_thw=torch.tensor(GRIDS[:1]), max_new_tokens=6, do_sample=False,
+                                   mm_token_type_ids=torch.tensor((ids[:1, :n] == IMG).astype(np.int64)),
+                                   eos_token_id=None, pad_token_id=0)[0, n:].tolist()
+    ours = greedy_generate(cfg, params, [ids[0, :n].tolist()], 6, eos_id=-1, images=([pixels[:96]], [[GRIDS[0]]]))
+    assert ours[0] == hf_tokens
 
 
 @pytest.mark.hf

@@ -484,8 +484,8 @@ class Transformer(nn.Module):
             logits = self.lm_head(x)
         return constrain(logits, ("batch", "length", "vocab"))
 
-    def __call__(self, tokens, positions=None, segment_ids=None, cache=None):
-        x, cache = self.hidden_states(tokens, positions, segment_ids, cache)
+    def __call__(self, tokens, positions=None, segment_ids=None, cache=None, rope_positions=None):
+        x, cache = self.hidden_states(tokens, positions, segment_ids, cache, rope_positions=rope_positions)
         if self.cfg.value_head and self.is_initializing():
             self.value_proj(x.astype(jnp.float32))  # create the value head's parameters
         return self.logits(x), cache
@@ -574,16 +574,17 @@ def dropout_rngs(cfg: ModelConfig, rng: jax.Array | None) -> dict[str, jax.Array
 
 
 def forward(cfg: ModelConfig, params: Params, tokens, positions=None, segment_ids=None, cache=None, rng=None,
-            images=None):
+            images=None, rope_positions=None):
     """Pure forward pass: (logits float32 [B, T, V], updated cache or None). `rng`: training
     randomness (adapter dropout), None to run deterministically. `images`: a VLM's
-    (`rlvr.models.vision.ImageInputs`; needs `cfg.vision`)."""
+    (`rlvr.models.vision.ImageInputs`; needs `cfg.vision`); `rope_positions`: rotary positions other
+    than `positions` (a VLM decoding after an image prompt: position + the prompt's M-RoPE delta)."""
     if images is not None:
         from rlvr.models.vision import VisionLanguageModel
 
         return VisionLanguageModel(cfg).apply({"params": params}, tokens, positions, segment_ids, images, cache,
                                               rngs=dropout_rngs(cfg, rng))
-    return Transformer(cfg).apply({"params": params}, tokens, positions, segment_ids, cache,
+    return Transformer(cfg).apply({"params": params}, tokens, positions, segment_ids, cache, rope_positions,
                                   rngs=dropout_rngs(cfg, rng))
 
 
