@@ -100,10 +100,8 @@ def base_config() -> ml_collections.ConfigDict:
         "batch_size": 8,  # sequences (SFT) or pairs (preference) per step
         "seq_len": 128,  # tokens per training row (SFT, preference pairs)
         "pack": True,  # SFT: several examples per row with segment ids
-        # records with image content parts (a VLM): image patches per row (0 = the batch's most: shapes, and so
-        # compilations, vary), and the largest image area in pixels before patching (the processor's max_pixels)
-        "image_patches": 0,
-        "image_max_pixels": 28 * 28 * 1280,
+        "image_patches": 0,  # records with image parts (a VLM): patches per row; 0 = the batch's most (recompiles)
+        "image_max_pixels": 28 * 28 * 1280,  # records with image parts: largest image area before patching
         "max_operand": 99,  # data.source="arithmetic": the largest operand
     })
     c.optimizer = ml_collections.ConfigDict({

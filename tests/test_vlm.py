@@ -193,3 +193,24 @@ def test_sft_trainer_takes_chat_records_with_images(tmp_path):
     moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), trained.params["visual"],
                          start["visual"])
     assert min(jax.tree.leaves(moved)) > 0  # every encoder tensor got a gradient step
+
+
+def test_vlm_parameters_shard_by_the_logical_axis_rules():
+    """At Qwen2.5-VL-7B's encoder widths (abstract shapes only) on fsdp=2 x tensor=4: encoder heads and
+    MLP over `tensor`, widths over `fsdp`, as the decoder's."""
+    from jax.sharding import PartitionSpec as P
+
+    from rlvr import sharding
+    from rlvr.models.params import param_specs
+
+    cfg = ModelConfig(family="qwen2", vocab_size=512, hidden_size=3584, intermediate_size=256, num_layers=1,
+                      num_heads=28, num_kv_heads=4, head_dim=128, qkv_bias=True, qk_norm=False,
+                      mrope_section=(16, 24, 24), vision=VisionConfig(num_layers=2, full_attention_layers=(1,)))
+    specs = param_specs(cfg, sharding.make_mesh({"fsdp": 2, "tensor": 4}))
+    assert specs["visual/blocks/qkv/kernel"] == P(None, "fsdp", None, "tensor")
+    assert specs["visual/blocks/gate_proj/kernel"] == P(None, "fsdp", "tensor")
+    assert specs["visual/blocks/proj/kernel"] == P(None, "tensor", None, "fsdp")
+    assert specs["visual/patch_embed/kernel"] == P(None, None, None, None, "fsdp")
+    assert specs["visual/merger_fc1/kernel"] == P(None, "tensor")
+    assert specs["visual/merger_fc2/kernel"] == P("tensor", "fsdp")
+    assert specs["layers/self_attn/q_proj/kernel"] == P(None, "fsdp", "tensor")
