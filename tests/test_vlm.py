@@ -182,7 +182,7 @@ def test_sft_trainer_takes_chat_records_with_images(tmp_path):
             {"role": "assistant", "content": f"{i}"}]})
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     config = config_lib.load_config("configs/sft_tiny.py:smoke", {
-        "init.hf_checkpoint": str(tmp_path / "hf"), "model.preset": "", "data.path": str(tmp_path / "train.jsonl"),
+        "init.hf_checkpoint": str(tmp_path / "hf"), "data.path": str(tmp_path / "train.jsonl"),
         "data.eval_path": str(tmp_path / "train.jsonl"), "data.seq_len": 64, "data.batch_size": 8,
         "data.image_patches": 32})
     summary = main.run(config, str(tmp_path / "run"))
