@@ -10,7 +10,10 @@ Each bar has its own colour from `PALETTE` (in `metadata["colors"]`), so a test 
 drawn heights from the pixels. `audit_probes` are the answers a reader of the text alone, or of the
 wrong bar, would give. The text-only `prompt` lacks the chart: these tasks need a VLM
 (rlvr.models.vision); RL over them also needs the rollout engine's image prefill, not built yet,
-so the family is not in `rlvr.tasks.registry.FAMILIES`.
+so the family is not in `rlvr.tasks.registry.FAMILIES`. SFT data:
+
+    python -m rlvr.tasks.charts charts_train.jsonl --count=256 --level=0
+    python -m rlvr.tasks.charts charts_eval.jsonl --count=64 --level=0 --held_out
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from rlvr.tasks.base import ANSWER_INSTRUCTION, Family, Task, pick
+from rlvr.tasks.base import ANSWER_INSTRUCTION, HELD_OUT, TRAIN, Family, Task, pick
 
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
 NAMES = ("A", "B", "C", "D", "E", "F", "G", "H")
@@ -106,3 +109,25 @@ class ChartReadingFamily(Family):
 
 
 CHART_FAMILIES = {ChartReadingFamily.name: ChartReadingFamily}
+
+
+def write_records(path: str, count: int, level: int, stream: int = TRAIN, seed: int = 0) -> None:
+    """`count` chart-reading demonstrations at `level` as JSONL chat records with image parts (SFT data)."""
+    import json
+
+    family = ChartReadingFamily(seed=seed)
+    with open(path, "w") as f:
+        for index in range(count):
+            f.write(json.dumps(family.demonstration(family.task(index, stream, level))) + "\n")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write chart-reading SFT records (JSONL, image parts inline).")
+    parser.add_argument("path")
+    parser.add_argument("--count", type=int, default=256)
+    parser.add_argument("--level", type=int, default=0, choices=sorted(LEVELS))
+    parser.add_argument("--held_out", action="store_true", help="the held-out task stream")
+    args = parser.parse_args()
+    write_records(args.path, args.count, args.level, stream=HELD_OUT if args.held_out else TRAIN)
