@@ -14,6 +14,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from rlvr import losses  # noqa: E402
 from rlvr.data import images  # noqa: E402
 from rlvr.models import vision  # noqa: E402
 from rlvr.models.config import ModelConfig, VisionConfig  # noqa: E402
@@ -150,6 +151,12 @@ def test_packed_rows_equal_separate_rows():
     positions = np.array([list(range(n0)) + list(range(n1))])
     packed = vision.image_inputs(vcfg, [np.concatenate(pixels)], [GRIDS], packed_ids, segments)
     out = _logits(cfg, params, packed_ids, segments, packed, positions)
+    # the trainer's chunked log-probs (no [B, T, V] logits) on the image batch: those of the full logits
+    chunked, _, _ = jax.jit(lambda p, i: losses.model_token_logprobs(
+        cfg, p, jnp.asarray(packed_ids), jnp.asarray(positions), jnp.asarray(segments), chunk_size=16, images=i))(
+        params, packed)
+    np.testing.assert_allclose(chunked, losses.next_token_logprobs(jnp.asarray(out), jnp.asarray(packed_ids)),
+                               atol=1e-5)
     assert np.abs(ref).max() > 1.0  # tolerance: fp32 rounding of other shapes; a wrong id or mask is O(1)
     np.testing.assert_allclose(out[0, :n0], ref[0, :n0], atol=1e-3)
     np.testing.assert_allclose(out[0, n0:], ref[1, :n1], atol=1e-3)

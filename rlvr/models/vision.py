@@ -244,10 +244,14 @@ class VisionLanguageModel(Transformer):
         """(logits float32 [B, T, V], cache); without `images`, the text model."""
         if images is None:
             return super().__call__(tokens, positions, segment_ids, cache)
+        x, cache = self.image_hidden_states(tokens, positions, segment_ids, images, cache)
+        return self.logits(x), cache
+
+    def image_hidden_states(self, tokens, positions, segment_ids, images: ImageInputs, cache=None):
+        """`hidden_states` with the images' features at the placeholders and M-RoPE positions."""
         features = self.visual(images.patches, images.vit_positions, images.frame_ids, images.window_ids)
         embeds = scatter_image_features(self.embed(tokens), tokens, features, self.cfg.vision.image_token_id)
-        x, cache = self.hidden_states(tokens, positions, segment_ids, cache, embeds, images.rope_positions)
-        return self.logits(x), cache
+        return self.hidden_states(tokens, positions, segment_ids, cache, embeds, images.rope_positions)
 
 
 def forward_vlm(cfg: ModelConfig, params: Params, tokens, positions=None, segment_ids=None,

@@ -34,9 +34,10 @@ def sft_loss(cfg, params, batch, rng, frozen, *, logprob_chunk_size: int = 0):
     (`train.logprob_chunk_size`): log-probs in chunks of that many positions, never the full logits."""
     del frozen
     images = batch_images(batch)  # a VLM's batch of image records (rlvr.data.images.ImageTokenStream)
-    if logprob_chunk_size and images is None:
+    if logprob_chunk_size:
         logp, _, _ = losses.model_token_logprobs(cfg, params, batch["tokens"], batch["positions"],
-                                                 batch["segment_ids"], chunk_size=logprob_chunk_size, rng=rng)
+                                                 batch["segment_ids"], chunk_size=logprob_chunk_size, rng=rng,
+                                                 images=images)
     else:
         logits, _ = forward(cfg, params, batch["tokens"], batch["positions"], batch["segment_ids"], rng=rng,
                             images=images)
