@@ -4,7 +4,8 @@ Reading order: `ImageInputs` (what a batch carries for its images, built on the 
 `image_inputs` from the processor's patches and grids), `VisionTransformer` (the ViT: patch
 embedding, blocks with 2-D RoPE and windowed or full attention, the 2x2 patch merger),
 `VisionLanguageModel` (the decoder of rlvr.models.transformer with image features written at the
-`<|image_pad|>` placeholders and M-RoPE positions from `mrope_positions`), then `forward_vlm`.
+`<|image_pad|>` placeholders and M-RoPE positions from `mrope_positions`); run it with
+`rlvr.models.transformer.forward(cfg, params, ..., images=ImageInputs)`.
 
 Layout, as HF's `Qwen2_5_VLForConditionalGeneration`:
 * patches arrive flattened [channels*2*14*14] in merge-block order (the 4 patches of each 2x2
@@ -252,12 +253,6 @@ class VisionLanguageModel(Transformer):
         features = self.visual(images.patches, images.vit_positions, images.frame_ids, images.window_ids)
         embeds = scatter_image_features(self.embed(tokens), tokens, features, self.cfg.vision.image_token_id)
         return self.hidden_states(tokens, positions, segment_ids, cache, embeds, images.rope_positions)
-
-
-def forward_vlm(cfg: ModelConfig, params: Params, tokens, positions=None, segment_ids=None,
-                images: ImageInputs | None = None, cache=None):
-    """Pure forward pass of the VLM (`cfg.vision` set): (logits float32 [B, T, V], cache or None)."""
-    return VisionLanguageModel(cfg).apply({"params": params}, tokens, positions, segment_ids, images, cache)
 
 
 def init_vlm_boxed(cfg: ModelConfig, rng: jax.Array):
