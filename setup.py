@@ -66,5 +66,9 @@ setup(
         "docs": ["reportlab>=4", "pdfplumber>=0.11"],
         # the run explorer's browser tests drive Debian's chromium + chromium-driver (Makefile: install-test)
         "browser": ["selenium>=4.20"],
+        # object storage for the flywheel's data and runs (rlvr.storage): s3:// through s3fs (gs://: gcsfs);
+        # moto's S3-compatible server is what the tests store to (tests/test_flywheel.py)
+        "storage": ["s3fs>=2024.1"],
+        "storage-test": ["s3fs>=2024.1", "moto[server]>=5"],
     },
 )

@@ -218,3 +218,134 @@ def test_gate_refuses_a_regression_beyond_the_domain_margin():
     assert not bad["promote"] and bad["domains"]["arithmetic"]["regressed"]
     assert bad["domains"]["arithmetic"]["delta"] == pytest.approx(-0.06)
     assert not promote.compare(serving, result(traffic=0.9), gate)["promote"]  # a domain the candidate lacks
+
+
+# --- 6. end to end, on a local S3 server -------------------------------------------------------------
+
+PROMPTS = ["12+30=", "7+8=", "41+5=", "9+9=", "23+4=", "6+60="]
+ENGINE = {"max_slots": 8, "max_len": 32, "page_size": 8, "decode_steps": 2, "prefill_rows": 8, "prefill_chunk": 16}
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    """A bucket on a local S3-compatible server (moto_server, a subprocess), reached through
+    AWS_ENDPOINT_URL as any S3-compatible store would be."""
+    import socket
+
+    import s3fs
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "moto_server"), "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            httpx.get(env["AWS_ENDPOINT_URL"], timeout=1)
+            break
+        except httpx.HTTPError:
+            assert time.monotonic() < deadline and proc.poll() is None, "moto_server did not start"
+            time.sleep(0.1)
+    s3fs.S3FileSystem.clear_instance_cache()
+    s3fs.S3FileSystem().mkdir("flywheel")
+    yield "s3://flywheel"
+    proc.kill()
+    proc.wait()
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+def _job(spec: str, workdir: str, **overrides) -> str:
+    from rlvr import config_lib, main
+
+    main.run(config_lib.load_config(spec, {"train.tensorboard": False, "model.preset": "", **overrides}), workdir)
+    return workdir
+
+
+def _deploy(hf_dir: str) -> None:
+    """The quickstart's model (random init) as the HF directory a server loads."""
+    from rlvr import api, config_lib
+    from rlvr.models import hf
+
+    config = config_lib.load_config("configs/quickstart.py:smoke")
+    model, tokenizer = api.build_model(config), api.build_tokenizer(config)
+    tokenizer.save(hf_dir + ".tokenizer")
+    hf.export_hf_checkpoint(model.cfg, model.params, hf_dir, tokenizer_dir=hf_dir + ".tokenizer",
+                            chat_template=tokenizer.chat_template)
+
+
+def _texts(url: str, prompts: list[str]) -> tuple[str, list[str]]:
+    """Greedy answers to `prompts` in one call: (the response id, each choice's text)."""
+    body = {"prompt": prompts, "max_tokens": 6, "temperature": 0.0}
+    reply = httpx.post(url + "/v1/completions", json=body, timeout=300).json()
+    return reply["id"], [c["text"] for c in reply["choices"]]
+
+
+def test_flywheel_end_to_end(tmp_path, s3):
+    """Serve, send traffic with feedback, build, SFT -> DPO -> RL, gate, promote (the served version
+    changes, and so do its answers to the corrected prompts), roll back; FLY on the S3 server."""
+    from rlvr import storage
+    from rlvr.flywheel import __main__ as cli
+    from rlvr.rollout.driver import EngineDriver
+    from rlvr.rollout.server import build_engine, serve
+
+    fly, local = f"{s3}/fly", str(tmp_path)
+    _deploy(f"{local}/hf")
+    cap = capture.TrafficCapture(f"{local}/traffic")
+    driver = EngineDriver(build_engine(f"{local}/hf", dict(ENGINE)))
+    server, _ = serve(driver, recorder=cap.record, routes=cap.routes())
+    try:
+        url = server.url
+        rid, before = _texts(url, PROMPTS)
+        rights = [str(eval(p[:-1])) for p in PROMPTS]  # the downstream checker
+        assert before != rights  # the untrained model is wrong, so every answer gets a correction
+        for k, (text, right) in enumerate(zip(before, rights, strict=True)):
+            feedback = {"response_id": rid, "index": k, "outcome": {"passed": text == right, "answer": right}}
+            assert httpx.post(url + "/v1/feedback", json={**feedback, "correction": right}).status_code == 200
+        assert cli.main(["sync", f"{local}/traffic", f"{fly}/traffic"]) == 0
+        assert cli.main(["build", f"--traffic={fly}/traffic", f"--out={fly}/data", "--heldout_fraction=0.34"]) == 0
+        card = json.loads(storage.read_text(f"{fly}/data/data_card.json"))
+        assert card["counts"]["train"]["rl"] == 4 and card["counts"]["heldout"]["rl"] == 2
+        assert card["counts"]["train"]["sft"] == 4 and card["model_versions"] == {"0": 6}
+        assert cli.main(["sync", f"{fly}/data/train", f"{local}/data"]) == 0
+        sft = _job("configs/tiny.py:smoke", f"{local}/sft", **{
+            "init.hf_checkpoint": f"{local}/hf", "data.source": "jsonl", "data.path": f"{local}/data/sft.jsonl",
+            "train.num_steps": 30, "data.batch_size": 8, "data.seq_len": 16, "optimizer.warmup_steps": 0,
+            "checkpoint.every_steps": 30})
+        dpo = _job("configs/dpo_tiny.py:smoke", f"{local}/dpo", **{
+            "init.workdir": sft, "data.path": f"{local}/data/dpo.jsonl", "data.eval_path": "", "train.num_steps": 1,
+            "checkpoint.every_steps": 1, "data.batch_size": 8, "data.seq_len": 16, "optimizer.learning_rate": 1e-5})
+        rl = _job("configs/quickstart.py:smoke", f"{local}/rl", **{
+            "init.workdir": dpo, "rl.task": f"{fly}/data/train/rl.jsonl", "rl.sft_steps": 0, "train.num_steps": 1,
+            "checkpoint.every_steps": 1, "rl.prompt_format": "raw", "optimizer.learning_rate": 1e-5})
+        assert cli.main(["sync", rl, f"{fly}/runs/rl"]) == 0
+        assert cli.main(["promote", f"--candidate={fly}/runs/rl", f"--server={url}", f"--fly={fly}",
+                         f"--suite={fly}/data/heldout/rl.jsonl,add", "--margin=0.5", f"--models_dir={local}/models",
+                         "--eval_config=configs/eval_tasks.py:smoke", "--label=v1",
+                         "--set", "rl.max_new_tokens=6", "--set", "rl.prompt_format=raw"]) == 0
+        assert httpx.get(url + "/model_info").json()["weight_version"] == "v1"
+        serving = json.loads(storage.read_text(f"{fly}/serving.json"))
+        assert serving["version"] == "v1" and serving["previous"]["version"] == "0"
+        (name,) = storage.listdir(f"{fly}/promotions")
+        decision = json.loads(storage.read_text(f"{fly}/promotions/{name}"))
+        assert decision["promote"] and set(decision["domains"]) == {"traffic", "arithmetic"}
+        trained = [p for p in PROMPTS if not any(r["question"] == p for r in _rows(f"{fly}/data/heldout/rl.jsonl"))]
+        _, after = _texts(url, trained)
+        assert after == [str(eval(p[:-1])) for p in trained]  # the promoted model learned the corrections
+        assert cli.main(["rollback", f"--server={url}", f"--fly={fly}"]) == 0
+        assert httpx.get(url + "/model_info").json()["weight_version"] == "0"
+        assert _texts(url, PROMPTS)[1] == before  # the old weights, answering as before
+    finally:
+        server.stop()
+        driver.close()
+        cap.close()
+
+
+def _rows(path: str) -> list[dict]:
+    from rlvr import storage
+
+    return [json.loads(line) for line in storage.read_text(path).splitlines()]

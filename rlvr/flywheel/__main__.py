@@ -1,4 +1,4 @@
-"""`python -m rlvr.flywheel build|promote|rollback`: thin mains over rlvr.flywheel (see its docstring)."""
+"""`python -m rlvr.flywheel build|promote|rollback|sync`: thin mains over rlvr.flywheel (see its docstring)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,10 @@ def parser() -> argparse.ArgumentParser:
     pr.add_argument("--eval_config", default="configs/eval_tasks.py", help="config of the eval job (settings)")
     pr.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="eval config override")
     pr.add_argument("--label", default=None, help="the promoted weight version's label")
+    pr.add_argument("--models_dir", default=None, help="local directory for the candidate's HF export")
+    sy = sub.add_parser("sync", help="copy a directory tree between local paths and object storage")
+    sy.add_argument("src")
+    sy.add_argument("dst")
     rb = sub.add_parser("rollback", help="load back the model the last promotion replaced")
     rb.add_argument("--server", required=True)
     rb.add_argument("--fly", required=True)
@@ -62,6 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         card = build_lib.build(args.traffic, args.out, settings)
         print(json.dumps({"counts": card["counts"], "dropped": card["dropped"]}))
         return 0
+    if args.command == "sync":
+        from rlvr import storage
+
+        if storage.is_remote(args.src):
+            storage.download_dir(args.src, args.dst)
+        else:
+            storage.upload_dir(args.src, args.dst)
+        return 0
     if args.command == "rollback":
         print(json.dumps(promote_lib.rollback(args.server, args.fly)))
         return 0
@@ -69,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {k: _value(v) for k, v in _pairs(args.set, "--set").items()}
     decision = promote_lib.promote(args.candidate, args.server, args.fly, args.suite,
                                    promote_lib.Gate(args.margin, margins), eval_config=args.eval_config,
-                                   overrides=overrides, label=args.label)
+                                   overrides=overrides, label=args.label, models_dir=args.models_dir)
     print(json.dumps({k: decision[k] for k in ("promote", "label", "domains")}))
     if not decision["promote"]:
         regressed = [d for d, v in decision["domains"].items() if v["regressed"]]

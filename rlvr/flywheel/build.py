@@ -17,7 +17,7 @@ What each kind of feedback becomes (one answer can feed several):
 Records are deduplicated (same prompt and same content: the earliest kept). The split is by time: the
 prompts first seen last (`heldout_fraction` of them) and every record on those prompts are held out, so
 no prompt is in both splits and the held-out part is the newest traffic. Filters drop aborted answers,
-prompts the data cannot pose again (token-id prompts, several prompts in one call), records over
+prompts the data cannot pose again (token ids), records over
 `max_chars`, and traffic of model versions outside `versions`. Files: `OUT/{train,heldout}/{sft,dpo,rl}.jsonl`
 (the formats of `data.source=jsonl` for SFT, the DPO job's pairs, and `rlvr.tasks.datasets.TaskFileFamily`
 rows), and `OUT/data_card.json`: counts per kind and split, what was filtered and why, the model
@@ -61,6 +61,9 @@ def prompt_of(record: dict[str, Any]) -> str | list[dict[str, Any]] | None:
     prompt = request.get("prompt") if record.get("endpoint") == "/v1/completions" else request.get("text")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
+    elif isinstance(prompt, list) and record.get("endpoint") == "/v1/completions":  # a batch: n choices a prompt
+        index = record.get("index", 0) // (request.get("n") or 1)
+        prompt = prompt[index] if index < len(prompt) else None
     return prompt if isinstance(prompt, str) and prompt else None
 
 
@@ -87,7 +90,7 @@ def _answers(root: str, settings: BuildSettings, stats: dict[str, int], dropped:
         if (record.get("finish_reason") or {}).get("type") == "abort":
             reason = "aborted"
         elif prompt is None:
-            reason = "prompt not reusable (token ids or several prompts)"
+            reason = "prompt not reusable (token ids)"
         elif settings.versions and str(record.get("model_version")) not in settings.versions:
             reason = "model version not selected"
         elif max(len(json.dumps(prompt)), len(record.get("text") or "")) > settings.max_chars:

@@ -10,7 +10,8 @@ written with one `os.write` on an O_APPEND file and then `fsync`ed before `appen
 that answers only after `append` (the server answers a request after recording it) never acknowledges
 a record that a kill could lose. `read` yields each intact record once (by its `id`, so a record
 appended twice, e.g. by a retried client, is read once), drops a torn last line, and reports (never
-silently skips) a corrupt line in the middle of a file.
+silently skips) a corrupt line in the middle of a file. Writers need a local filesystem (append and
+fsync); readers also read part files shipped to object storage.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import uuid
 import zlib
 from collections.abc import Iterator
 from typing import Any
+
+from rlvr import storage
 
 logger = logging.getLogger(__name__)
 
@@ -105,19 +108,17 @@ class AppendLog:
 
 
 def part_files(root: str, stream: str) -> list[str]:
-    """The stream's part files, partitions in date order."""
-    base = os.path.join(root, stream)
-    if not os.path.isdir(base):
-        return []
-    return [os.path.join(base, day, name) for day in sorted(os.listdir(base)) if day.startswith("date=")
-            for name in sorted(os.listdir(os.path.join(base, day))) if name.endswith(".jsonl")]
+    """The stream's part files, partitions in date order (`root` local or on object storage, where
+    finished part files can be shipped with `rlvr.storage.upload_dir`)."""
+    base = storage.join(root, stream)
+    return [storage.join(base, day, name) for day in storage.listdir(base) if day.startswith("date=")
+            for name in storage.listdir(storage.join(base, day)) if name.endswith(".jsonl")]
 
 
 def read_file(path: str, stats: dict[str, int] | None = None) -> Iterator[dict[str, Any]]:
     """Intact records of one part file; a torn last line is dropped, a corrupt middle line logged."""
     stats = stats if stats is not None else {}
-    with open(path, "rb") as f:
-        lines = f.read().splitlines(keepends=True)
+    lines = storage.read_bytes(path).splitlines(keepends=True)
     for i, line in enumerate(lines):
         record = unframe(line)
         if record is not None:

@@ -80,36 +80,40 @@ def serving_model(server: str, fly: str) -> dict[str, Any]:
 
 
 def as_hf_dir(model: str, out: str) -> str:
-    """An HF directory of `model`: itself, or an export of an rlvr workdir to `out`."""
-    from rlvr import start
+    """A local HF directory of `model` (local or on object storage): itself, or an export of an rlvr
+    workdir, at `out`."""
+    from rlvr import export, start
 
+    if storage.is_remote(model):
+        model = storage.download_dir(model, out + ".download")
     if "init.hf_checkpoint" in start.init_overrides(model):
         return model
-    from rlvr import export
-
     export.export(model, out)
     return out
 
 
 def evaluate(hf_dir: str, suite: str, eval_config: str, workdir: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """The eval job on `hf_dir` over the tasks `suite`; its result (by_domain etc.)."""
-    from rlvr import config_lib
-    from rlvr.trainers import evaluate as eval_job
+    from rlvr import config_lib, main
 
     config = config_lib.load_config(eval_config, {"init.hf_checkpoint": hf_dir, "init.workdir": "",
                                                   "rl.task": suite, **overrides})
-    return eval_job.train(config, workdir)
+    return main.run(config, workdir)
 
 
 def promote(candidate: str, server: str, fly: str, suite: str, gate: Gate = Gate(), *,
             eval_config: str = "configs/eval_tasks.py", overrides: dict[str, Any] | None = None,
-            label: str | None = None) -> dict[str, Any]:
-    """Evaluates, gates and (if it passes) promotes `candidate`; returns the decision record."""
+            label: str | None = None, models_dir: str | None = None) -> dict[str, Any]:
+    """Evaluates, gates and (if it passes) promotes `candidate`; returns the decision record. The
+    candidate's HF export goes to `models_dir/<label>` (a local directory the server can load from;
+    default FLY/models when FLY is local, else rlvr-flywheel/models in the temporary directory)."""
     served = serving_model(server, fly)
     label = label or f"flywheel-{int(time.time())}"
     work = tempfile.mkdtemp(prefix="rlvr-promote-")
-    models = fly if not storage.is_remote(fly) else work
-    hf_dir = as_hf_dir(candidate, os.path.join(models, "models", label))
+    if models_dir is None:
+        models_dir = storage.join(fly, "models") if not storage.is_remote(fly) else \
+            os.path.join(tempfile.gettempdir(), "rlvr-flywheel", "models")
+    hf_dir = as_hf_dir(candidate, os.path.join(models_dir, label))
     results = {name: evaluate(path, suite, eval_config, os.path.join(work, name), overrides or {})
                for name, path in (("serving", served["model_path"]), ("candidate", hf_dir))}
     decision = {"time": time.time(), "candidate": candidate, "hf_dir": hf_dir, "label": label, "suite": suite,
