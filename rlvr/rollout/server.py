@@ -222,15 +222,12 @@ class RolloutApp:
 
     def record(self, endpoint: str, body: Any, c: Completion, text: str | None, response_id: str | None = None,
                index: int = 0, start: float | None = None) -> None:
-        """Hands the recorder `record_of(...)` plus the id a client gives feedback on (`response_id`,
-        choice `index`), the served model version's label and the request's latency."""
+        """Hands the recorder `record_of(...)`: with the id a client gives feedback on (`response_id`,
+        choice `index`), the served version's label and the latency since `start`."""
         if self.recorder is None:
             return
-        latency = None if start is None else round(time.monotonic() - start, 6)
-        extra = {"response_id": response_id or c.rid, "index": index,
-                 "model_version": self.label(c.weight_version), "latency_s": latency}
         try:
-            self.recorder({**record_of(endpoint, body, c, text), **extra})
+            self.recorder(record_of(endpoint, body, c, text, response_id, index, start, self.label(c.weight_version)))
         except Exception:
             logger.exception("recorder failed on %s", c.rid)
 
