@@ -285,6 +285,7 @@ def _texts(url: str, prompts: list[str]) -> tuple[str, list[str]]:
     return reply["id"], [c["text"] for c in reply["choices"]]
 
 
+@pytest.mark.slow
 def test_flywheel_end_to_end(tmp_path, s3):
     """Serve, send traffic with feedback, build, SFT -> DPO -> RL, gate, promote (the served version
     changes, and so do its answers to the corrected prompts), roll back; FLY on the S3 server."""
@@ -314,14 +315,15 @@ def test_flywheel_end_to_end(tmp_path, s3):
         assert cli.main(["sync", f"{fly}/data/train", f"{local}/data"]) == 0
         sft = _job("configs/tiny.py:smoke", f"{local}/sft", **{
             "init.hf_checkpoint": f"{local}/hf", "data.source": "jsonl", "data.path": f"{local}/data/sft.jsonl",
-            "train.num_steps": 30, "data.batch_size": 8, "data.seq_len": 16, "optimizer.warmup_steps": 0,
-            "checkpoint.every_steps": 30})
+            "train.num_steps": 20, "data.batch_size": 8, "data.seq_len": 16, "optimizer.warmup_steps": 0,
+            "checkpoint.every_steps": 20})
         dpo = _job("configs/dpo_tiny.py:smoke", f"{local}/dpo", **{
             "init.workdir": sft, "data.path": f"{local}/data/dpo.jsonl", "data.eval_path": "", "train.num_steps": 1,
             "checkpoint.every_steps": 1, "data.batch_size": 8, "data.seq_len": 16, "optimizer.learning_rate": 1e-5})
         rl = _job("configs/quickstart.py:smoke", f"{local}/rl", **{
             "init.workdir": dpo, "rl.task": f"{fly}/data/train/rl.jsonl", "rl.sft_steps": 0, "train.num_steps": 1,
-            "checkpoint.every_steps": 1, "rl.prompt_format": "raw", "optimizer.learning_rate": 1e-5})
+            "checkpoint.every_steps": 1, "rl.prompt_format": "raw", "optimizer.learning_rate": 1e-5,
+            "rl.eval_examples": 4})
         assert cli.main(["sync", rl, f"{fly}/runs/rl"]) == 0
         assert cli.main(["promote", f"--candidate={fly}/runs/rl", f"--server={url}", f"--fly={fly}",
                          f"--suite={fly}/data/heldout/rl.jsonl,add", "--margin=0.5", f"--models_dir={local}/models",
