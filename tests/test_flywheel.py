@@ -75,8 +75,13 @@ def test_capture_records_answers_and_feedback(captured):
     reply = httpx.post(url + "/v1/completions", json={"prompt": "12+3=", "max_tokens": 4, "n": 2}).json()
     chat = httpx.post(url + "/v1/chat/completions",
                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).json()
+    with httpx.stream("POST", url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "yo"}],
+                                                                  "max_tokens": 3, "stream": True}) as stream:
+        chunks = [line for line in stream.iter_lines() if line.startswith("data: {")]
+    streamed = json.loads(chunks[0][6:])["id"]
     records = list(log.read(cap.root, capture.TRAFFIC))
-    assert [(r["response_id"], r["index"]) for r in records] == [(reply["id"], 0), (reply["id"], 1), (chat["id"], 0)]
+    assert [(r["response_id"], r["index"]) for r in records] == [(reply["id"], 0), (reply["id"], 1), (chat["id"], 0),
+                                                                 (streamed, 0)]
     first = records[0]
     assert first["request"]["prompt"] == "12+3=" and first["prompt_ids"] == list(b"12+3=")
     assert first["text"] == reply["choices"][0]["text"] and len(first["output_ids"]) == 4

@@ -249,9 +249,10 @@ def _stream(app: Any, call: OpenAICall, partials: Iterator[tuple[int, Completion
     finally:
         partials.close()  # type: ignore[attr-defined]  # aborts unfinished requests
     done = [finals[i] for i in range(len(call.requests))]
+    response = _response(app, call, done, rid)  # records the answers (rlvr.flywheel.capture) before [DONE]
     if call.include_usage:
         yield _sse({"id": rid, "object": f"{call.kind}.chunk" if call.kind == "chat.completion" else call.kind,
                     "created": int(time.time()), "model": app.model_name, "choices": [],
                     "usage": _usage(done, call.sampling.n)})
     yield b"data: [DONE]\n\n"
-    return _response(app, call, done, rid)
+    return response
