@@ -70,5 +70,7 @@ setup(
         # moto's S3-compatible server is what the tests store to (tests/test_flywheel.py)
         "storage": ["s3fs>=2024.1"],
         "storage-test": ["s3fs>=2024.1", "moto[server]>=5"],
+        # optional Weights & Biases logging beside metrics.jsonl and TensorBoard (train.wandb=offline|online)
+        "wandb": ["wandb>=0.19"],
     },
 )
