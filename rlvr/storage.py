@@ -7,15 +7,20 @@ server other than AWS is reached the standard way: `AWS_ENDPOINT_URL` (and the u
 variables), read by botocore.
 
 Directories are copied with `upload_dir` / `download_dir`, so a job that needs a local directory (the
-engine loading an HF checkpoint, a trainer's workdir) can stage it.
+engine loading an HF checkpoint, a trainer's workdir) can stage it: `staged(remote)` is that local copy
+(`rlvr.main.run` runs a job whose --workdir is remote in one, and uploads it when the job ends), and
+`local_copy(remote)` a read-only one of an input (a starting workdir, a data file).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import posixpath
 import shutil
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -92,13 +97,15 @@ def listdir(path: str) -> list[str]:
 
 
 def upload_dir(local: str, dest: str) -> None:
-    """Copies the local directory tree `local` to `dest` (remote or local), file by file."""
+    """Copies the local directory tree `local` to `dest` (remote or local), file by file; files under
+    checkpoints/ last, so the metadata a reader needs is there before any checkpoint it describes."""
+    files = []
     for folder, _, names in os.walk(local):
         rel = os.path.relpath(folder, local)
-        for name in names:
-            target = join(dest, *([] if rel == "." else rel.split(os.sep)), name)
-            with open(os.path.join(folder, name), "rb") as f:
-                write_bytes(target, f.read())
+        files += [([] if rel == "." else rel.split(os.sep)) + [name] for name in names]
+    for parts in sorted(files, key=lambda parts: (parts[0] == "checkpoints", parts)):
+        with open(os.path.join(local, *parts), "rb") as f:
+            write_bytes(join(dest, *parts), f.read())
 
 
 def download_dir(src: str, local: str) -> str:
@@ -113,3 +120,40 @@ def download_dir(src: str, local: str) -> str:
         with open(target, "wb") as f:
             f.write(fs.cat_file(path))
     return local
+
+
+def cache_dir(remote: str) -> str:
+    """The local directory that stands for `remote` (stable across runs, so a rerun finds it)."""
+    key = hashlib.sha256(remote.rstrip("/").encode()).hexdigest()[:16]
+    base = os.environ.get("RLVR_STAGING_DIR") or os.path.join(tempfile.gettempdir(), "rlvr-staging")
+    return os.path.join(base, key)
+
+
+def local_copy(path: str) -> str:
+    """`path` itself when local; else a local copy of the remote file or directory (fetched once per run)."""
+    if not is_remote(path):
+        return path
+    fs, p = _fs(path)
+    local = os.path.join(cache_dir(path), posixpath.basename(p.rstrip("/")))
+    if fs.isdir(p):
+        shutil.rmtree(local, ignore_errors=True)
+        return download_dir(path, local)
+    os.makedirs(os.path.dirname(local), exist_ok=True)
+    write_bytes(local, fs.cat_file(p))
+    return local
+
+
+@contextlib.contextmanager
+def staged(remote: str) -> Iterator[str]:
+    """A local working copy of the directory `remote`: fetched when this machine has none yet (a job
+    resumed elsewhere starts from what was uploaded), uploaded back when the block ends, also on an
+    error. Files are uploaded one by one, checkpoints/ last, so a remote copy interrupted mid-upload
+    still holds its earlier checkpoints whole."""
+    local = cache_dir(remote)
+    if not os.path.isdir(local) and exists(remote):
+        download_dir(remote, local)
+    os.makedirs(local, exist_ok=True)
+    try:
+        yield local
+    finally:
+        upload_dir(local, remote)

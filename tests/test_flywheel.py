@@ -291,9 +291,11 @@ def _texts(url: str, prompts: list[str]) -> tuple[str, list[str]]:
 
 
 @pytest.mark.slow
-def test_flywheel_end_to_end(tmp_path, s3):
+def test_flywheel_end_to_end(tmp_path, s3, monkeypatch):
     """Serve, send traffic with feedback, build, SFT -> DPO -> RL, gate, promote (the served version
-    changes, and so do its answers to the corrected prompts), roll back; FLY on the S3 server."""
+    changes, and so do its answers to the corrected prompts), roll back; the flywheel's data, the jobs'
+    workdirs and the promotion records on the S3 server."""
+    monkeypatch.setenv("RLVR_STAGING_DIR", str(tmp_path / "staging"))
     from rlvr import storage
     from rlvr.flywheel import __main__ as cli
     from rlvr.rollout.driver import EngineDriver
@@ -317,20 +319,21 @@ def test_flywheel_end_to_end(tmp_path, s3):
         card = json.loads(storage.read_text(f"{fly}/data/data_card.json"))
         assert card["counts"]["train"]["rl"] == 4 and card["counts"]["heldout"]["rl"] == 2
         assert card["counts"]["train"]["sft"] == 4 and card["model_versions"] == {"0": 6}
-        assert cli.main(["sync", f"{fly}/data/train", f"{local}/data"]) == 0
-        sft = _job("configs/tiny.py:smoke", f"{local}/sft", **{
-            "init.hf_checkpoint": f"{local}/hf", "data.source": "jsonl", "data.path": f"{local}/data/sft.jsonl",
+        runs, data = f"{fly}/runs", f"{fly}/data/train"  # the jobs' workdirs and inputs on the S3 server
+        _job("configs/tiny.py:smoke", f"{runs}/sft", **{
+            "init.hf_checkpoint": f"{local}/hf", "data.source": "jsonl", "data.path": f"{data}/sft.jsonl",
             "train.num_steps": 20, "data.batch_size": 8, "data.seq_len": 16, "optimizer.warmup_steps": 0,
             "checkpoint.every_steps": 20})
-        dpo = _job("configs/dpo_tiny.py:smoke", f"{local}/dpo", **{
-            "init.workdir": sft, "data.path": f"{local}/data/dpo.jsonl", "data.eval_path": "", "train.num_steps": 1,
+        _job("configs/dpo_tiny.py:smoke", f"{runs}/dpo", **{
+            "init.workdir": f"{runs}/sft", "data.path": f"{data}/dpo.jsonl", "data.eval_path": "", "train.num_steps": 1,
             "checkpoint.every_steps": 1, "data.batch_size": 8, "data.seq_len": 16, "optimizer.learning_rate": 1e-5})
-        rl = _job("configs/quickstart.py:smoke", f"{local}/rl", **{
-            "init.workdir": dpo, "rl.task": f"{fly}/data/train/rl.jsonl", "rl.sft_steps": 0, "train.num_steps": 1,
+        _job("configs/quickstart.py:smoke", f"{runs}/rl", **{
+            "init.workdir": f"{runs}/dpo", "rl.task": f"{data}/rl.jsonl", "rl.sft_steps": 0, "train.num_steps": 1,
             "checkpoint.every_steps": 1, "rl.prompt_format": "raw", "optimizer.learning_rate": 1e-5,
             "rl.eval_examples": 4})
-        assert cli.main(["sync", rl, f"{fly}/runs/rl"]) == 0
-        assert cli.main(["promote", f"--candidate={fly}/runs/rl", f"--server={url}", f"--fly={fly}",
+        assert all(storage.listdir(f"{runs}/{job}/checkpoints") for job in ("sft", "dpo", "rl"))
+        assert json.loads(storage.read_text(f"{runs}/rl/summary.json"))
+        assert cli.main(["promote", f"--candidate={runs}/rl", f"--server={url}", f"--fly={fly}",
                          f"--suite={fly}/data/heldout/rl.jsonl,add", "--margin=0.5", f"--models_dir={local}/models",
                          "--eval_config=configs/eval_tasks.py:smoke", "--label=v1",
                          "--set", "rl.max_new_tokens=6", "--set", "rl.prompt_format=raw"]) == 0
