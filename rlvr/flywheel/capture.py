@@ -33,7 +33,7 @@ from rlvr.rollout.server_protocol import ApiError, expect_object, is_int, parse_
 TRAFFIC, FEEDBACK = "traffic", "feedback"
 _TRAFFIC_FIELDS = ("response_id", "index", "endpoint", "rid", "request", "prompt_ids", "output_ids",
                    "output_logprobs", "output_versions", "text", "model_version", "weight_version", "finish_reason",
-                   "cached_tokens", "latency_s")
+                   "cached_tokens", "latency_s", "session")
 _FEEDBACK_FIELDS = {"response_id", "id", "index", "rating", "preferred", "correction", "outcome", "source"}
 
 
