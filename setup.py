@@ -64,6 +64,9 @@ setup(
         "clients": ["openai>=1.40", "msgspec", "pybase64", "ipython", "aiohttp", "requests", "tqdm"],
         # the finance domain kit's PDF path (rlvr.domains.finance): a PDF writer and a table extractor
         "docs": ["reportlab>=4", "pdfplumber>=0.11"],
+        # the CAD domain kit (rlvr.domains.cad): mesh analysis and exact booleans for volumetric IoU; OpenSCAD
+        # itself is Debian's openscad package (Makefile: system-deps)
+        "cad": ["trimesh>=4.0", "manifold3d>=3.0"],
         # the run explorer's browser tests drive Debian's chromium + chromium-driver (Makefile: install-test)
         "browser": ["selenium>=4.20"],
         # object storage for the flywheel's data and runs (rlvr.storage): s3:// through s3fs (gs://: gcsfs);
