@@ -121,6 +121,9 @@ def base_config() -> ml_collections.ConfigDict:
         "micro_batches": 1,  # gradient accumulation: the batch is split into this many parts
         "eval_examples": 32,  # SFT: held-out records (data.eval_path) or arithmetic problems evaluated at the end
         "tensorboard": True,  # also write metrics as TensorBoard events (workdir/tensorboard)
+        # also log metrics to Weights & Biases: "" (off) | offline (workdir/wandb, no network; `wandb sync` later)
+        # | online; needs the wandb extra. The run id is derived from the workdir, so a resumed job continues it
+        "wandb": "", "wandb_project": "rlvr",
         # > 0: the SFT/RL losses compute token log-probs in chunks of this many positions (forward and
         # backward) instead of materialising [batch, seq_len, vocab] logits; 0 = full logits
         "logprob_chunk_size": 0,
@@ -455,6 +458,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
     if config.optimizer.warmup_steps < 0:
         raise ConfigError(f"optimizer.warmup_steps={config.optimizer.warmup_steps}: must be >= 0.")
     _one_of(config, "optimizer.schedule", ("cosine", "linear", "constant"))
+    _one_of(config, "train.wandb", ("", "offline", "online"))
     _one_of(config, "optimizer.name", ("adamw", "adafactor", "sgd"))
     _one_of(config, "data.source", ("arithmetic", "jsonl", "tfds"))
     _positive(config, "train.micro_batches")

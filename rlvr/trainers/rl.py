@@ -497,7 +497,7 @@ def run_steps(run: Run) -> int | None:
     """Held-out evaluation before RL, then each step (`one_step`) with evaluation and checkpoints
     on their schedules. Returns the step a preemption request stopped the run at (None when done)."""
     config, rl, num_steps = run.config, run.config.rl, run.config.train.num_steps
-    writer = observe.MetricsWriter(run.workdir, tensorboard=config.train.tensorboard)
+    writer = observe.MetricsWriter.for_config(run.workdir, config.train)
     failures_log = observe.open_log(os.path.join(run.workdir, "failures.jsonl"))
     progress = observe.Progress(num_steps, run.start)
     guard = PreemptionGuard().__enter__()
