@@ -30,9 +30,13 @@ def _levels(spec: str, family) -> list[int | None]:
 
 
 def eval_task_list(tasks, eval_config: ml_collections.ConfigDict) -> list:
-    """examples_per_level held-out tasks per (family, level)."""
+    """examples_per_level held-out tasks per (family, level); a task file's rows (TaskFileFamily: the
+    flywheel's held-out traffic) each once instead."""
     out = []
     for family in tasks.families.values():
+        if getattr(family, "evaluate_all", False):
+            out += family.split_tasks(HELD_OUT)
+            continue
         for level in _levels(eval_config.levels, family):
             out += [family.task(i, HELD_OUT, level) for i in range(eval_config.examples_per_level)]
     return out
