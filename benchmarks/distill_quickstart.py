@@ -1,20 +1,22 @@
 """On-policy distillation on the quickstart: an RL-trained teacher distilled into a fresh SFT student.
 
-    .venv/bin/python benchmarks/distill_quickstart.py [--seeds 0,1,2] [--out benchmarks/results/distill_quickstart.json]
+    .venv/bin/python benchmarks/distill_quickstart.py [--seeds 0,1,2] [--set optimizer.learning_rate=3e-3] \
+        [--root workdirs/issue22] [--out benchmarks/results/distill_quickstart.json]
 
-Per seed, in a temporary directory: (1) the quickstart (`configs/quickstart.py`: SFT warm start, then
-100 GRPO steps) trains the teacher; that run is also "RL alone from the student", since the student is
-the same seed's SFT warm start. (2) The same config with `rl.teacher` = the teacher's workdir and
-`rl.distill_task_advantage=False` trains a fresh student (the identical warm start) on the teacher's
-per-token reverse KL alone (rlvr.rl.distill). Held-out greedy accuracy is evaluated every 10 steps in
-both runs; the record holds both curves, the teacher's final accuracy, and for each run the first step
-at which it is within 5 points of the teacher's final accuracy (None: never within 100 steps).
+Per seed: (1) the quickstart (`configs/quickstart.py`: SFT warm start, then 100 GRPO steps) trains the
+teacher; that run is also "RL alone from the student", since the student is the same seed's SFT warm
+start. (2) The same config with `rl.teacher` = the teacher's workdir, `rl.distill_task_advantage=False`
+and the `--set` overrides trains a fresh student (the identical warm start) on the teacher's per-token
+reverse KL alone (rlvr.rl.distill). Held-out greedy accuracy is evaluated every 10 steps in both runs;
+the record holds both curves, the teacher's final accuracy, and for each run the first step at which it
+is within 5 points of the teacher's final accuracy (None: never within 100 steps). With `--root` the
+runs are kept and reused (the teacher is `quickstart_seeds.py --root DIR --set rl.eval_every=10`'s
+full run of the seed), else they live in a temporary directory.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -24,9 +26,7 @@ import tempfile
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import emit  # noqa: E402
-
-from rlvr import config_lib  # noqa: E402
-from rlvr.main import run  # noqa: E402
+from quickstart_seeds import _override, run_dir, run_seed  # noqa: E402
 
 EVAL_EVERY, WITHIN = 10, 0.05
 
@@ -35,15 +35,14 @@ def _first_within(evals, target: float):
     return next((step for step, acc, *_ in evals if acc >= target - WITHIN), None)
 
 
-def one_seed(seed: int) -> dict:
-    with tempfile.TemporaryDirectory(prefix=f"distill_s{seed}_") as root:
-        with contextlib.redirect_stdout(sys.stderr):
-            config = config_lib.load_config("configs/quickstart.py", {"seed": seed, "rl.eval_every": EVAL_EVERY})
-            teacher = run(config, os.path.join(root, "teacher"))
-            config = config_lib.load_config("configs/quickstart.py", {
-                "seed": seed, "rl.eval_every": EVAL_EVERY, "rl.teacher": os.path.join(root, "teacher"),
-                "rl.distill_task_advantage": False})
-            student = run(config, os.path.join(root, "student"))
+def one_seed(seed: int, root: str, student_overrides: dict, spec: str = "configs/quickstart.py") -> dict:
+    """The teacher (= RL alone from the student: the quickstart's own GRPO run) and the distilled
+    student of one seed, both kept under `root` (quickstart_seeds.py --root shares the teacher)."""
+    plain = {"rl.eval_every": EVAL_EVERY}
+    teacher = run_seed(seed, spec, plain, root)
+    distill = {**plain, "rl.teacher": run_dir(root, seed, plain), "rl.distill_task_advantage": False,
+               **student_overrides}
+    student = run_seed(seed, spec, distill, root)
     target = teacher["heldout_accuracy_after"]
     return {"seed": seed, "teacher_accuracy": target, "student_start_accuracy": student["heldout_accuracy_before"],
             "distilled_accuracy": student["heldout_accuracy_after"],
@@ -56,13 +55,25 @@ def one_seed(seed: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--config", default="configs/quickstart.py", help="path[:arg] (`:smoke` to try the script)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override of the distilled student's run (e.g. optimizer.learning_rate=3e-3)")
+    parser.add_argument("--root", default="", help="keep the runs under this directory (resumable; the teachers "
+                        "are quickstart_seeds.py --root DIR --set rl.eval_every=10's full runs); default: temporary")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
-    runs = [one_seed(int(s)) for s in args.seeds.split(",")]
+    overrides = dict(_override(item) for item in args.set)
+    with tempfile.TemporaryDirectory(prefix="distill_") as scratch:
+        runs = [one_seed(int(s), args.root or scratch, overrides, args.config) for s in args.seeds.split(",")]
+    rl_steps = [r["rl_steps_to_within_5_points"] for r in runs]
+    distill_steps = [r["distill_steps_to_within_5_points"] for r in runs]
     record = {"benchmark": "distill_quickstart", "date": datetime.date.today().isoformat(),
               "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs (shared)",
               "command": " ".join([".venv/bin/python benchmarks/distill_quickstart.py", *(argv or sys.argv[1:])]),
-              "config": "configs/quickstart.py", "runs": runs}
+              "config": args.config, "student_overrides": overrides, "runs": runs,
+              "distill_faster_seeds": sum(d is not None and (r is None or d < r)
+                                          for r, d in zip(rl_steps, distill_steps, strict=True)),
+              "distill_reached_seeds": sum(d is not None for d in distill_steps)}
     emit(record)
     if args.out:
         with open(args.out, "w") as f:
