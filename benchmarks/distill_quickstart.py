@@ -1,17 +1,18 @@
 """On-policy distillation on the quickstart: an RL-trained teacher distilled into a fresh SFT student.
 
     .venv/bin/python benchmarks/distill_quickstart.py [--seeds 0,1,2] [--set optimizer.learning_rate=3e-3] \
-        [--root workdirs/issue22] [--out benchmarks/results/distill_quickstart.json]
+        [--steps 20 --eval_every 2] [--root workdirs/issue22] [--out benchmarks/results/distill_quickstart.json]
 
-Per seed: (1) the quickstart (`configs/quickstart.py`: SFT warm start, then 100 GRPO steps) trains the
-teacher; that run is also "RL alone from the student", since the student is the same seed's SFT warm
-start. (2) The same config with `rl.teacher` = the teacher's workdir, `rl.distill_task_advantage=False`
-and the `--set` overrides trains a fresh student (the identical warm start) on the teacher's per-token
-reverse KL alone (rlvr.rl.distill). Held-out greedy accuracy is evaluated every 10 steps in both runs;
-the record holds both curves, the teacher's final accuracy, and for each run the first step at which it
-is within 5 points of the teacher's final accuracy (None: never within 100 steps). With `--root` the
-runs are kept and reused (the teacher is `quickstart_seeds.py --root DIR --set rl.eval_every=10`'s
-full run of the seed), else they live in a temporary directory.
+Per seed: (1) the quickstart (`configs/quickstart.py`: SFT warm start, then 100 GRPO steps, held-out
+greedy accuracy every 10 steps) trains the teacher; its final accuracy is the target. (2) RL alone from
+the student: the same run (the student is the same seed's SFT warm start), `--steps` steps with
+evaluation every `--eval_every` (the teacher's own first steps, deterministic, evaluated more often).
+(3) The same config with `rl.teacher` = the teacher's workdir, `rl.distill_task_advantage=False` and the
+`--set` overrides trains a fresh student (the identical warm start) on the teacher's per-token reverse
+KL alone (rlvr.rl.distill), also `--steps` steps, evaluated as often. The record holds the curves and,
+for (2) and (3), the first evaluated step within 5 points of the target (None: never in the steps run).
+With `--root` the runs are kept and reused (the teacher is `quickstart_seeds.py --root DIR --set
+rl.eval_every=10`'s full run of the seed), else they live in a temporary directory.
 """
 
 from __future__ import annotations
@@ -35,21 +36,25 @@ def _first_within(evals, target: float):
     return next((step for step, acc, *_ in evals if acc >= target - WITHIN), None)
 
 
-def one_seed(seed: int, root: str, student_overrides: dict, spec: str = "configs/quickstart.py") -> dict:
-    """The teacher (= RL alone from the student: the quickstart's own GRPO run) and the distilled
-    student of one seed, both kept under `root` (quickstart_seeds.py --root shares the teacher)."""
+def one_seed(seed: int, root: str, student_overrides: dict, spec: str = "configs/quickstart.py",
+             steps: int = 0, fine_eval: int = EVAL_EVERY) -> dict:
+    """One seed's teacher (the quickstart's own GRPO run, 100 steps), RL alone from the student and
+    the distilled student (both `steps` steps, 0 = the teacher's, evaluated every `fine_eval`), all
+    kept under `root` (quickstart_seeds.py --root shares the teacher)."""
     plain = {"rl.eval_every": EVAL_EVERY}
     teacher = run_seed(seed, spec, plain, root)
-    distill = {**plain, "rl.teacher": run_dir(root, seed, plain), "rl.distill_task_advantage": False,
+    target = teacher["heldout_accuracy_after"]
+    compare = {"rl.eval_every": fine_eval, **({"train.num_steps": steps} if steps else {})}
+    rl_alone = teacher if compare == plain else run_seed(seed, spec, compare, root)  # = the teacher's first steps
+    distill = {**compare, "rl.teacher": run_dir(root, seed, plain), "rl.distill_task_advantage": False,
                **student_overrides}
     student = run_seed(seed, spec, distill, root)
-    target = teacher["heldout_accuracy_after"]
     return {"seed": seed, "teacher_accuracy": target, "student_start_accuracy": student["heldout_accuracy_before"],
-            "distilled_accuracy": student["heldout_accuracy_after"],
-            "rl_steps_to_within_5_points": _first_within(teacher["evals"], target),
+            "distilled_accuracy": student["heldout_accuracy_after"], "steps_run": student["final_step"],
+            "rl_steps_to_within_5_points": _first_within(rl_alone["evals"], target),
             "distill_steps_to_within_5_points": _first_within(student["evals"], target),
-            "rl_curve": teacher["evals"], "distill_curve": student["evals"],
-            "wall_s": {"rl": teacher["wall_s"], "distill": student["wall_s"]}}
+            "rl_curve": rl_alone["evals"], "distill_curve": student["evals"], "teacher_curve": teacher["evals"],
+            "wall_s": {"teacher": teacher["wall_s"], "rl": rl_alone["wall_s"], "distill": student["wall_s"]}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,11 +65,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="a config override of the distilled student's run (e.g. optimizer.learning_rate=3e-3)")
     parser.add_argument("--root", default="", help="keep the runs under this directory (resumable; the teachers "
                         "are quickstart_seeds.py --root DIR --set rl.eval_every=10's full runs); default: temporary")
+    parser.add_argument("--steps", type=int, default=0, help="steps of the compared runs (RL alone from the "
+                        "student, distillation); 0 = the teacher's 100")
+    parser.add_argument("--eval_every", type=int, default=EVAL_EVERY, help="held-out evaluation interval of the "
+                        "compared runs (the teacher's stays 10)")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
     overrides = dict(_override(item) for item in args.set)
     with tempfile.TemporaryDirectory(prefix="distill_") as scratch:
-        runs = [one_seed(int(s), args.root or scratch, overrides, args.config) for s in args.seeds.split(",")]
+        runs = [one_seed(int(s), args.root or scratch, overrides, args.config, args.steps, args.eval_every) for s in args.seeds.split(",")]
     rl_steps = [r["rl_steps_to_within_5_points"] for r in runs]
     distill_steps = [r["distill_steps_to_within_5_points"] for r in runs]
     record = {"benchmark": "distill_quickstart", "date": datetime.date.today().isoformat(),

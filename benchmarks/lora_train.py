@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/lora_train.py [--repeats 7] [--out benchmarks/results/lora_train.json]
     .venv/bin/python benchmarks/lora_train.py --tunix_python=/path/to/.venv-tunix/bin/python [--rounds 2] \
         [--repeats 5] --out benchmarks/results/lora_vs_tunix.json   # beside Tunix's LoRA step, same window
+    .venv/bin/python benchmarks/lora_train.py --memory_only --out benchmarks/results/lora_memory.json
 
 Memory (nothing allocated: `rlvr.aot.analyze` compiles the SFT train step on one CPU device and reads
 XLA's memory analysis) for the fixed config (the `bench` preset, 4.46M params, batch 8 x 256) and a
@@ -184,6 +185,7 @@ def main() -> None:
     parser.add_argument("--tunix_python", default="", help="only the same-window comparison with Tunix's LoRA "
                         "step: the python of a venv with google-tunix (e.g. .venv-tunix/bin/python)")
     parser.add_argument("--rounds", type=int, default=2, help="with --tunix_python: ABBA pairs")
+    parser.add_argument("--memory_only", action="store_true", help="only the AOT memory figures (no timing)")
     args = parser.parse_args()
     if args.tunix_python:
         record = {"benchmark": "lora_vs_tunix", "date": datetime.date.today().isoformat(),
@@ -208,6 +210,14 @@ def main() -> None:
     record["memory_large"] = {"model": f"qwen3-style 12 layers d768 vocab 32768 ({large_params / 1e6:.0f}M params, "
                                        "fp32, remat full)", "batch": "8x1024",
                               **memory(LARGE, 8, 1024, "full")}
+    if args.memory_only:
+        record["benchmark"] = "lora_memory"
+        emit(record)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(record, f, indent=2, sort_keys=True)
+                f.write("\n")
+        return
     calib = calibrate_matmul_gflops()
     record["step_fixed"] = step_times(args.repeats, calib * 1e9)
     record["calib_matmul_gflops"] = round((calib + calibrate_matmul_gflops()) / 2, 1)
