@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
@@ -69,11 +68,7 @@ def main(argv: list[str] | None = None) -> int:
               "command": " ".join([".venv/bin/python benchmarks/distill_probe.py", *(argv or sys.argv[1:])]),
               "problems": args.problems, "teacher": probe(args.teacher, rows, tokenizer, mesh),
               "student": probe(args.student, rows, tokenizer, mesh)}
-    emit(record)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=2)
-            f.write("\n")
+    emit(record, args.out)
     return 0
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
@@ -73,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     overrides = dict(_override(item) for item in args.set)
     with tempfile.TemporaryDirectory(prefix="distill_") as scratch:
-        runs = [one_seed(int(s), args.root or scratch, overrides, args.config, args.steps, args.eval_every) for s in args.seeds.split(",")]
+        runs = [one_seed(int(s), args.root or scratch, overrides, args.config, args.steps, args.eval_every)
+                for s in args.seeds.split(",")]
     rl_steps = [r["rl_steps_to_within_5_points"] for r in runs]
     distill_steps = [r["distill_steps_to_within_5_points"] for r in runs]
     record = {"benchmark": "distill_quickstart", "date": datetime.date.today().isoformat(),
@@ -83,11 +83,7 @@ def main(argv: list[str] | None = None) -> int:
               "distill_faster_seeds": sum(d is not None and (r is None or d < r)
                                           for r, d in zip(rl_steps, distill_steps, strict=True)),
               "distill_reached_seeds": sum(d is not None for d in distill_steps)}
-    emit(record)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=2)
-            f.write("\n")
+    emit(record, args.out)
     return 0
 
 

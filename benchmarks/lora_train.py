@@ -17,8 +17,9 @@ beside Tunix's LoRA step (0.88 s, benchmarks/peers; another day's window: compar
 LoRA / full first) and the roofline of each step: its model FLOPs at the fp32 matmul peak measured in
 the same run. With `--tunix_python` (a venv with google-tunix), only that comparison, in one window: the
 peer script's LoRA step (`benchmarks/peers/bench_tunix.py --only sft_lora`, a fresh process, its median)
-and ours (with the full step beside it) alternately in ABBA order. A LoRA step's FLOPs: forward and input gradients of every matmul (4 per weight and token)
-plus the adapters' own 6, and attention; the frozen weights get no weight gradient.
+and ours (with the full step beside it) alternately in ABBA order. A LoRA step's FLOPs: forward and
+input gradients of every matmul (4 per weight and token) plus the adapters' own 6, and attention; the
+frozen weights get no weight gradient.
 """
 
 from __future__ import annotations
@@ -194,11 +195,7 @@ def main() -> None:
                   "workload": "SFT step, bench preset (4.46M params, fp32), 8 x 256 tokens, AdamW; LoRA rank 16, "
                               "alpha 32, all 7 projections (Tunix: qwix LoraProvider, same targets)",
                   **vs_tunix(args.tunix_python, args.rounds, args.repeats)}
-        emit(record)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(record, f, indent=2, sort_keys=True)
-                f.write("\n")
+        emit(record, args.out, sort_keys=True)
         return
     record = {"benchmark": "lora_train", "date": datetime.date.today().isoformat(),
               "machine": f"{platform.machine()}, {jax.device_count()} CPU device(s), shared 2-core VM",
@@ -212,20 +209,12 @@ def main() -> None:
                               **memory(LARGE, 8, 1024, "full")}
     if args.memory_only:
         record["benchmark"] = "lora_memory"
-        emit(record)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(record, f, indent=2, sort_keys=True)
-                f.write("\n")
+        emit(record, args.out, sort_keys=True)
         return
     calib = calibrate_matmul_gflops()
     record["step_fixed"] = step_times(args.repeats, calib * 1e9)
     record["calib_matmul_gflops"] = round((calib + calibrate_matmul_gflops()) / 2, 1)
-    emit(record)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=2, sort_keys=True)
-            f.write("\n")
+    emit(record, args.out, sort_keys=True)
 
 
 if __name__ == "__main__":

@@ -132,13 +132,11 @@ def main(argv: list[str] | None = None) -> int:
               "improvement_points_mean": round(sum(gains) / len(gains), 2), "improvement_points_min": min(gains)}
     if baseline:
         base_gains = [r["baseline_improvement_points"] for r in runs]
-        record.update(baseline_overrides=baseline, baseline_improvement_points_mean=round(sum(base_gains) / len(gains), 2),
+        record.update(baseline_overrides=baseline,
+                      baseline_improvement_points_mean=round(sum(base_gains) / len(gains), 2),
                       over_baseline_mean_gain=round(sum(gains) / sum(base_gains), 3))
-    emit(record)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(record, f, indent=2)
-        f.write("\n")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    emit(record, args.out)
     return 0
 
 

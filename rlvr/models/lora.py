@@ -9,8 +9,9 @@ module names), two more leaves:
 
 and `y = x·W + (dropout(x)·A)·B · alpha/rank`. B starts at zero, so a fresh adapter is the base model
 exactly. With `lora.quantize` (QLoRA) every projection kernel of the base is stored as an int8 `kernel`
-(int4: two per byte, a uint8 `kernel` with the last output dim halved) with a float32 `kernel_scale` [in/block, *out_shape] (blockwise absmax), dequantised in the
-forward pass; embeddings, norms and the output head stay in `model.param_dtype`.
+(int4: two per byte, a uint8 `kernel` with the last output dim halved) with a float32 `kernel_scale`
+[in/block, *out_shape] (blockwise absmax), dequantised in the forward pass; embeddings, norms and the
+output head stay in `model.param_dtype`.
 
 What trains is decided once, by leaf name (`is_trainable`): the adapters, and a value head. `split`
 cuts a tree into (trainable, frozen base): the train state holds only the first (so the optimizer has
