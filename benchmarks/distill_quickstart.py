@@ -56,6 +56,27 @@ def one_seed(seed: int, root: str, student_overrides: dict, spec: str = "configs
             "wall_s": {"teacher": teacher["wall_s"], "rl": rl_alone["wall_s"], "distill": student["wall_s"]}}
 
 
+def plot(runs: list[dict], path: str) -> None:
+    """One panel per seed: held-out accuracy of RL alone and of the distilled student by step, and the
+    target band (within 5 points of the teacher's final accuracy)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.4), squeeze=False)
+    for ax, r in zip(axes[0], runs, strict=True):
+        for key, label in (("rl_curve", "RL alone"), ("distill_curve", "distillation")):
+            ax.plot([e[0] for e in r[key]], [e[1] for e in r[key]], marker=".", label=label)
+        ax.axhspan(r["teacher_accuracy"] - WITHIN, r["teacher_accuracy"], color="grey", alpha=0.2,
+                   label="teacher - 5 points")
+        ax.set(title=f"seed {r['seed']}", xlabel="step", ylabel="held-out greedy accuracy", ylim=(0, 0.8))
+        ax.legend(loc="lower right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0,1,2")
@@ -69,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval_every", type=int, default=EVAL_EVERY, help="held-out evaluation interval of the "
                         "compared runs (the teacher's stays 10)")
     parser.add_argument("--out", default="")
+    parser.add_argument("--plot", default="", help="a PNG of the curves")
     args = parser.parse_args(argv)
     overrides = dict(_override(item) for item in args.set)
     with tempfile.TemporaryDirectory(prefix="distill_") as scratch:
@@ -84,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                                           for r, d in zip(rl_steps, distill_steps, strict=True)),
               "distill_reached_seeds": sum(d is not None for d in distill_steps)}
     emit(record, args.out)
+    if args.plot:
+        plot(runs, args.plot)
     return 0
 
 
