@@ -45,7 +45,7 @@ def one_seed(seed: int, root: str, student_overrides: dict, spec: str = "configs
     target = teacher["heldout_accuracy_after"]
     compare = {"rl.eval_every": fine_eval, **({"train.num_steps": steps} if steps else {})}
     rl_alone = teacher if compare == plain else run_seed(seed, spec, compare, root)  # = the teacher's first steps
-    distill = {**compare, "rl.teacher": run_dir(root, seed, plain), "rl.distill_task_advantage": False,
+    distill = {**compare, "rl.teacher": run_dir(root, seed, plain, spec), "rl.distill_task_advantage": False,
                **student_overrides}
     student = run_seed(seed, spec, distill, root)
     return {"seed": seed, "teacher_accuracy": target, "student_start_accuracy": student["heldout_accuracy_before"],

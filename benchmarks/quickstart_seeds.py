@@ -32,12 +32,14 @@ from rlvr import config_lib  # noqa: E402
 from rlvr.main import run  # noqa: E402
 
 
-def run_dir(root: str, seed: int, overrides: dict | None = None) -> str:
-    """The kept workdir of one seed's run under `root`: named by its overrides (`full` for none), so
-    a rerun resumes it (a finished run just returns its summary) and distill_quickstart.py finds the
-    full run as its teacher."""
+def run_dir(root: str, seed: int, overrides: dict | None = None, spec: str = "configs/quickstart.py") -> str:
+    """The kept workdir of one seed's run under `root`: named by its overrides (`full` for none) and
+    any other config than the quickstart's, so a rerun resumes it (a finished run just returns its
+    summary) and distill_quickstart.py finds the full run as its teacher."""
     name = "_".join(f"{k.rsplit('.', 1)[-1]}{os.path.basename(str(v))}" for k, v in sorted((overrides or {}).items()))
     name = name or "full"
+    if spec != "configs/quickstart.py":
+        name = os.path.basename(spec).replace(".py", "").replace(":", "_").replace(",", "_") + "_" + name
     return os.path.join(root, f"{name}_s{seed}")
 
 
@@ -45,30 +47,33 @@ def run_seed(seed: int, spec: str, overrides: dict | None, root: str = "", prefi
     """`rlvr.main.run` of `spec` with the seed and overrides, in a kept workdir under `root` (or a
     temporary one); its summary (a kept run that finished is read back, not rerun)."""
     config = config_lib.load_config(spec, {"seed": seed, **(overrides or {})})
-    done = os.path.join(run_dir(root, seed, overrides), "summary.json") if root else ""
+    done = os.path.join(run_dir(root, seed, overrides, spec), "summary.json") if root else ""
     if done and os.path.exists(done):
         with open(done) as f:
             return json.load(f)
     with contextlib.ExitStack() as stack:
-        workdir = run_dir(root, seed, overrides) if root else stack.enter_context(
+        workdir = run_dir(root, seed, overrides, spec) if root else stack.enter_context(
             tempfile.TemporaryDirectory(prefix=f"{prefix}_s{seed}_"))
-        _share_warm_start(root, seed, overrides, workdir)
+        _share_warm_start(root, seed, overrides, workdir, spec)
         t0 = time.perf_counter()
         with contextlib.redirect_stdout(sys.stderr):  # the run's prints; stdout is the JSON line
             summary = run(config, workdir)
         summary["wall_s"] = round(time.perf_counter() - t0, 1)
-        _share_warm_start(root, seed, overrides, workdir)
+        _share_warm_start(root, seed, overrides, workdir, spec)
     return summary
 
 
-def _share_warm_start(root: str, seed: int, overrides: dict | None, workdir: str) -> None:
+def _share_warm_start(root: str, seed: int, overrides: dict | None, workdir: str, spec: str) -> None:
     """One SFT warm start per seed under `root`: copied into a run's workdir before it starts, and
     from the first run that made it. The warm start depends on the seed and the rl.sft_* settings
     only (from a random init it trains every weight, a LoRA run's too), so runs whose overrides
     leave those alone share it bit for bit."""
     if not root or any(k.startswith(("rl.sft", "model.", "init.", "tokenizer.")) for k in overrides or {}):
         return
-    shared, own = os.path.join(root, f"sft_s{seed}"), os.path.join(workdir, "sft")
+    shared = os.path.join(os.path.dirname(run_dir(root, seed, None, spec)), f"sft_s{seed}")
+    if spec != "configs/quickstart.py":  # another config (or variant): its own warm start
+        shared = run_dir(root, seed, None, spec).replace("_full_s", "_sft_s")
+    own = os.path.join(workdir, "sft")
     source, target = (own, shared) if os.path.exists(os.path.join(own, "summary.json")) else (shared, own)
     if os.path.exists(os.path.join(source, "summary.json")) and not os.path.exists(target):
         shutil.copytree(source, target)
