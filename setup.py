@@ -44,6 +44,7 @@ setup(
         "tensorboardX>=2.6",  # TensorBoard event files without TensorFlow
         "httpx>=0.27",
         "matplotlib>=3.8",  # the RL quickstart's learning-curve PNG
+        "pillow>=10",  # images of the VLM (rlvr.data.images); matplotlib depends on it too
     ],
     extras_require={
         # The CPU wheel, pinned: an unpinned torch pulls a multi-GB CUDA build.
@@ -64,7 +65,16 @@ setup(
         "clients": ["openai>=1.40", "msgspec", "pybase64", "ipython", "aiohttp", "requests", "tqdm"],
         # the finance domain kit's PDF path (rlvr.domains.finance): a PDF writer and a table extractor
         "docs": ["reportlab>=4", "pdfplumber>=0.11"],
+        # the CAD domain kit (rlvr.domains.cad): mesh analysis and exact booleans for volumetric IoU; OpenSCAD
+        # itself is Debian's openscad package (Makefile: system-deps)
+        "cad": ["trimesh>=4.0", "manifold3d>=3.0"],
         # the run explorer's browser tests drive Debian's chromium + chromium-driver (Makefile: install-test)
         "browser": ["selenium>=4.20"],
+        # object storage for the flywheel's data and runs (rlvr.storage): s3:// through s3fs (gs://: gcsfs);
+        # moto's S3-compatible server is what the tests store to (tests/test_flywheel.py)
+        "storage": ["s3fs>=2024.1"],
+        "storage-test": ["s3fs>=2024.1", "moto[server]>=5"],
+        # optional Weights & Biases logging beside metrics.jsonl and TensorBoard (train.wandb=offline|online)
+        "wandb": ["wandb>=0.19"],
     },
 )

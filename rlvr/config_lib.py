@@ -23,7 +23,8 @@ class ConfigError(ValueError):
     """A bad config value; the message names the field and how to fix it."""
 
 
-_FIELD_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+_FIELD_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "tuple[int, ...]": tuple,
+                "VisionConfig | None": object}  # model.vision: a VLM's encoder, a mapping of VisionConfig fields
 
 
 def model_config_dict(preset: str = "", **overrides) -> ml_collections.ConfigDict:
@@ -99,6 +100,8 @@ def base_config() -> ml_collections.ConfigDict:
         "batch_size": 8,  # sequences (SFT) or pairs (preference) per step
         "seq_len": 128,  # tokens per training row (SFT, preference pairs)
         "pack": True,  # SFT: several examples per row with segment ids
+        "image_patches": 0,  # records with image parts (a VLM): patches per row; 0 = the batch's most (recompiles)
+        "image_max_pixels": 28 * 28 * 1280,  # records with image parts: largest image area before patching
         "max_operand": 99,  # data.source="arithmetic": the largest operand
     })
     c.optimizer = ml_collections.ConfigDict({
@@ -118,6 +121,9 @@ def base_config() -> ml_collections.ConfigDict:
         "micro_batches": 1,  # gradient accumulation: the batch is split into this many parts
         "eval_examples": 32,  # SFT: held-out records (data.eval_path) or arithmetic problems evaluated at the end
         "tensorboard": True,  # also write metrics as TensorBoard events (workdir/tensorboard)
+        # also log metrics to Weights & Biases: "" (off) | offline (workdir/wandb, no network; `wandb sync` later)
+        # | online; needs the wandb extra. The run id is derived from the workdir, so a resumed job continues it
+        "wandb": "", "wandb_project": "rlvr",
         # > 0: the SFT/RL losses compute token log-probs in chunks of this many positions (forward and
         # backward) instead of materialising [batch, seq_len, vocab] logits; 0 = full logits
         "logprob_chunk_size": 0,
@@ -456,6 +462,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
     if config.optimizer.warmup_steps < 0:
         raise ConfigError(f"optimizer.warmup_steps={config.optimizer.warmup_steps}: must be >= 0.")
     _one_of(config, "optimizer.schedule", ("cosine", "linear", "constant"))
+    _one_of(config, "train.wandb", ("", "offline", "online"))
     _one_of(config, "optimizer.name", ("adamw", "adafactor", "sgd"))
     _one_of(config, "data.source", ("arithmetic", "jsonl", "tfds"))
     _positive(config, "train.micro_batches")

@@ -32,8 +32,24 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and logs.")
 
 
+REMOTE_INPUTS = ("init.workdir", "init.hf_checkpoint", "data.path", "data.eval_path")
+
+
 def run(config: ml_collections.ConfigDict, workdir: str):
-    """Validates and resolves `config` (rlvr.start), records it, and runs its job. Returns the job's summary."""
+    """Validates and resolves `config` (rlvr.start), records it, and runs its job. Returns the job's summary.
+
+    Object storage (rlvr.storage): a remote `workdir` (s3://, gs://) is run in a local working copy and
+    uploaded when the job ends; remote inputs (REMOTE_INPUTS) are read from local copies."""
+    from rlvr import storage
+
+    for key in REMOTE_INPUTS:
+        section, name = key.split(".")
+        value = config[section][name]
+        if value and storage.is_remote(value):
+            config[section][name] = storage.local_copy(value)
+    if storage.is_remote(workdir):
+        with storage.staged(workdir) as local:
+            return run(config, local)
     config_lib.validate(config, jax.device_count(), TRAINERS)
     config = start.resolve(config)
     start.write_workdir(config, workdir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -62,31 +63,60 @@ class MetricsWriter:
     multi-host job only process 0 writes (the others' records go nowhere), so the shared
     workdir holds each step once."""
 
-    def __init__(self, workdir: str, filename: str = "metrics.jsonl", tensorboard: bool = True):
+    def __init__(self, workdir: str, filename: str = "metrics.jsonl", tensorboard: bool = True, wandb: str = "",
+                 wandb_project: str = "rlvr"):
         import jax
 
         os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(workdir, filename)
         self._file = open_log(self.path)
-        self._tb = None
+        self._tb = self._wandb = None
         if tensorboard and jax.process_index() == 0:
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        if wandb and jax.process_index() == 0:
+            self._wandb = wandb_run(workdir, wandb, wandb_project)
+
+    @classmethod
+    def for_config(cls, workdir: str, train) -> MetricsWriter:
+        """The writer a job's `train.*` settings ask for (tensorboard, wandb)."""
+        return cls(workdir, tensorboard=train.tensorboard, wandb=train.wandb, wandb_project=train.wandb_project)
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         values = {k: _to_python(v) for k, v in metrics.items()}
         self._file.write(json.dumps({"step": int(step), **values}) + "\n")
         self._file.flush()
+        scalars = {name: value for name, value in values.items() if isinstance(value, float)}
         if self._tb is not None:
-            for name, value in values.items():
-                if isinstance(value, float):
-                    self._tb.add_scalar(name, value, int(step))
+            for name, value in scalars.items():
+                self._tb.add_scalar(name, value, int(step))
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=int(step))
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def wandb_run(workdir: str, mode: str, project: str) -> Any:
+    """A W&B run logging under workdir/wandb (`mode` offline: no network), its id derived from the workdir
+    so a resumed job continues the same run; the resolved config.json as its config when present."""
+    try:
+        import wandb
+    except ImportError:
+        raise ImportError("train.wandb is set but wandb is not installed: pip install -e '.[wandb]'") from None
+    path = os.path.join(workdir, "config.json")
+    config = None
+    if os.path.exists(path):
+        with open(path) as f:
+            config = json.load(f)
+    run_id = hashlib.sha256(os.path.abspath(workdir).encode()).hexdigest()[:16]
+    return wandb.init(project=project, dir=workdir, mode=mode, id=run_id, name=os.path.basename(workdir.rstrip("/")),
+                      config=config, resume="allow")
 
 
 def read_metrics(workdir: str, filename: str = "metrics.jsonl") -> list[dict[str, Any]]:

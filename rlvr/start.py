@@ -32,7 +32,7 @@ import ml_collections
 
 from rlvr.config_lib import ConfigError
 from rlvr.data.chat import check_tool_calls
-from rlvr.models.config import RUNTIME_FIELDS, LoraConfig, ModelConfig
+from rlvr.models.config import RUNTIME_FIELDS, LoraConfig, ModelConfig, VisionConfig
 from rlvr.models.tokenizer import (
     BUILTIN_TEMPLATES,
     TOKENIZER_FILES,
@@ -156,6 +156,8 @@ def _architecture(config: ml_collections.ConfigDict) -> ModelConfig:
             return ModelConfig.from_mapping(config.model)
         stored = checkpoint_model(src)
         explicit = _explicit(config.model)
+        if "vision" in explicit:
+            explicit["vision"] = VisionConfig.of(explicit["vision"])
         wrong = {k: (v, getattr(stored, k)) for k, v in explicit.items()
                  if k not in (*RUNTIME_FIELDS, "value_head") and v != getattr(stored, k)}
         if wrong:

@@ -63,3 +63,36 @@ def write_random_hf(directory: str, family: str = "qwen3", vocab_size: int = 102
     with open(os.path.join(directory, "config.json")) as f:
         assert json.load(f)["model_type"] == family
     return directory
+
+
+def write_random_vlm(directory: str, bpe_vocab: int = 0, seed: int = 0) -> str:
+    """A random-init Qwen2.5-VL model (tiny: 2 decoder and 2 ViT layers, one windowed and one full)
+    saved by transformers (float32) with a tokenizer (BPE of `bpe_vocab` ids, 0: byte-level) whose
+    image tokens (<|vision_start|>, <|vision_end|>, <|image_pad|>) are special tokens at the ids the
+    model's config names."""
+    import torch
+    import transformers
+    from tokenizers import AddedToken
+
+    from rlvr.models.tokenizer import CHATML_TEMPLATE, byte_level_tokenizer
+
+    tok = bpe(bpe_vocab).tok if bpe_vocab else byte_level_tokenizer().tok
+    names = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+    tok.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in names])
+    start, end, image, video = (tok.token_to_id(n) for n in names)
+    vocab_size = -(-tok.get_vocab_size() // 8) * 8
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]},
+                         rms_norm_eps=1e-6, eos_token_id=tok.token_to_id("<|im_end|>"),
+                         pad_token_id=tok.token_to_id("<|endoftext|>"), bos_token_id=None),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           window_size=56, fullatt_block_indexes=[1]),
+        image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end)
+    torch.manual_seed(seed)
+    transformers.Qwen2_5_VLForConditionalGeneration(config).save_pretrained(directory)
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        chat_template=CHATML_TEMPLATE).save_pretrained(directory)
+    return directory

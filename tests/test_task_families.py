@@ -31,7 +31,8 @@ NO_REFERENCE: dict[str, str] = {}
 # Families that generate slowly (> ~100 ms a task at some level): one task per level instead of three.
 SLOW = {f"rg/{name}" for name in ("zebra_puzzles", "polynomial_multiplication", "futoshiki", "game_of_life", "bf",
                                   "n_queens", "knight_swap", "acre", "arc_agi", "puzzle24", "rush_hour", "sokoban",
-                                  "word_ladder", "countdown", "intermediate_integration", "jugs", "rubiks_cube")}
+                                  "word_ladder", "countdown", "intermediate_integration", "jugs", "rubiks_cube")} | {
+    "cad_openscad", "cad_openscad_tools"}  # each score runs OpenSCAD in a fresh gVisor sandbox
 JUNK = ("", "zzz", "<answer>zzz</answer>")
 
 

@@ -13,6 +13,8 @@ Environments (`ENVIRONMENTS`):
   tool_state    ToolStateEnv   bank / file-store goals that need queries, judged by the final state
   finance_docs  FinanceDocsEnv a generated filing behind search / PDF-table / calculator tools
                                (the finance domain kit, rlvr.domains.finance)
+  cad           CadEnv         OpenSCAD in the sandbox, renders and silhouette comparison with a target
+                               (the CAD domain kit, rlvr.domains.cad)
 
 Their task families (rlvr.envs.families, registered in rlvr.tasks.registry): tool_calc,
 tool_calc_compact, code_repair, code_repair_humaneval, tool_state.
@@ -27,6 +29,8 @@ tool_calc_compact, code_repair, code_repair_humaneval, tool_state.
   sandbox_workers            N > 0: stateless runs go to a process-wide warm pool of N sandboxes
   pool                       an explicit rlvr.sandbox Executor for stateless runs (overrides the above)
   sandbox_trace              the sandbox's own JSONL trace path (default: none; the episode trace has it all)
+  artifact_dir               where environments that save files (images: cad) write them (the RL trainer
+                             passes WORKDIR/episode_images); ignored by the others
   env-specific: compact, python, require_tool (tool_calc); python_tool, snapshot_dir (code_repair)
 
 Modules: base (protocol, Trajectory), tools (Tool, @tool, parse_turn), calculator, tool_env (ToolEnv: the
@@ -54,7 +58,8 @@ ENVIRONMENTS: dict[str, type[ToolEnv]] = {
 }
 # the domain kits' environments (rlvr.domains), imported when first used: a kit builds on rlvr.envs, so
 # importing it here would be circular
-DOMAIN_ENVIRONMENTS = {"finance_docs": ("rlvr.domains.finance.env", "FinanceDocsEnv")}
+DOMAIN_ENVIRONMENTS = {"finance_docs": ("rlvr.domains.finance.env", "FinanceDocsEnv"),
+                       "cad": ("rlvr.domains.cad.env", "CadEnv")}
 _SANDBOXED = (ToolUseEnv, CodeRepairEnv)
 
 
@@ -70,7 +75,8 @@ def environment_class(name: str) -> type[ToolEnv]:
 
 def make_env(task: Any, *, max_turns: int | None = None, time_budget_s: float | None = None, weights: Any = None,
              shaping: Shaping | None = None, backend: str | None = None, limits: Any = None, sandbox_workers: int = 0,
-             pool: Any = None, sandbox_trace: str | bool | None = False, **env_options: Any) -> Environment:
+             pool: Any = None, sandbox_trace: str | bool | None = False, artifact_dir: str | None = None,
+             **env_options: Any) -> Environment:
     """The environment of `task` (see the module doc for the options)."""
     name = task.metadata.get("env") if isinstance(task.metadata, Mapping) else None
     if name not in ENVIRONMENTS and name not in DOMAIN_ENVIRONMENTS:
@@ -87,6 +93,8 @@ def make_env(task: Any, *, max_turns: int | None = None, time_budget_s: float | 
 
             limits = Limits(**dict(limits))
         options["sandbox"] = SandboxOptions(backend, limits, sandbox_workers, pool, sandbox_trace)
+    if artifact_dir and getattr(cls, "saves_artifacts", False):
+        options["artifact_dir"] = artifact_dir
     return cls(task, **options)
 
 

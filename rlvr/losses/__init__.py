@@ -19,15 +19,16 @@ def next_token_logprobs(logits: jax.Array, tokens: jax.Array, sampling: Sampling
 
 def model_token_logprobs(cfg, params, tokens: jax.Array, positions=None, segment_ids=None, *, chunk_size: int,
                          entropy: bool = False, values: bool = False, sampling: Sampling = RAW_POLICY,
-                         rng=None):
+                         rng=None, images=None):
     """`next_token_logprobs(forward(...)[0], tokens, sampling)` without the [B, T, V] logits: the
     model's final hidden states go through `rlvr.kernels.chunked_logprob.token_logprobs` in chunks
     of `chunk_size` positions (forward and backward). Returns (logp [B, T-1], entropy [B, T-1] of
     each predicting position's distribution or None, value-head predictions [B, T] or None).
-    `rng`: training randomness (adapter dropout; rlvr.models.transformer.forward)."""
+    `rng`: training randomness (adapter dropout; rlvr.models.transformer.forward); `images`: a VLM's
+    batch images (rlvr.models.vision.ImageInputs)."""
     from rlvr.kernels.chunked_logprob import token_logprobs
 
-    x, predicted = _hidden_and_values(cfg, params, tokens, positions, segment_ids, values, rng)
+    x, predicted = _hidden_and_values(cfg, params, tokens, positions, segment_ids, values, rng, images)
     tied = cfg.tie_word_embeddings  # the projection as `Transformer.logits` applies it (same dtype casts)
     weight = params["embed_tokens"].astype(x.dtype) if tied else params["lm_head"]["kernel"].astype(cfg.dtype)
     out = token_logprobs(x[:, :-1], weight, tokens[:, 1:], chunk_size=chunk_size, return_entropy=entropy,
@@ -41,19 +42,24 @@ def model_values(cfg, params, tokens: jax.Array, positions=None, segment_ids=Non
     return _hidden_and_values(cfg, params, tokens, positions, segment_ids, True)[1]
 
 
-def _hidden_and_values(cfg, params, tokens, positions, segment_ids, values: bool, rng=None):
+def _hidden_and_values(cfg, params, tokens, positions, segment_ids, values: bool, rng=None, images=None):
     """(final-norm hidden states [B, T, E], value-head predictions [B, T] or None)."""
     from rlvr.models.transformer import Transformer, dropout_rngs
+    from rlvr.models.vision import VisionLanguageModel
 
     if values and not cfg.value_head:
         raise ValueError("model.value_head is False; set it to True to use value predictions.")
 
-    def apply(model, tokens, positions, segment_ids):
-        x, _ = model.hidden_states(tokens, positions, segment_ids)
+    def apply(model, tokens, positions, segment_ids, images):
+        if images is None:
+            x, _ = model.hidden_states(tokens, positions, segment_ids)
+        else:
+            x, _ = model.image_hidden_states(tokens, positions, segment_ids, images)
         return x, (model.value_proj(x.astype(jnp.float32))[..., 0] if values else None)
 
-    return Transformer(cfg).apply({"params": params}, tokens, positions, segment_ids, method=apply,
-                                  rngs=dropout_rngs(cfg, rng))
+    model = Transformer(cfg) if images is None else VisionLanguageModel(cfg)
+    return model.apply({"params": params}, tokens, positions, segment_ids, images, method=apply,
+                       rngs=dropout_rngs(cfg, rng))
 
 
 def target_mask(loss_mask: jax.Array, segment_ids: jax.Array) -> jax.Array:

@@ -101,6 +101,73 @@ _LORA_FIELDS = ("rank", "alpha", "dropout", "quantize", "quant_block")
 
 
 @dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """The vision encoder of a Qwen2.5-VL-style model (rlvr.models.vision): a ViT over 14x14 patches
+    (2 frames deep: an image is its own second frame) with 2-D RoPE, windowed attention except in
+    `full_attention_layers`, and a merger that maps each 2x2 block of patches to one decoder token.
+    Field names follow the HF `vision_config`; the token ids are the VLM's placeholders. It computes
+    in the decoder's `dtype` / `param_dtype`."""
+
+    @classmethod
+    def of(cls, value: Any) -> VisionConfig | None:
+        """From a VisionConfig, a mapping of its fields (a config file's `model.vision`), or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        return cls(**{k: v for k, v in dict(value.items()).items() if v is not None})
+
+    hidden_size: int = 1280
+    intermediate_size: int = 3420
+    num_layers: int = 32  # HF `depth`
+    num_heads: int = 16
+    out_hidden_size: int = 3584  # the decoder's hidden size
+    in_channels: int = 3
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    window_size: int = 112  # pixels per side of an attention window
+    full_attention_layers: tuple[int, ...] = (7, 15, 23, 31)  # HF `fullatt_block_indexes`
+    rope_theta: float = 10_000.0
+    rms_norm_eps: float = 1e-6
+    image_token_id: int = 151655  # <|image_pad|>: one per merged patch
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+
+    def __post_init__(self):
+        object.__setattr__(self, "full_attention_layers", tuple(self.full_attention_layers))
+        def check(ok: bool, field: str, message: str) -> None:
+            if not ok:
+                raise ValueError(f"vision.{field}: {message}")
+        check(self.hidden_size % self.num_heads == 0, "num_heads",
+              f"must divide hidden_size={self.hidden_size}, got {self.num_heads}.")
+        check(self.head_dim % 4 == 0, "num_heads", f"2-D RoPE needs head_dim % 4 == 0, got {self.head_dim}.")
+        check(self.window_size >= self.patch_size * self.spatial_merge_size, "window_size",
+              f"must be at least patch_size * spatial_merge_size = {self.patch_size * self.spatial_merge_size}.")
+        bad = [i for i in self.full_attention_layers if not 0 <= i < self.num_layers]
+        check(not bad, "full_attention_layers", f"{bad} are not layer indices below num_layers={self.num_layers}.")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per flattened patch: channels x frames x patch x patch (the processor's row width)."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches merged into one decoder token."""
+        return self.spatial_merge_size ** 2
+
+    def dim_sizes(self) -> dict[str, int]:
+        """Sizes of the named dims of the HF parameter table (rlvr.models.vision.VISION_TABLE)."""
+        return {"embed": self.hidden_size, "mlp": self.intermediate_size, "heads": self.num_heads,
+                "head_dim": self.head_dim, "qkv": 3, "channels": self.in_channels,
+                "frames": self.temporal_patch_size, "patch": self.patch_size,
+                "merged": self.hidden_size * self.merge_unit, "out": self.out_hidden_size}
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Decoder architecture. Field names follow the config file's `model.*` keys."""
 
@@ -126,6 +193,11 @@ class ModelConfig:
     mlp_bias: bool = False  # biases on the MLP projections
     qk_norm: bool = True  # RMSNorm on queries and keys per head (Qwen3)
     sliding_window: int = 0  # 0 = full attention; Mistral-style local attention otherwise
+    # M-RoPE (Qwen2-VL / Qwen2.5-VL decoders): how many of the head_dim/2 rotary frequencies read the
+    # temporal, height and width position ids (sums to head_dim/2); () = ordinary 1-D RoPE
+    mrope_section: tuple[int, ...] = ()
+    # a vision encoder (a VLM, rlvr.models.vision): its `VisionConfig` fields, None for a text model
+    vision: VisionConfig | None = None
     value_head: bool = False  # a scalar value head on the backbone (reward models, PPO's critic)
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"  # parameter (master weight) dtype
@@ -139,6 +211,7 @@ class ModelConfig:
     lora: LoraConfig = LoraConfig()
 
     def __post_init__(self):
+        object.__setattr__(self, "vision", VisionConfig.of(self.vision))
         validate_model_config(self)
 
     @classmethod
@@ -152,11 +225,13 @@ class ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)} - {"lora"}
         merged = dict(PRESETS.get(preset, {}))
         merged.update({k: v for k, v in values.items() if k in names and v is not None})
+        merged["mrope_section"] = tuple(merged.get("mrope_section") or ())
         return cls(**merged)
 
     def to_dict(self) -> dict[str, Any]:
-        """The `model.*` fields (the adapters are the `lora.*` section's)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "lora"}
+        """The `model.*` fields (the adapters are the `lora.*` section's); `vision` as a dict or None."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("lora", "vision")}
+        return out | {"vision": dataclasses.asdict(self.vision) if self.vision is not None else None}
 
     def num_params(self) -> int:
         """Parameter count (excluding the value head), by formula."""
@@ -192,6 +267,9 @@ def validate_model_config(cfg: ModelConfig) -> None:
            f"{cfg.rope_scaling_type!r} is not one of {ROPE_SCALING_TYPES}.")
     _check(cfg.rope_scaling_factor > 0, "rope_scaling_factor", "must be positive.")
     _check(cfg.sliding_window >= 0, "sliding_window", "must be 0 (off) or a positive window.")
+    _check(not cfg.mrope_section or (len(cfg.mrope_section) == 3 and sum(cfg.mrope_section) == cfg.head_dim // 2),
+           "mrope_section", f"{cfg.mrope_section} must be 3 sizes (temporal, height, width) summing to "
+           f"head_dim/2={cfg.head_dim // 2}, or empty for 1-D RoPE.")
     _check(cfg.dtype in DTYPES, "dtype", f"{cfg.dtype!r} is not one of {DTYPES}.")
     _check(cfg.param_dtype in DTYPES, "param_dtype", f"{cfg.param_dtype!r} is not one of {DTYPES}.")
     _check(cfg.remat_policy in REMAT_POLICIES, "remat_policy",

@@ -37,7 +37,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from rlvr import sharding
-from rlvr.models.config import ModelConfig
+from rlvr.models.config import ModelConfig, VisionConfig
 from rlvr.models.params import abstract_params, param_shardings
 from rlvr.models.tokenizer import TOKENIZER_FILES, Tokenizer, write_chat_template
 
@@ -117,8 +117,10 @@ PARAM_TABLE: tuple[HFParam, ...] = (
 )
 
 
-def dim_sizes(cfg: ModelConfig) -> dict[str, int]:
-    """Sizes of the named dims used in `HFParam.hf_dims`."""
+def dim_sizes(cfg: ModelConfig | VisionConfig) -> dict[str, int]:
+    """Sizes of the named dims used in `HFParam.hf_dims` (a VLM's vision table: `VisionConfig.dim_sizes`)."""
+    if isinstance(cfg, VisionConfig):
+        return cfg.dim_sizes()
     return {"vocab": cfg.vocab_size, "embed": cfg.hidden_size, "mlp": cfg.intermediate_size,
             "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim}
 
@@ -175,6 +177,10 @@ def iter_hf_tensors(cfg: ModelConfig, params: Params) -> Iterator[tuple[str, np.
 
 def to_hf_tensors(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
     """All parameters as `{hf_name: numpy array}` in HF layout (value head excluded)."""
+    if cfg.vision is not None:
+        from rlvr.models import vlm_hf
+
+        return vlm_hf.to_hf_tensors(cfg, params)
     return dict(iter_hf_tensors(cfg, params))
 
 
@@ -241,8 +247,12 @@ def _sliding_from_hf(hf: Mapping[str, Any], model_type: str) -> int:
 
 
 def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
-    """A `ModelConfig` from a HF `config.json` dict (llama / qwen2 / qwen3 / mistral)."""
+    """A `ModelConfig` from a HF `config.json` dict (llama / qwen2 / qwen3 / mistral; qwen2_5_vl: a VLM)."""
     model_type = hf.get("model_type")
+    if model_type == "qwen2_5_vl":
+        from rlvr.models import vlm_hf
+
+        return vlm_hf.config_from_hf(hf, **overrides)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"config.json model_type={model_type!r} is not supported; supported model types "
                          f"are {SUPPORTED_MODEL_TYPES}.")
@@ -293,6 +303,10 @@ def _check_exportable(cfg: ModelConfig) -> None:
 
 def config_to_hf(cfg: ModelConfig, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A `config.json` dict that transformers 5.x (and 4.x / SGLang) loads."""
+    if cfg.vision is not None:
+        from rlvr.models import vlm_hf
+
+        return vlm_hf.config_to_hf(cfg) | dict(extra or {})
     _check_exportable(cfg)
     out: dict[str, Any] = {
         "architectures": [ARCHITECTURES[cfg.family]], "model_type": cfg.family,
@@ -321,7 +335,7 @@ def config_to_hf(cfg: ModelConfig, extra: Mapping[str, Any] | None = None) -> di
 # --- loading -----------------------------------------------------------------------------
 
 
-def _weight_files(path: str) -> dict[str, str]:
+def weight_files(path: str) -> dict[str, str]:
     """{tensor name: file} for a single-file or sharded (index json) checkpoint."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -420,18 +434,28 @@ def load_hf_checkpoint(
         raise ValueError("model.value_head: HF checkpoints have no value head; load without it and add one.")
     if mesh is None:
         mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
-    files = _weight_files(path)
+    if cfg.vision is not None:
+        from rlvr.models import vlm_hf
+
+        return cfg, vlm_hf.load_vlm_params(cfg, path, mesh, rules)
+    files = weight_files(path)
     _check_names(cfg, files.keys())
-    shapes, shardings = abstract_params(cfg), param_shardings(cfg, mesh, rules)
+    return cfg, load_table(cfg, table_for(cfg), files, abstract_params(cfg), param_shardings(cfg, mesh, rules))
+
+
+def load_table(cfg: ModelConfig | VisionConfig, table: list[HFParam], files: Mapping[str, str], shapes: Params,
+               shardings: Params) -> Params:
+    """The params of `table`'s rows read from `files` ({HF name: safetensors file}), each device
+    shard read straight into place; `shapes` / `shardings` are the abstract params and their shardings."""
     params: Params = {}
     with contextlib.ExitStack() as stack:
         reader = _Reader(files, stack)
-        for entry in table_for(cfg):
+        for entry in table:
             abstract = get_path(shapes, entry.path)
             value = _load_param(entry, cfg, reader, abstract.shape, get_path(shardings, entry.path),
                                 np.dtype(abstract.dtype))
             _set_path(params, entry.path, value)
-    return cfg, params
+    return params
 
 
 # --- export ------------------------------------------------------------------------------

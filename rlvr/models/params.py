@@ -18,7 +18,12 @@ Params = dict[str, Any]
 
 
 def init_boxed(cfg: ModelConfig, rng: jax.Array):
-    """The model's params with their logical-axis boxes (flax `Partitioned`)."""
+    """The model's params with their logical-axis boxes (flax `Partitioned`); a VLM's (`cfg.vision`)
+    include its encoder's under `visual`."""
+    if cfg.vision is not None:
+        from rlvr.models.vision import init_vlm_boxed
+
+        return init_vlm_boxed(cfg, rng)
     tokens = jnp.zeros((1, 1), jnp.int32)
     return Transformer(cfg).init(rng, tokens)["params"]
 

@@ -189,8 +189,14 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
 
 
 def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos/sin of shape [batch, length, head_dim] in HF's rotate-half layout."""
+    """cos/sin of shape [batch, length, head_dim] in HF's rotate-half layout. `positions` is
+    [batch, length], or [batch, length, 3] (temporal, height, width) for M-RoPE (`cfg.mrope_section`:
+    the first section of frequencies turns with the temporal id, the next with height, the last with
+    width; text tokens have three equal ids, so it is 1-D RoPE on them)."""
     angles = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)
+    if positions.ndim == 3:
+        axis = np.repeat(np.arange(3), cfg.mrope_section)  # the position id each frequency reads
+        angles = angles[..., axis, np.arange(len(axis))]
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
 
@@ -424,18 +430,23 @@ class Transformer(nn.Module):
             self.value_proj = Linear((cfg.hidden_size,), (1,), ("embed",), (None,), use_bias=True,
                                      dtype="float32", param_dtype=cfg.param_dtype)
 
-    def hidden_states(self, tokens, positions=None, segment_ids=None, cache=None):
-        """Final-norm hidden states [B, T, E] and the updated cache."""
+    def hidden_states(self, tokens, positions=None, segment_ids=None, cache=None, embeds=None, rope_positions=None):
+        """Final-norm hidden states [B, T, E] and the updated cache. `embeds` [B, T, E] replaces the
+        token embeddings (a VLM's, with image features at the placeholders); `rope_positions` (e.g.
+        M-RoPE's [B, T, 3]) replaces `positions` in the rotary tables only: masks and cache slots
+        always follow `positions`, the order of the tokens."""
         cfg = self.cfg
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         if segment_ids is None:
             segment_ids = jnp.ones_like(tokens)
+        if rope_positions is None:
+            rope_positions = positions
         if cache is None and cfg.attention != "xla":
-            return self._segment_hidden_states(tokens, positions, segment_ids), None
-        x = jnp.take(self.embed_tokens, tokens, axis=0).astype(cfg.dtype)
+            return self._segment_hidden_states(tokens, positions, segment_ids, embeds, rope_positions), None
+        x = self.embed(tokens) if embeds is None else embeds.astype(cfg.dtype)
         x = constrain(x, ("batch", "length", "embed"))
-        cos, sin = rope_tables(cfg, positions)
+        cos, sin = rope_tables(cfg, rope_positions)
         if cache is None:
             mask = attention_mask(positions, segment_ids, positions, segment_ids, cfg.sliding_window)
             x, _ = self._run_layers(x, cos, sin, mask, None, None)
@@ -449,7 +460,11 @@ class Transformer(nn.Module):
                        for name, new in (("k", new_k), ("v", new_v))}
         return self.norm(x), {**updated, "page_table": cache["page_table"]}
 
-    def _segment_hidden_states(self, tokens, positions, segment_ids):
+    def embed(self, tokens):
+        """Token embeddings [B, T, E] in the compute dtype."""
+        return jnp.take(self.embed_tokens, tokens, axis=0).astype(self.cfg.dtype)
+
+    def _segment_hidden_states(self, tokens, positions, segment_ids, embeds, rope_positions):
         """The training path for attention "flash", "ring" and "ulysses": masks from segment ids
         and positions. Ring attention wants the zig-zag layout (causal load balance); everything
         but attention is per token, so the inputs are permuted into it (padded with segment id 0
@@ -458,13 +473,14 @@ class Transformer(nn.Module):
         cfg = self.cfg
         length = tokens.shape[1]
         order = _zigzag_order(cfg, length)
+        x = self.embed(tokens) if embeds is None else embeds.astype(cfg.dtype)
         if order is not None:
-            pad = ((0, 0), (0, len(order) - length))
-            tokens, positions, segment_ids = (jnp.take(jnp.pad(a, pad), order, axis=1)
-                                              for a in (tokens, positions, segment_ids))
-        x = jnp.take(self.embed_tokens, tokens, axis=0).astype(cfg.dtype)
+            def permute(a):
+                pad = ((0, 0), (0, len(order) - length)) + ((0, 0),) * (a.ndim - 2)
+                return jnp.take(jnp.pad(a, pad), order, axis=1)
+            x, positions, segment_ids, rope_positions = map(permute, (x, positions, segment_ids, rope_positions))
         x = constrain(x, ("batch", "length", "embed"))
-        cos, sin = rope_tables(cfg, positions)
+        cos, sin = rope_tables(cfg, rope_positions)
         x, _ = self._run_layers(x, cos, sin, SegmentInfo(positions, segment_ids), None, None)
         if order is not None:
             x = constrain(jnp.take(x, np.argsort(order), axis=1)[:, :length], ("batch", "length", "embed"))
@@ -488,8 +504,8 @@ class Transformer(nn.Module):
             logits = self.lm_head(x)
         return constrain(logits, ("batch", "length", "vocab"))
 
-    def __call__(self, tokens, positions=None, segment_ids=None, cache=None):
-        x, cache = self.hidden_states(tokens, positions, segment_ids, cache)
+    def __call__(self, tokens, positions=None, segment_ids=None, cache=None, rope_positions=None):
+        x, cache = self.hidden_states(tokens, positions, segment_ids, cache, rope_positions=rope_positions)
         if self.cfg.value_head and self.is_initializing():
             self.value_proj(x.astype(jnp.float32))  # create the value head's parameters
         return self.logits(x), cache
@@ -577,10 +593,18 @@ def dropout_rngs(cfg: ModelConfig, rng: jax.Array | None) -> dict[str, jax.Array
     return {"dropout": rng} if rng is not None and cfg.lora.enabled and cfg.lora.dropout else None
 
 
-def forward(cfg: ModelConfig, params: Params, tokens, positions=None, segment_ids=None, cache=None, rng=None):
+def forward(cfg: ModelConfig, params: Params, tokens, positions=None, segment_ids=None, cache=None, rng=None,
+            images=None, rope_positions=None):
     """Pure forward pass: (logits float32 [B, T, V], updated cache or None). `rng`: training
-    randomness (adapter dropout), None to run deterministically."""
-    return Transformer(cfg).apply({"params": params}, tokens, positions, segment_ids, cache,
+    randomness (adapter dropout), None to run deterministically. `images`: a VLM's
+    (`rlvr.models.vision.ImageInputs`; needs `cfg.vision`); `rope_positions`: rotary positions other
+    than `positions` (a VLM decoding after an image prompt: position + the prompt's M-RoPE delta)."""
+    if images is not None:
+        from rlvr.models.vision import VisionLanguageModel
+
+        return VisionLanguageModel(cfg).apply({"params": params}, tokens, positions, segment_ids, images, cache,
+                                              rngs=dropout_rngs(cfg, rng))
+    return Transformer(cfg).apply({"params": params}, tokens, positions, segment_ids, cache, rope_positions,
                                   rngs=dropout_rngs(cfg, rng))
 
 

@@ -26,7 +26,8 @@ client that disconnects has its requests aborted.
 
 Run one from a Hugging Face directory with `python -m rlvr.rollout.server --hf_dir=DIR --port=30000`
 (`--port=0`: any free port, logged as "serving DIR on URL"; `--request_log=FILE`: every finished request's
-record appended to FILE as one JSON line, e.g. to audit which rids a server answered).
+record appended to FILE as one JSON line, e.g. to audit which rids a server answered; `--traffic_dir=DIR`:
+traffic and `POST /v1/feedback` captured for the flywheel, see `rlvr.flywheel`).
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")  # SGLang's GPU_MEMORY_ALL_T
 class RolloutApp:
     """The route handlers; `RolloutHTTPServer` only moves bytes."""
 
-    def __init__(self, driver: EngineDriver, recorder: Recorder | None = None, served_model_name: str | None = None):
+    def __init__(self, driver: EngineDriver, recorder: Recorder | None = None, served_model_name: str | None = None,
+                 routes: dict[str, tuple[set[str], Callable[..., Reply]]] | None = None):
         self.driver = driver
         self.recorder = recorder
         info = driver.model_info()
@@ -124,6 +126,7 @@ class RolloutApp:
         for prefix in ("", "/v1"):
             self.routes[prefix + "/tokenize"] = ({"POST"}, self.tool(server_openai.tokenize))
             self.routes[prefix + "/detokenize"] = ({"POST"}, self.tool(server_openai.detokenize))
+        self.routes.update(routes or {})  # e.g. rlvr.flywheel.capture's POST /v1/feedback
 
     def dispatch(self, method: str, path: str, raw: bytes, cancelled: Callable[[], bool]) -> Reply:
         path = path.rstrip("/") or "/"
@@ -217,11 +220,14 @@ class RolloutApp:
             self.labels = {v: name for v, name in self.labels.items() if name != label and v != version}
             self.labels[version] = label
 
-    def record(self, endpoint: str, body: Any, c: Completion, text: str | None) -> None:
+    def record(self, endpoint: str, body: Any, c: Completion, text: str | None, response_id: str | None = None,
+               index: int = 0, start: float | None = None) -> None:
+        """Hands the recorder `record_of(...)`: with the id a client gives feedback on (`response_id`,
+        choice `index`), the served version's label and the latency since `start`."""
         if self.recorder is None:
             return
         try:
-            self.recorder(record_of(endpoint, body, c, text))
+            self.recorder(record_of(endpoint, body, c, text, response_id, index, start, self.label(c.weight_version)))
         except Exception:
             logger.exception("recorder failed on %s", c.rid)
 
@@ -234,7 +240,7 @@ class RolloutApp:
         outs = []
         for c, opts in zip(self.run(gen.requests, cancelled), gen.options, strict=True):
             outs.append(generate_output(c, opts, tok, start, label=self.label))
-            self.record("/generate", body, c, outs[-1]["text"])
+            self.record("/generate", body, c, outs[-1]["text"], start=start)
         return Reply(200, outs if gen.batch else outs[0])
 
     def _stream(self, chunks: Iterator[tuple[int, Completion]], gen: Any, body: Any, start: float) -> Iterator[bytes]:
@@ -244,7 +250,7 @@ class RolloutApp:
                 out = generate_output(c, gen.options[index], self.limits.tokenizer, start,
                                       index if gen.batch else None, label=self.label)
                 if c.finish_reason is not None:
-                    self.record("/generate", body, c, out["text"])
+                    self.record("/generate", body, c, out["text"], start=start)
                 yield _sse(out)
         except Exception as e:
             yield _sse(self.error_of(e).body())
@@ -430,9 +436,11 @@ class RolloutApp:
 
 
 def serve(driver: EngineDriver, host: str = "127.0.0.1", port: int = 0, recorder: Recorder | None = None,
-          served_model_name: str | None = None) -> tuple[RolloutHTTPServer, threading.Thread]:
-    """Starts the HTTP server on a daemon thread; `server.url` is its address (port 0 = any free)."""
-    app = RolloutApp(driver, recorder, served_model_name)
+          served_model_name: str | None = None, routes: dict[str, tuple[set[str], Callable[..., Reply]]] | None = None,
+          ) -> tuple[RolloutHTTPServer, threading.Thread]:
+    """Starts the HTTP server on a daemon thread; `server.url` is its address (port 0 = any free).
+    `routes` adds handlers `(raw body, cancelled) -> Reply` by path, with their methods."""
+    app = RolloutApp(driver, recorder, served_model_name, routes)
     server = RolloutHTTPServer((host, port), app)
     app.address = server.server_address[:2]
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},
@@ -449,6 +457,16 @@ def jsonl_recorder(path: str) -> Recorder:
 
     def record(entry: dict[str, Any]) -> None:
         os.write(fd, (json.dumps(entry) + "\n").encode())
+    return record
+
+
+def _both(first: Recorder | None, second: Recorder) -> Recorder:
+    if first is None:
+        return second
+
+    def record(entry: dict[str, Any]) -> None:
+        first(entry)
+        second(entry)
     return record
 
 
@@ -475,6 +493,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="extra Engine(...) keyword, e.g. --engine_option max_running=64")
     parser.add_argument("--request_log", default=None, metavar="FILE",
                         help="append every finished request's record (rid, ids, logprobs, ...) to FILE as JSON lines")
+    parser.add_argument("--traffic_dir", default=None, metavar="DIR",
+                        help="capture traffic and POST /v1/feedback to DIR for the flywheel (rlvr.flywheel.capture): "
+                             "append-only, fsynced, partitioned JSONL")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = {}
@@ -486,7 +507,14 @@ def main(argv: list[str] | None = None) -> None:
             options[key] = value
     driver = EngineDriver(build_engine(args.hf_dir, options))
     recorder = jsonl_recorder(args.request_log) if args.request_log else None
-    server, thread = serve(driver, args.host, args.port, recorder=recorder, served_model_name=args.served_model_name)
+    routes = None
+    if args.traffic_dir:
+        from rlvr.flywheel.capture import TrafficCapture
+
+        capture = TrafficCapture(args.traffic_dir)
+        recorder, routes = _both(recorder, capture.record), capture.routes()
+    server, thread = serve(driver, args.host, args.port, recorder=recorder, served_model_name=args.served_model_name,
+                           routes=routes)
     logger.info("serving %s on %s", args.hf_dir, server.url)
     try:
         thread.join()

@@ -96,10 +96,11 @@ def _sampling(body: dict[str, Any], limits: ModelLimits, max_tokens: Any,
     return parse_sampling(values, limits, where="request")
 
 
-def _rids(body: dict[str, Any], prefix: str, count: int) -> list[str]:
+def _rids(body: dict[str, Any], prefix: str, count: int) -> tuple[str, list[str]]:
+    """(the response id, the engine rid of each choice)."""
     rid = body.get("rid")
     base = check_str("rid", rid) if rid is not None else f"{prefix}-{uuid.uuid4().hex}"
-    return [base] if count == 1 and rid is not None else [f"{base}_{k}" for k in range(count)]
+    return base, [base] if count == 1 and rid is not None else [f"{base}_{k}" for k in range(count)]
 
 
 def _common(body: Any, fields: set[str], where: str) -> dict[str, Any]:
@@ -164,12 +165,14 @@ def _parse_completion(app: Any, body: Any) -> OpenAICall:
         limits.require("prompt_logprobs", "echo with logprobs (prompt log-probs)")
     if lp.top:
         limits.require("top_logprobs", "logprobs > 0 (top log-probs)")
-    requests = expand(ids, [sp] * len(ids), _rids(body, "cmpl", len(ids) * sp.params.n), limits, [lp] * len(ids))
+    response_id, rids = _rids(body, "cmpl", len(ids) * sp.params.n)
+    requests = expand(ids, [sp] * len(ids), rids, limits, [lp] * len(ids))
     tok = limits.tokenizer
     echoes = [t if t is not None else (tok.decode(p, skip_special_tokens=True) if tok is not None else "")
               for p, t in zip(ids, texts, strict=True)] if echo else None
     include, continuous = _stream_options(body)
-    return OpenAICall("/v1/completions", body, requests, sp.params, top, echoes, False, include, continuous, tok)
+    return OpenAICall("/v1/completions", body, requests, sp.params, top, echoes, False, include, continuous, tok,
+                      response_id)
 
 
 def completions(app: Any, body: Any, cancelled: Any = None) -> dict[str, Any] | Iterator[bytes]:
@@ -282,10 +285,11 @@ def _parse_chat(app: Any, body: Any) -> OpenAICall:
     if want and top:
         limits.require("top_logprobs", "top_logprobs > 0")
     lp = LogprobOptions(-1, top if want else 0)
-    requests = expand([prompt], [sp], _rids(body, "chatcmpl", sp.params.n), limits, [lp])
+    response_id, rids = _rids(body, "chatcmpl", sp.params.n)
+    requests = expand([prompt], [sp], rids, limits, [lp])
     include, continuous = _stream_options(body)
     return OpenAICall("/v1/chat/completions", body, requests, sp.params, top if want else None, None,
-                 bool(tools) and choice != "none", include, continuous, limits.tokenizer)
+                      bool(tools) and choice != "none", include, continuous, limits.tokenizer, response_id)
 
 
 def chat_completions(app: Any, body: Any, cancelled: Any = None) -> dict[str, Any] | Iterator[bytes]:

@@ -38,6 +38,8 @@ class OpenAICall:
     include_usage: bool = False
     continuous_usage: bool = False
     tokenizer: Any = None
+    response_id: str = ""  # the response's `id`; choice k's engine rid is f"{response_id}_{k}" (or rid itself)
+    start: float = dataclasses.field(default_factory=time.monotonic)  # for the recorded latency
 
     @property
     def kind(self) -> str:
@@ -91,7 +93,7 @@ def _completion_choices(app: Any, call: OpenAICall, done: list[Completion]) -> l
     choices = []
     for k, c in enumerate(done):
         text = call.text(c)
-        app.record(call.endpoint, call.body, c, text)
+        app.record(call.endpoint, call.body, c, text, call.response_id, k, call.start)
         echo = call.echo[k // call.sampling.n] if call.echo is not None else ""
         lp = None if call.top is None else _completion_logprobs(c, call, 0, call.echo is not None, 0)
         text = echo + text
@@ -118,7 +120,7 @@ def _chat_choices(app: Any, call: OpenAICall, done: list[Completion]) -> list[di
     choices = []
     for k, c in enumerate(done):
         text = call.text(c)
-        app.record(call.endpoint, call.body, c, text)
+        app.record(call.endpoint, call.body, c, text, call.response_id, k, call.start)
         content, calls = parse_tool_calls(text) if call.parse_tools else (text, [])
         message: dict[str, Any] = {"role": "assistant", "content": content, "reasoning_content": None}
         finish = _finish(c)
@@ -139,7 +141,7 @@ def _response(app: Any, call: OpenAICall, done: list[Completion], rid: str) -> d
 
 def serve(app: Any, call: OpenAICall, cancelled: Any) -> dict[str, Any] | Iterator[bytes]:
     prefix = "chatcmpl" if call.kind == "chat.completion" else "cmpl"
-    rid = f"{prefix}-{uuid.uuid4().hex}"
+    rid = call.response_id or f"{prefix}-{uuid.uuid4().hex}"
     if not call.body.get("stream"):
         return _response(app, call, app.run(call.requests, cancelled), rid)
     return _stream(app, call, app.stream(call.requests), rid)
@@ -247,9 +249,10 @@ def _stream(app: Any, call: OpenAICall, partials: Iterator[tuple[int, Completion
     finally:
         partials.close()  # type: ignore[attr-defined]  # aborts unfinished requests
     done = [finals[i] for i in range(len(call.requests))]
+    response = _response(app, call, done, rid)  # records the answers (rlvr.flywheel.capture) before [DONE]
     if call.include_usage:
         yield _sse({"id": rid, "object": f"{call.kind}.chunk" if call.kind == "chat.completion" else call.kind,
                     "created": int(time.time()), "model": app.model_name, "choices": [],
                     "usage": _usage(done, call.sampling.n)})
     yield b"data: [DONE]\n\n"
-    return _response(app, call, done, rid)
+    return response

@@ -532,9 +532,14 @@ def generate_output(c: Completion, opts: OutputOptions, tokenizer: Any, start: f
     return out
 
 
-def record_of(endpoint: str, body: Any, c: Completion, text: str | None) -> dict[str, Any]:
-    """What a training recorder receives for one finished request: exact ids and logprobs."""
+def record_of(endpoint: str, body: Any, c: Completion, text: str | None, response_id: str | None = None,
+              index: int = 0, start: float | None = None, model_version: str | None = None) -> dict[str, Any]:
+    """What a training recorder receives for one finished request: exact ids and logprobs, the id a
+    client gives feedback on (`response_id`, choice `index`), the served version's label and the
+    latency since `start` (time.monotonic)."""
     return {"endpoint": endpoint, "rid": c.rid, "prompt_ids": list(c.prompt_ids), "output_ids": list(c.output_ids),
             "output_logprobs": list(c.output_logprobs), "output_versions": list(c.output_versions),
             "weight_version": c.weight_version, "finish_reason": c.finish_reason, "cached_tokens": c.cached_tokens,
-            "text": text, "request": body, "time": time.time()}
+            "text": text, "request": body, "time": time.time(), "response_id": response_id or c.rid, "index": index,
+            "model_version": model_version if model_version is not None else str(c.weight_version),
+            "latency_s": None if start is None else round(time.monotonic() - start, 6)}

@@ -382,8 +382,10 @@ class _SessionApp:
         finally:
             self._sessions._track(self._sid, rids, self._call, add=False)
 
-    def record(self, endpoint: str, body: Any, c: Completion, text: str | None) -> None:
-        self.records.append(record_of(endpoint, body, c, text))
+    def record(self, endpoint: str, body: Any, c: Completion, text: str | None, response_id: str | None = None,
+               index: int = 0, start: float | None = None) -> None:
+        label = getattr(self._app, "label", str)
+        self.records.append(record_of(endpoint, body, c, text, response_id, index, start, label(c.weight_version)))
 
     def forward(self) -> None:
         """Hands the call's records to the server's global recorder (if any), tagged with the session."""

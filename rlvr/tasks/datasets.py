@@ -267,6 +267,39 @@ class JsonlFamily(DatasetFamily):
         super().__init__(items, seed, weights, system=system, held_out_fraction=held_out_fraction)
 
 
+class TaskFileFamily(JsonlFamily):
+    """Tasks posed verbatim, each row with its own verifier spec: the flywheel's RL tasks
+    (rlvr.flywheel.build) or any file of rows `{"question", "answer", "verifier": {"kind": ...},
+    "messages"?}`. `rl.task` names such a file by its path (ending in .jsonl).
+
+    The prompt is the question as the user sent it (no instruction added; `messages`, when present, is
+    the chat prompt), and the verifier judges the whole completion (answer_format "raw"): the check
+    the user's downstream tool made. The file is already one split (the builder splits by time), so
+    every stream draws from all of its rows."""
+
+    answer_format = "raw"
+    evaluate_all = True  # the eval job poses every row once (rlvr.trainers.evaluate)
+
+    def __init__(self, path: str, seed: int = 0, weights: RewardWeights | None = None, domain: str = "traffic"):
+        from rlvr import storage
+
+        rows = [json.loads(line) for line in storage.read_text(path).splitlines() if line.strip()]
+        bad = [i for i, row in enumerate(rows) if not isinstance(row.get("verifier"), dict)]
+        if bad:
+            raise ValueError(f"{path}: row {bad[0]} has no 'verifier' spec ({{'kind': ..., ...}})")
+        self.name, self.domain, self.instruction = path, domain, ""
+        items = rows_to_items(rows, "question", "answer")
+        items = [dataclasses.replace(it, verifier=dict(row["verifier"])) for it, row in zip(items, rows, strict=True)]
+        DatasetFamily.__init__(self, items, seed, weights, held_out_fraction=0.0)
+        self._pools = {(split, level): tuple(it for it in self.items if it.level == level)
+                       for split in (TRAIN, HELD_OUT) for level in self.levels()}
+
+    def make_task(self, item: Item) -> Task:
+        messages = item.metadata.get("messages") or chat_messages(item.question, None)
+        return Task(index=0, prompt=item.question, answer=item.answer, level=item.level, family=self.name,
+                    messages=messages, verifier=dict(item.verifier), metadata={"id": item.id, **item.metadata})
+
+
 # ----------------------------------------------------------------------------------------- HumanEval
 
 
@@ -595,5 +628,5 @@ FAMILIES: dict[str, Callable[..., DatasetFamily]] = {
     name: constructor for name, constructor in _CONSTRUCTORS.items() if _AVAILABLE[name]()}
 
 __all__ = ["FAMILIES", "AsdivFamily", "BfclSimpleFamily", "ChampFamily", "DatasetFamily", "HumanEvalFamily", "Item",
-           "JsonlFamily", "champ_answer", "check_function_call", "load_rows", "missing_datasets", "quantile_levels",
-           "read_array_record", "read_jsonl", "read_tfds", "rows_to_items", "split_pools"]
+           "JsonlFamily", "TaskFileFamily", "champ_answer", "check_function_call", "load_rows", "missing_datasets",
+           "quantile_levels", "read_array_record", "read_jsonl", "read_tfds", "rows_to_items", "split_pools"]

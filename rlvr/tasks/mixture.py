@@ -6,6 +6,8 @@ add/sub/mul), comma-separated, each with an optional mixture weight and glob pat
     "add"                          the quickstart's single family
     "list_sort:2,string_reverse"   two families, drawn 2:1
     "rg/*"                         every reasoning-gym family, equal weights
+    "data/rl.jsonl,add"            a task file (a path ending in .jsonl: rlvr.tasks.datasets.TaskFileFamily,
+                                   e.g. the flywheel's tasks) beside a family; a path takes no weight
 
 Without a curriculum, task `i` of a stream draws its family from the weights with a generator
 seeded by `(seed, stream, i)`, so the data position is still one integer. With a curriculum the
@@ -85,6 +87,9 @@ def parse_task_spec(spec: str) -> dict[str, float]:
         if not part:
             continue
         name, colon, weight = part.rpartition(":")
+        if part.endswith(".jsonl"):  # a task file's path (TaskFileFamily), which may hold ':' (s3://...)
+            out[part] = 1.0
+            continue
         try:
             out[name.strip() if colon else part] = float(weight) if colon else 1.0
         except ValueError:
@@ -106,6 +111,9 @@ def expand(spec: str) -> dict[str, float]:
     known = available_families()
     out: dict[str, float] = {}
     for pattern, weight in parse_task_spec(spec).items():
+        if pattern.endswith(".jsonl"):
+            out.setdefault(pattern, weight)
+            continue
         names = fnmatch.filter(known, pattern) if any(c in pattern for c in "*?[") else \
             [pattern] if pattern in known else []
         if not names:
@@ -132,6 +140,10 @@ def build_family(name: str, seed: int = 0, weights: RewardWeights | None = None,
     if name in OPS:
         return ArithmeticFamily(op=name, min_digits=min_digits, max_digits=max_digits, seed=seed,
                                 format_weight=format_weight)
+    if name.endswith(".jsonl"):
+        from rlvr.tasks.datasets import TaskFileFamily
+
+        return TaskFileFamily(name, seed=seed, weights=weights)
     from rlvr.tasks.registry import FAMILIES
 
     return FAMILIES[name](seed=seed, weights=weights)

@@ -26,3 +26,7 @@ FAMILIES.update(env_families.FAMILIES)
 from rlvr.domains.finance import families as finance_families  # noqa: E402
 
 FAMILIES.update(finance_families.FAMILIES)
+
+from rlvr.domains.cad import families as cad_families  # noqa: E402
+
+FAMILIES.update(cad_families.FAMILIES)

@@ -39,9 +39,13 @@ def _levels(spec: str, family) -> list[int | None]:
 
 
 def eval_task_list(tasks, eval_config: ml_collections.ConfigDict) -> list:
-    """examples_per_level tasks of the `eval.split` stream per (family, level)."""
+    """examples_per_level tasks of the `eval.split` stream per (family, level); a task file's rows
+    (TaskFileFamily: the flywheel's traffic) of that split each once instead."""
     out, stream = [], SPLITS[eval_config.split]
     for family in tasks.families.values():
+        if getattr(family, "evaluate_all", False):
+            out += family.split_tasks(stream)
+            continue
         for level in _levels(eval_config.levels, family):
             out += [family.task(i, stream, level) for i in range(eval_config.examples_per_level)]
     return out

@@ -81,7 +81,7 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str, model: Model, lo
     rng = jax.random.key(config.seed)
     step_flops = flops.train_flops_per_token(model.cfg, config.data.seq_len) * tokens_per_batch
     peak = flops.machine_peak(model.cfg.dtype)
-    writer = observe.MetricsWriter(workdir, tensorboard=config.train.tensorboard)
+    writer = observe.MetricsWriter.for_config(workdir, config.train)
     start = int(state["step"])
     progress = observe.Progress(num_steps, start)
     metrics: dict[str, Any] = {}

@@ -164,9 +164,12 @@ def evaluate(backend, tasks, tokenizer, rl: ml_collections.ConfigDict, tag: str,
                                      make_env=env_factory(rl), records=records)
 
 
-def env_factory(rl: ml_collections.ConfigDict):
-    """task -> its environment (rlvr.envs.make_env with the config's `rl.env` options)."""
+def env_factory(rl: ml_collections.ConfigDict, workdir: str | None = None):
+    """task -> its environment (rlvr.envs.make_env with the config's `rl.env` options; environments that save
+    files, such as the CAD kit's images, write them to WORKDIR/episode_images, next to episodes.jsonl)."""
     options = rl.env.to_dict()
+    if workdir:
+        options.setdefault("artifact_dir", os.path.join(workdir, "episode_images"))
 
     def make(task):
         from rlvr.envs import make_env
@@ -486,7 +489,7 @@ def build_producer(run: Run, ref_params) -> Producer:
                     cursor=producer_state["cursor"],
                     buffered=[ScoredBatch.from_json(b) for b in producer_state["buffered"]], ref_logprobs=ref_fn,
                     curriculum=run.curriculum, replay=replay, reward_model=reward_model,
-                    episode_log=os.path.join(run.workdir, "episodes.jsonl"), make_env=env_factory(rl),
+                    episode_log=os.path.join(run.workdir, "episodes.jsonl"), make_env=env_factory(rl, run.workdir),
                     agent=run.agent, verifiers=verifiers, teacher_logprobs=teacher_fn)
 
 
@@ -494,7 +497,7 @@ def run_steps(run: Run) -> int | None:
     """Held-out evaluation before RL, then each step (`one_step`) with evaluation and checkpoints
     on their schedules. Returns the step a preemption request stopped the run at (None when done)."""
     config, rl, num_steps = run.config, run.config.rl, run.config.train.num_steps
-    writer = observe.MetricsWriter(run.workdir, tensorboard=config.train.tensorboard)
+    writer = observe.MetricsWriter.for_config(run.workdir, config.train)
     failures_log = observe.open_log(os.path.join(run.workdir, "failures.jsonl"))
     progress = observe.Progress(num_steps, run.start)
     guard = PreemptionGuard().__enter__()

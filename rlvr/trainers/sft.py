@@ -20,10 +20,12 @@ import numpy as np
 from rlvr import api, losses, observe
 from rlvr.data.arithmetic import ArithmeticData
 from rlvr.data.chat import check_tool_calls, encode_record, uses_tools
+from rlvr.data.images import ImageTokenStream, check_image_tokens, encode_image_record, uses_images
 from rlvr.data.sources import load_records
 from rlvr.data.stream import TokenStream
 from rlvr.models.generate import greedy_generate
 from rlvr.models.transformer import forward
+from rlvr.models.vision import batch_images
 from rlvr.trainers.loop import train_loop
 
 
@@ -31,11 +33,14 @@ def sft_loss(cfg, params, batch, rng, frozen, *, logprob_chunk_size: int = 0):
     """Sum of target-token NLL; weight = number of target tokens. `logprob_chunk_size` > 0
     (`train.logprob_chunk_size`): log-probs in chunks of that many positions, never the full logits."""
     del frozen
+    images = batch_images(batch)  # a VLM's batch of image records (rlvr.data.images.ImageTokenStream)
     if logprob_chunk_size:
         logp, _, _ = losses.model_token_logprobs(cfg, params, batch["tokens"], batch["positions"],
-                                                 batch["segment_ids"], chunk_size=logprob_chunk_size, rng=rng)
+                                                 batch["segment_ids"], chunk_size=logprob_chunk_size, rng=rng,
+                                                 images=images)
     else:
-        logits, _ = forward(cfg, params, batch["tokens"], batch["positions"], batch["segment_ids"], rng=rng)
+        logits, _ = forward(cfg, params, batch["tokens"], batch["positions"], batch["segment_ids"], rng=rng,
+                            images=images)
         logp = losses.next_token_logprobs(logits, batch["tokens"])
     mask = losses.target_mask(batch["loss_mask"], batch["segment_ids"])
     return -jnp.sum(logp * mask), {"weight": mask.sum(), "target_tokens": mask.sum()}
@@ -62,11 +67,28 @@ def configured_loss(config: ml_collections.ConfigDict, cfg):
     return functools.partial(sft_loss, cfg, logprob_chunk_size=config.train.get("logprob_chunk_size", 0))
 
 
-def build_data(config: ml_collections.ConfigDict, tokenizer, split: str | None = None):
+def _image_stream(config: ml_collections.ConfigDict, tokenizer, vision, records, encode=None, shuffle=True):
+    """The stream of records with image content parts (a VLM: `model.vision`); `encode` None: encode them."""
+    d = config.data
+    if vision is None:
+        raise api.ConfigError(f"the data ({d.path or d.tfds_name}) has image content parts but the model has no "
+                              "vision encoder: start from a VLM checkpoint (init.hf_checkpoint, Qwen2.5-VL layout).")
+    try:
+        check_image_tokens(tokenizer, vision)
+    except ValueError as e:
+        raise api.ConfigError(str(e)) from None
+    encode = encode or functools.partial(encode_image_record, tokenizer, vision, max_pixels=d.image_max_pixels)
+    return ImageTokenStream(records, encode, d.batch_size, d.seq_len, tokenizer.pad_id, config.seed, vision,
+                            d.image_patches, pack=d.pack, shuffle=shuffle)
+
+
+def build_data(config: ml_collections.ConfigDict, tokenizer, split: str | None = None, vision=None):
     d = config.data
     if d.source == "arithmetic":
         return ArithmeticData(tokenizer, d.batch_size, d.seq_len, config.seed, d.max_operand)
     records = load_records(d, split)
+    if any(uses_images(r) for r in records):
+        return _image_stream(config, tokenizer, vision, records)
     if any(uses_tools(r) for r in records):
         try:
             check_tool_calls(tokenizer, f"the data ({d.path or d.tfds_name})")
@@ -92,8 +114,14 @@ def evaluate_loss(config: ml_collections.ConfigDict, model: api.Model, tokenizer
     if not held_out:
         return None
     records = load_records(d, "eval" if d.source == "jsonl" else d.eval_split)
-    examples = [encode_record(tokenizer, records[i]) for i in range(min(len(records), config.train.eval_examples))]
-    stream = TokenStream(examples, lambda x: x, d.batch_size, d.seq_len, tokenizer.pad_id, 0, d.pack, shuffle=False)
+    records = [records[i] for i in range(min(len(records), config.train.eval_examples))]
+    if any(uses_images(r) for r in records):
+        stream = _image_stream(config, tokenizer, model.cfg.vision, records, shuffle=False)
+        examples = records
+    else:
+        examples = [encode_record(tokenizer, r) for r in records]
+        stream = TokenStream(examples, lambda x: x, d.batch_size, d.seq_len, tokenizer.pad_id, 0, d.pack,
+                             shuffle=False)
     loss_fn = jax.jit(configured_loss(config, model.cfg))
     total, weight = 0.0, 0.0
     while stream.cursor < len(examples):
@@ -106,7 +134,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     tokenizer = api.build_tokenizer(config)
     model = api.build_model(config)
     api.check_vocab(model.cfg, tokenizer)
-    data = build_data(config, tokenizer)
+    data = build_data(config, tokenizer, vision=model.cfg.vision)
     tokens_per_batch = config.data.batch_size * config.data.seq_len
     loss_fn, frozen, frozen_sharding = configured_loss(config, model.cfg), None, None
     if config.distill.teacher:

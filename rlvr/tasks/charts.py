@@ -1,0 +1,133 @@
+"""Chart reading: procedurally rendered bar charts (matplotlib) with verifiable numeric answers.
+
+A task's user message holds the chart as an image content part (a PNG data URL) and the question;
+the answer is checked by the numeric verifier (exact). Levels:
+  0  3 bars, values 1-9, each bar labelled with its value: "what is the value of bar C?"
+  1  4 bars, values 1-10, no value labels (read against the integer grid)
+  2  5-6 bars, multiples of 5 up to 60, grid every 10: a bar's value
+  3  6-8 bars, values 1-30: the sum of two named bars
+Each bar has its own colour from `PALETTE` (in `metadata["colors"]`), so a test can measure the
+drawn heights from the pixels. `audit_probes` are the answers a reader of the text alone, or of the
+wrong bar, would give. The text-only `prompt` lacks the chart: these tasks need a VLM
+(rlvr.models.vision); RL over them also needs the rollout engine's image prefill, not built yet,
+so the family is not in `rlvr.tasks.registry.FAMILIES`. SFT data:
+
+    python -m rlvr.tasks.charts charts_train.jsonl --count=256 --level=0
+    python -m rlvr.tasks.charts charts_eval.jsonl --count=64 --level=0 --held_out
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from typing import Any
+
+import numpy as np
+
+from rlvr.tasks.base import ANSWER_INSTRUCTION, HELD_OUT, TRAIN, Family, Task, pick
+
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+NAMES = ("A", "B", "C", "D", "E", "F", "G", "H")
+# level: (bar counts, value range or step, value labels on the bars, grid step, question kind)
+LEVELS = {
+    0: ((3,), (1, 9, 1), True, 1, "value"),
+    1: ((4,), (1, 10, 1), False, 1, "value"),
+    2: ((5, 6), (5, 60, 5), False, 10, "value"),
+    3: ((6, 7, 8), (1, 30, 1), False, 5, "sum"),
+}
+SIZE_PX = (224, 168)  # width, height of the rendered chart
+
+
+def render_bars(names, values, colors, labels: bool, grid_step: int) -> bytes:
+    """A PNG of a bar chart (Agg backend, no fonts beyond matplotlib's own)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dpi = 56
+    fig, ax = plt.subplots(figsize=(SIZE_PX[0] / dpi, SIZE_PX[1] / dpi), dpi=dpi)
+    bars = ax.bar(names, values, color=colors, width=0.6, antialiased=False)
+    top = int(np.ceil(max(values) / grid_step + 1) * grid_step)
+    ax.set_ylim(0, top)
+    ax.set_yticks(range(0, top + 1, grid_step))
+    ax.yaxis.grid(True, color="#dddddd")
+    ax.set_axisbelow(True)
+    ax.tick_params(labelsize=7)
+    if labels:
+        ax.bar_label(bars, fontsize=7)
+    fig.tight_layout(pad=0.2)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+class ChartReadingFamily(Family):
+    name = "chart_bars"
+    domain = "multimodal"
+
+    def levels(self) -> list[int]:
+        return sorted(LEVELS)
+
+    def sample(self, rng: np.random.Generator, level: int) -> Task:
+        counts, (low, high, step), labels, grid, kind = LEVELS[level]
+        count = int(pick(rng, counts))
+        values = [int(v) for v in rng.integers(low // step, high // step + 1, count) * step]
+        names, colors = list(NAMES[:count]), [PALETTE[i] for i in rng.permutation(len(PALETTE))[:count]]
+        asked = sorted(int(i) for i in rng.choice(count, 2 if kind == "sum" else 1, replace=False))
+        if kind == "sum":
+            question = f"What is the sum of the values of bars {names[asked[0]]} and {names[asked[1]]}?"
+        else:
+            question = f"What is the value of bar {names[asked[0]]}?"
+        answer = str(sum(values[i] for i in asked))
+        png = render_bars(names, values, colors, labels, grid)
+        text = f"Read the bar chart. {question}\n{ANSWER_INSTRUCTION}"
+        image = "data:image/png;base64," + base64.b64encode(png).decode()
+        content = [{"type": "image", "image": image}, {"type": "text", "text": text}]
+        return Task(index=0, prompt=text, answer=answer, messages=({"role": "user", "content": content},),
+                    verifier={"kind": "numeric", "answer": answer, "rel_tol": 0, "abs_tol": 0},
+                    metadata={"modality": "image", "names": names, "values": values, "colors": colors,
+                              "asked": asked})
+
+    def audit_probes(self, task: Task) -> list[tuple[str, str]]:
+        """Wrong readings that must score 0: every value listed, the tallest bar's value (when the
+        question is not about it), a bar name, off by one grid step."""
+        meta: dict[str, Any] = dict(task.metadata)
+        values, want = meta["values"], int(task.answer)
+        probes = [("hack:all_values", f"<answer>{', '.join(map(str, values))}</answer>"),
+                  ("hack:bar_name", f"<answer>{meta['names'][meta['asked'][0]]}</answer>"),
+                  ("hack:off_by_one", f"<answer>{want + 1}</answer>")]
+        if max(values) != want:
+            probes.append(("hack:tallest_bar", f"<answer>{max(values)}</answer>"))
+        return probes
+
+    def demonstration(self, task: Task, off_format: bool = False) -> dict[str, Any]:
+        """A chat record with the chart (SFT through rlvr.data.images)."""
+        del off_format
+        return {"messages": [*task.chat(), {"role": "assistant", "content": f"<answer>{task.answer}</answer>"}]}
+
+
+CHART_FAMILIES = {ChartReadingFamily.name: ChartReadingFamily}
+
+
+def write_records(path: str, count: int, level: int, stream: int = TRAIN, seed: int = 0) -> None:
+    """`count` chart-reading demonstrations at `level` as JSONL chat records with image parts (SFT data)."""
+    import json
+
+    family = ChartReadingFamily(seed=seed)
+    with open(path, "w") as f:
+        for index in range(count):
+            f.write(json.dumps(family.demonstration(family.task(index, stream, level))) + "\n")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write chart-reading SFT records (JSONL, image parts inline).")
+    parser.add_argument("path")
+    parser.add_argument("--count", type=int, default=256)
+    parser.add_argument("--level", type=int, default=0, choices=sorted(LEVELS))
+    parser.add_argument("--held_out", action="store_true", help="the held-out task stream")
+    args = parser.parse_args()
+    write_records(args.path, args.count, args.level, stream=HELD_OUT if args.held_out else TRAIN)
