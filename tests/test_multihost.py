@@ -6,7 +6,9 @@ process counts (1 -> 2 and 2 -> 1); metrics are written once (process 0); SIGTER
 checkpoints the whole job (exit 143 everywhere) and SIGKILL of one host ends the others with a clear
 error in bounded time; reruns resume."""
 
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -60,11 +62,13 @@ def _finish(cluster, expected=(0, 0)):
     return logs
 
 
-def _assert_same_params(workdir, reference, atol=1e-6):
-    got = jax.tree.leaves(jax.device_get(api.load_trained(str(workdir)).params))
+def _assert_same_params(workdir, reference, atol=1e-6, skip=""):
+    """Every leaf within `atol`, except those whose path contains `skip`."""
+    got = jax.tree_util.tree_flatten_with_path(jax.device_get(api.load_trained(str(workdir)).params))[0]
     want = jax.tree.leaves(jax.device_get(api.load_trained(str(reference)).params))
-    for a, b in zip(got, want, strict=True):
-        np.testing.assert_allclose(a, b, rtol=0, atol=atol)
+    for (path, a), b in zip(got, want, strict=True):
+        if not (skip and skip in jax.tree_util.keystr(path)):
+            np.testing.assert_allclose(a, b, rtol=0, atol=atol, err_msg=jax.tree_util.keystr(path))
 
 
 def _assert_same_samples(workdir, reference):
@@ -76,6 +80,22 @@ def _assert_same_samples(workdir, reference):
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a.pop("logprobs", []), b.pop("logprobs", []), rtol=0, atol=1.5e-3)
         assert a == b
+
+
+def _data_shares(logs):
+    """{process: (records read, its batch rows)} from each process's "data: ..." line (rlvr.data.shards)."""
+    shares = {}
+    for log in logs:
+        p, read, first, last = re.search(r"data: process (\d+) of 2 read (\d+) records for batch rows (\d+)-(\d+)",
+                                         log).groups()
+        shares[int(p)] = (int(read), range(int(first), int(last) + 1))
+    assert sorted(shares) == [0, 1] and not set(shares[0][1]) & set(shares[1][1]), shares
+    return shares
+
+
+def _data_position(workdir, step):
+    with open(os.path.join(workdir, "checkpoints", str(step), "extra", "metadata")) as f:
+        return json.load(f)["data"]
 
 
 def _wait_for(ready, cluster, timeout_s=TIMEOUT):
@@ -129,7 +149,7 @@ def test_the_k8s_targets_jobset_runs_dpo_on_two_hosts_like_one_process(tmp_path,
     """One source of truth: the trainer container of the JobSet `--target=k8s` writes (its command,
     args and environment, resolved per pod as the kubelet does; pod 0's DNS name -> 127.0.0.1) run as
     2 processes: DPO (loss against the frozen initial policy) from scratch, the weights of the same
-    job in one process within 1e-6."""
+    job in one process within 1e-6; each process read only its half of every batch's pairs."""
     import yaml
     from rlvr.launch import sweep
     from rlvr.launch.local_cluster import free_port, k8s_pod_env
@@ -148,32 +168,46 @@ def test_the_k8s_targets_jobset_runs_dpo_on_two_hosts_like_one_process(tmp_path,
     port = free_port()
     cluster = LocalCluster(command, 2, 4, str(tmp_path / "logs"), cwd=container["workingDir"], port=port,
                            host_envs=[k8s_pod_env(container, i, port) for i in range(2)])
-    _finish(cluster)
+    logs = _finish(cluster)
+    # per-host shards: each process read only the pairs of its batch rows (half of each batch)
+    shares = _data_shares(logs)
+    assert all(read == 4 * len(rows) == 4 * 8 for read, rows in shares.values()), shares
     reference = tmp_path / "reference"
     run(config_lib.load_config(spec, overrides), str(reference))
     _assert_same_params(next(a.split("=", 1)[1] for a in container["args"] if a.startswith("--workdir=")), reference)
 
 
 RL = "configs/quickstart.py:smoke"
+RL_OVERRIDES = {"train.tensorboard": False, "seed": 2}
 
 
 @pytest.fixture(scope="module")
 def rl_reference(tmp_path_factory):
     """Sync GRPO in this process (8 devices) after an 80-step SFT warm start (its workdir: sft/), long
-    enough that an early RL step has rewards and a non-zero loss (step 2 with the engine's sampler on
-    seed 0), so the later steps sample from updated weights."""
+    enough that an early RL step has rewards and a non-zero loss (step 2 on seed 2; seeds 0 and 1 score
+    0 on all 4 steps), so the later steps sample from updated weights."""
     workdir = tmp_path_factory.mktemp("rl_reference")
-    run(config_lib.load_config(RL, {"train.tensorboard": False, "rl.sft_steps": 80, "rl.sft_demos": 256}), str(workdir))
+    run(config_lib.load_config(RL, {**RL_OVERRIDES, "rl.sft_steps": 80, "rl.sft_demos": 256}), str(workdir))
     return workdir
 
 
 def test_rl_sync_on_two_processes_matches_one_process(tmp_path, tmp_path_factory, rl_reference, repo_root):
     """The embedded engine sharded over both processes' devices (every process drives it, SPMD): from
     the one-process warm start, 2 processes sample the same completions at every step (so the weight
-    sync after each update reached the engine on both), and end with bitwise the same weights."""
+    sync after each update reached the engine on both), and end with bitwise the same weights; each
+    process read its share of the task stream and verified its share of the completions."""
     workdir = tmp_path / "job"
-    overrides = {"train.tensorboard": False, "rl.sft_steps": 0, "init.workdir": str(rl_reference / "sft")}
-    _finish(_cluster(tmp_path, "rl", _command(RL, workdir, overrides), _env(tmp_path_factory), repo_root))
+    overrides = {**RL_OVERRIDES, "rl.sft_steps": 0, "init.workdir": str(rl_reference / "sft")}
+    logs = _finish(_cluster(tmp_path, "rl", _command(RL, workdir, overrides), _env(tmp_path_factory), repo_root))
+    # per-host shards: each process read part of the task stream and verified part of the completions,
+    # together what the one process read and verified
+    with open(rl_reference / "summary.json") as f:
+        want = json.load(f)["host_share"]
+    shares = [re.search(r"rollout: process \d of 2 read (\d+) tasks and verified (\d+) completions", log).groups()
+              for log in logs]
+    for n, key in enumerate(("tasks_read", "completions_verified")):
+        counts = [int(share[n]) for share in shares]
+        assert sum(counts) == want[key] and all(0 < c < want[key] for c in counts), (key, counts, want)
     ref_metrics = [m for m in _metrics(rl_reference) if "reward" in m]
     # an update before the last step is not trivially zero, so the weight sync is visible in later samples
     assert any(m["reward"] > 0 and m["loss"] != 0 for m in ref_metrics[:-1]), ref_metrics
@@ -186,7 +220,8 @@ def test_rl_sync_on_two_processes_matches_one_process(tmp_path, tmp_path_factory
 def test_multi_process_rl_refuses_what_would_let_processes_diverge():
     config = config_lib.load_config(RL, {"rl.mode": "async"})
     rl.check_processes(config.rl, 1)
-    with pytest.raises(config_lib.ConfigError, match=r"rl.mode='async' with 2 JAX processes: .* rl.mode='sync'"):
+    advice = r"rl.mode='async' with 2 JAX processes: .* rl.mode='sync'.* rl.backend='sglang' and SGLang servers"
+    with pytest.raises(config_lib.ConfigError, match=advice):
         rl.check_processes(config.rl, 2)
     rl.check_processes(config_lib.load_config(RL, {}).rl, 2)
 
@@ -221,7 +256,8 @@ def test_the_slurm_targets_script_resumes_a_one_process_checkpoint_on_two_hosts(
     """One source of truth: the sbatch script `--target=slurm` writes, run by bash with an srun that
     starts its tasks on this machine (its own command and environment), as 2 processes. 1 -> 2: they
     resume the one-process checkpoint at step 4; 2 -> 1: their final checkpoint, written by both, is
-    read back here. Same weights (<= 1e-6) and losses as the one-process job; each step logged once."""
+    read back here. Same weights (<= 1e-6) and losses as the one-process job; each step logged once; each
+process read only its rows' records."""
     from rlvr.launch import sweep
     from rlvr.launch.targets import TARGETS
 
@@ -249,3 +285,58 @@ def test_the_slurm_targets_script_resumes_a_one_process_checkpoint_on_two_hosts(
     for step, loss in _losses(workdir).items():
         np.testing.assert_allclose(loss, want[step], rtol=1e-5, err_msg=f"step {step}")
     _assert_same_params(workdir, sft_reference)
+    # per-host shards: each process read only its batch rows' records (one row = one record stream with its
+    # own cursor): those its rows consumed from step 4 to 12 in the one-process job, plus the one per row that
+    # did not fit the last batch; both processes' cursors merged into the checkpoint = the one-process ones
+    at4, at12 = (_data_position(sft_reference, s)["cursors"] for s in (4, 12))
+    for read, rows in _data_shares(outputs).values():
+        assert read == sum(at12[r] - at4[r] + 1 for r in rows) < sum(at12) - sum(at4), (read, rows)
+    assert _data_position(workdir, 12) == _data_position(sft_reference, 12)
+
+
+JOBS_DRIVER = """
+import json, sys
+from rlvr.launch import distributed
+distributed.initialize_from_env()  # as rlvr.main does, from the cluster variables
+from rlvr import config_lib
+from rlvr.main import run
+for spec, workdir, overrides in json.loads(sys.argv[1]):
+    try:
+        run(config_lib.load_config(spec, overrides), workdir)
+    except config_lib.ConfigError as e:
+        print(f"config error: {e}", flush=True)
+"""
+
+
+def test_reward_model_and_eval_jobs_on_two_processes_match_one_process_async_and_agentic_rl_are_refused(
+        tmp_path, tmp_path_factory, rl_reference, repo_root):
+    """One 2-process launch runs four jobs in turn, as rlvr.main does: async RL and agentic RL (multi-turn
+    calculator episodes) are refused on both processes with the config error that says what to do (no
+    hang; agentic RL was seen to build different train batches on the two processes), a reward model
+    (weights within 1e-6 and the same held-out accuracy as one process) and the eval job on the RL test's
+    reference policy (the same tables and completions: every completion sampled and verified alike)."""
+    jobs = [(RL, "async", {"rl.mode": "async", "train.tensorboard": False}),
+            ("configs/rm_tiny.py:smoke", "rm", {"train.tensorboard": False}),
+            ("configs/eval_tasks.py:smoke", "eval", {"init.workdir": str(rl_reference),
+                                                     "eval.examples_per_level": 2, "eval.samples": 2}),
+            ("configs/agentic_tools.py:smoke", "agentic", {"train.tensorboard": False, "train.num_steps": 2,
+                                                           "checkpoint.every_steps": 2, "rl.eval_examples": 4})]
+    plan = json.dumps([(spec, str(tmp_path / "two" / name), overrides) for spec, name, overrides in jobs])
+    cluster = _cluster(tmp_path, "jobs", [sys.executable, "-c", JOBS_DRIVER, plan], _env(tmp_path_factory),
+                       repo_root)
+    try:
+        for spec, name, overrides in jobs[1:3]:  # the same jobs in this process, meanwhile
+            run(config_lib.load_config(spec, overrides), str(tmp_path / "one" / name))
+    finally:
+        logs = _finish(cluster)
+    assert all("config error: rl.mode='async' with 2 JAX processes" in log and "rl.backend='sglang'" in log
+               and "config error: multi-turn episodes (tool_calc_compact) with 2 JAX processes" in log for log in logs)
+    two, one = tmp_path / "two", tmp_path / "one"
+    # the score head's bias has no true gradient (a Bradley-Terry loss sees only score differences): Adam
+    # turns its rounding-level gradient, summed in another order on 2 processes, into a full-size step
+    _assert_same_params(two / "rm", one / "rm", skip="['value_proj']['bias']")
+    rm = [json.loads((w / "rm" / "summary.json").read_text()) for w in (two, one)]
+    assert rm[0]["heldout_accuracy"] == rm[1]["heldout_accuracy"]
+    evals = [json.loads((w / "eval" / "eval.json").read_text()) for w in (two, one)]
+    assert evals[0]["by_level"] == evals[1]["by_level"] and evals[0]["overall"]["tasks"] > 0, evals
+    _assert_same_samples(two / "eval", one / "eval")

@@ -155,3 +155,39 @@ def test_grain_map_dataset_is_a_source():
     batch = next(stream)
     text = TOK.decode([t for t, m in zip(batch["tokens"].ravel(), batch["loss_mask"].ravel(), strict=True) if m])
     assert "A" in text and "a" not in text.replace("<|im_end|>", "")
+
+
+class _ReadLog(list):
+    """A record source that notes which records were read."""
+
+    def __init__(self, records):
+        super().__init__(records)
+        self.read: set[int] = set()
+
+    def __getitem__(self, i):
+        self.read.add(i)
+        return super().__getitem__(i)
+
+
+def test_rows_built_apart_are_the_batch_and_read_only_their_own_records():
+    """Per-host shards (rlvr.data.shards): two streams each building one row of every batch, as two
+    processes do, give one stream's batches, read disjoint records (together what it read), and their
+    merged cursors resume it exactly."""
+    records = [{"prompt": f"q{i}", "completion": "a" * (i % 7 + 1)} for i in range(200)]
+    whole_source = _ReadLog(records)
+    whole = TokenStream(whole_source, lambda r: encode_record(TOK, r), 2, 64, TOK.pad_id, seed=0)
+    batches = [next(whole) for _ in range(5)]
+    sources = [_ReadLog(records), _ReadLog(records)]
+    halves = [TokenStream(s, lambda r: encode_record(TOK, r), 2, 64, TOK.pad_id, seed=0) for s in sources]
+    for want in batches[:4]:
+        for row, half in enumerate(halves):
+            got = half.next_rows([row])
+            for key in want:
+                np.testing.assert_array_equal(got[key][0], want[key][row])
+    assert not sources[0].read & sources[1].read and sources[0].read and sources[1].read
+    assert sources[0].read | sources[1].read <= whole_source.read
+    assert halves[0].records_read + halves[1].records_read == len(sources[0].read | sources[1].read)
+    resumed = _stream(records)
+    resumed.set_state({"cursors": [halves[0].cursors[0], halves[1].cursors[1]]})
+    for key, value in next(resumed).items():
+        np.testing.assert_array_equal(value, batches[4][key])

@@ -6,9 +6,10 @@ index: checkpointing it resumes exactly where a run stopped.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
-from rlvr.data.packing import pack_examples
+from rlvr.data.packing import FIELDS, pack_examples
 
 
 def arithmetic_problem(rng: np.random.Generator, max_operand: int) -> tuple[str, str]:
@@ -43,8 +44,8 @@ class ArithmeticData:
             examples.append((p + a, [0] * len(p) + [1] * len(a)))
         return pack_examples(examples, self.batch_size, self.seq_len, self.tokenizer.pad_id)[0]
 
-    def peek(self) -> dict[str, np.ndarray]:
-        return self.batch(self.next_batch)
+    def shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
+        return {k: jax.ShapeDtypeStruct((self.batch_size, self.seq_len), np.int32) for k in FIELDS}
 
     def __iter__(self):
         return self

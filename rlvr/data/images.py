@@ -25,7 +25,7 @@ import numpy as np
 from PIL import Image
 
 from rlvr.data.chat import render_chat
-from rlvr.data.packing import pack_examples
+from rlvr.data.packing import empty_batch, pack_examples
 from rlvr.data.stream import TokenStream
 from rlvr.models.config import VisionConfig
 from rlvr.models.tokenizer import Tokenizer
@@ -216,25 +216,31 @@ class ImageTokenStream(TokenStream):
         super().__init__(source, encode, batch_size, seq_len, pad_id, seed, pack, shuffle)
         self.vision, self.capacity = vision, capacity
 
-    def _batch(self) -> tuple[dict[str, np.ndarray], int]:
+    def _batch(self) -> tuple[dict[str, np.ndarray], list[int]]:
+        """The next batch (every row, each packed from its own record stream: rlvr.data.stream) and the
+        records each row consumed."""
         from rlvr.models.vision import IMAGE_KEYS, image_inputs
 
-        seen: list[ImageExample] = []
+        batch = empty_batch(self.batch_size, self.seq_len, self.pad_id)
+        patches, grids, consumed = [], [], []
+        for row in range(self.batch_size):
+            seen: list[ImageExample] = []
 
-        def texts():
-            for example in self._examples(self.cursor):
-                if len(example.ids) > self.seq_len and example.grids:
-                    raise ValueError(f"data.seq_len={self.seq_len} cuts a record with images ({len(example.ids)} "
-                                     "tokens); raise data.seq_len or lower data.image_max_pixels.")
-                seen.append(example)
-                yield example.ids, example.mask
+            def texts(row=row, seen=seen):
+                for example in self._row_examples(row):
+                    if len(example.ids) > self.seq_len and example.grids:
+                        raise ValueError(f"data.seq_len={self.seq_len} cuts a record with images ({len(example.ids)} "
+                                         "tokens); raise data.seq_len or lower data.image_max_pixels.")
+                    seen.append(example)
+                    yield example.ids, example.mask
 
-        batch, consumed = pack_examples(texts(), self.batch_size, self.seq_len, self.pad_id, self.pack)
-        patches, grids, k = [], [], 0
-        for row in batch["segment_ids"]:
-            examples, k = seen[k:k + int(row.max())], k + int(row.max())
+            one, n = pack_examples(texts(), 1, self.seq_len, self.pad_id, self.pack)
+            for key in batch:
+                batch[key][row] = one[key][0]
+            examples = seen[:n]
             patches.append(np.concatenate([e.patches for e in examples] or [np.zeros((0, self.vision.patch_dim))]))
             grids.append([g for e in examples for g in e.grids])
+            consumed.append(n)
         images = image_inputs(self.vision, patches, grids, batch["tokens"], batch["segment_ids"],
                               self.capacity or None)
         return batch | {f"image_{key}": np.asarray(value) for key, value in zip(IMAGE_KEYS, images, strict=True)}, \
@@ -242,8 +248,19 @@ class ImageTokenStream(TokenStream):
 
     def __next__(self) -> dict[str, np.ndarray]:
         batch, consumed = self._batch()
-        self.cursor += consumed
+        for row, n in enumerate(consumed):
+            self.cursors[row] += n
         return batch
+
+    def next_rows(self, rows: Sequence[int]) -> dict[str, np.ndarray]:
+        """Rows `rows` of the next batch. Not sharded: the image arrays' size is the batch's most patches
+        (capacity 0), so every process builds the whole batch (README 'Running across hosts')."""
+        return {key: value[list(rows)] for key, value in next(self).items()}
 
     def peek(self) -> dict[str, np.ndarray]:
         return self._batch()[0]
+
+    def shapes(self) -> dict[str, Any]:
+        import jax
+
+        return {key: jax.ShapeDtypeStruct(value.shape, value.dtype) for key, value in self.peek().items()}

@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from rlvr.data.chat import render_completion, render_prompt
-from rlvr.data.packing import empty_batch, pack_examples
+from rlvr.data.packing import FIELDS, empty_batch, pack_examples
 from rlvr.data.stream import RecordOrder
 from rlvr.models.tokenizer import Tokenizer
 
@@ -53,10 +54,13 @@ class PairStream:
         self.pairs_per_batch, self.seq_len = pairs_per_batch, seq_len
         self.order = RecordOrder(len(records), seed, shuffle)
         self.cursor = 0
+        self.records_read = 0  # pairs this stream has read (rows of batches it built)
         self.reference: np.ndarray | None = None  # [num_records, 2] (chosen, rejected) log-probs
 
-    def batch_at(self, cursor: int) -> dict[str, np.ndarray]:
-        indices = [self.order[k] for k in range(cursor, cursor + self.pairs_per_batch)]
+    def batch_at(self, cursor: int, rows: Sequence[int] | None = None) -> dict[str, np.ndarray]:
+        """The batch of pairs `order[cursor : cursor + P]` (only its `rows`, when given)."""
+        rows = range(self.pairs_per_batch) if rows is None else rows
+        indices = [self.order[cursor + r] for r in rows]
         batch = pair_batch([encode_pair(self.tokenizer, self.records[i]) for i in indices], self.seq_len,
                            self.tokenizer.pad_id)
         if self.reference is not None:
@@ -68,15 +72,26 @@ class PairStream:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        batch = self.batch_at(self.cursor)
+        return self.next_rows(range(self.pairs_per_batch))
+
+    def next_rows(self, rows: Sequence[int]) -> dict[str, np.ndarray]:
+        """Pairs `rows` of the next batch (rlvr.data.shards: a process reads only its rows' pairs)."""
+        batch = self.batch_at(self.cursor, rows)
         self.cursor += self.pairs_per_batch
+        self.records_read += len(rows)
         return batch
 
-    def peek(self) -> dict[str, np.ndarray]:
-        return self.batch_at(self.cursor)
+    def shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
+        rows = jax.ShapeDtypeStruct((self.pairs_per_batch, self.seq_len), np.int32)
+        out = {f"{side}_{k}": rows for side in ("chosen", "rejected") for k in FIELDS}
+        if self.reference is not None:
+            out.update({k: jax.ShapeDtypeStruct((self.pairs_per_batch,), np.float32)
+                        for k in ("ref_chosen", "ref_rejected")})
+        return out
 
     def get_state(self) -> dict[str, int]:
         return {"cursor": self.cursor}
 
     def set_state(self, state: dict[str, int]) -> None:
         self.cursor = int(state["cursor"])
+        self.records_read = 0

@@ -2,8 +2,8 @@
 
 A source is anything with `len()` and `[i]` (a list of JSONL rows, a `tfds.data_source`,
 a grain `MapDataset`). Records are visited in a fresh permutation per epoch drawn from the
-run's seed; the only state is a cursor (records consumed so far), so a resumed run
-continues exactly where it stopped.
+run's seed; the only state is a cursor per batch row (records that row consumed so far), so a
+resumed run continues exactly where it stopped.
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
-from rlvr.data.packing import Example, pack_examples
+from rlvr.data.packing import FIELDS, Example, empty_batch, pack_examples
 
 
 class RecordOrder:
@@ -35,37 +36,70 @@ class RecordOrder:
 
 
 class TokenStream:
-    """Packed (or one-per-row) token batches: tokens, positions, segment_ids, loss_mask."""
+    """Packed (or one-per-row) token batches: tokens, positions, segment_ids, loss_mask.
+
+    Row r of every batch is filled from its own share of the record order (visits r, r + B, r + 2B,
+    ... for B rows), with its own cursor: a process builds its rows without reading another row's
+    records (rlvr.data.shards), and the batches are the same whichever rows a process builds. One
+    record per row (`pack=False`) is batch i = records `order[i·B : (i+1)·B]`."""
 
     def __init__(self, source: Sequence[Any], encode: Callable[[Any], Example], batch_size: int,
                  seq_len: int, pad_id: int, seed: int, pack: bool = True, shuffle: bool = True):
         self.source, self.encode = source, encode
         self.batch_size, self.seq_len, self.pad_id, self.pack = batch_size, seq_len, pad_id, pack
         self.order = RecordOrder(len(source), seed, shuffle)
-        self.cursor = 0
+        self.cursors = [0] * batch_size  # records consumed by each row
+        self._read: dict[int, list[int]] = {}  # row -> [first, end) of the visits it read in this process
 
-    def _examples(self, start: int):
-        k = start
+    def _row_examples(self, row: int):
+        visit = self.cursors[row]
         while True:
-            yield self.encode(self.source[self.order[k]])
-            k += 1
+            span = self._read.setdefault(row, [visit, visit])
+            span[0], span[1] = min(span[0], visit), max(span[1], visit + 1)
+            yield self.encode(self.source[self.order[row + self.batch_size * visit]])
+            visit += 1
+
+    @property
+    def records_read(self) -> int:
+        """Distinct records this stream has read (encoded) since it was built or its state was set."""
+        return sum(end - first for first, end in self._read.values())
+
+    def next_rows(self, rows: Sequence[int]) -> dict[str, np.ndarray]:
+        """Rows `rows` of the next batch ([len(rows), seq_len] each), advancing only their cursors."""
+        out = empty_batch(len(rows), self.seq_len, self.pad_id)
+        for i, row in enumerate(rows):
+            one, consumed = pack_examples(self._row_examples(row), 1, self.seq_len, self.pad_id, self.pack)
+            for key in out:
+                out[key][i] = one[key][0]
+            self.cursors[row] += consumed
+        return out
 
     def __iter__(self):
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        batch, consumed = pack_examples(self._examples(self.cursor), self.batch_size, self.seq_len,
-                                        self.pad_id, self.pack)
-        self.cursor += consumed
-        return batch
+        return self.next_rows(range(self.batch_size))
 
-    def peek(self) -> dict[str, np.ndarray]:
-        """The next batch without advancing (used to build shardings)."""
-        return pack_examples(self._examples(self.cursor), self.batch_size, self.seq_len,
-                             self.pad_id, self.pack)[0]
+    def shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
+        return {k: jax.ShapeDtypeStruct((self.batch_size, self.seq_len), np.int32) for k in FIELDS}
 
-    def get_state(self) -> dict[str, int]:
-        return {"cursor": self.cursor}
+    def exhausted(self) -> bool:
+        """Every row has passed the end of the first epoch (every record visited once)."""
+        return all(r + self.batch_size * c >= len(self.source) for r, c in enumerate(self.cursors))
 
-    def set_state(self, state: dict[str, int]) -> None:
-        self.cursor = int(state["cursor"])
+    def get_state(self) -> dict[str, Any]:
+        return {"cursors": list(self.cursors)}
+
+    def set_cursors(self, cursors: Sequence[int]) -> None:
+        self.cursors = [int(c) for c in cursors]
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if "cursors" in state:
+            if len(state["cursors"]) != self.batch_size:
+                raise ValueError(f"the checkpoint's data position has {len(state['cursors'])} rows; data.batch_size="
+                                 f"{self.batch_size}: resume with the batch size it was written with")
+            self.set_cursors(state["cursors"])
+        else:  # a checkpoint from before per-row cursors: n records consumed, spread over the rows
+            n = int(state["cursor"])
+            self.set_cursors([n // self.batch_size + (r < n % self.batch_size) for r in range(self.batch_size)])
+        self._read = {}

@@ -47,6 +47,7 @@ from rlvr.rl import advantages as adv_lib
 from rlvr.rl import scheduler as scheduler_lib
 from rlvr.rl.batching import Sample
 from rlvr.rl.filters import overlong_penalty
+from rlvr.rl.host_shards import HostShare
 from rlvr.rollout.types import Request, SamplingParams
 from rlvr.tasks.constraints import sampling_constraint
 
@@ -207,6 +208,7 @@ class Producer:
         self.make_env = make_env  # task -> rlvr.envs.base.Environment (default: rlvr.envs.make_env)
         self.agent = agent  # rlvr.envs.agent.AgentRunner: every task played by a black-box agent (rl.agent)
         self._episode_stats: dict[str, float] = collections.defaultdict(float)
+        self.hosts = HostShare()  # multi-host: this process's share of the task stream and of the verifying
         self._log_lock = threading.Lock()
         # verifiers that wait on subprocesses (code in a sandbox, math in worker processes) run concurrently
         # (in this process, or on Ray actors: rl.verifier_backend)
@@ -259,10 +261,13 @@ class Producer:
         text, truncated = completion_text(self.tokenizer, completion)
         failure = None
         try:
-            if finish.get("type") == "abort":
+            if not self.hosts.verifies(group):  # another process verifies it: rewards arrive by `share_verdicts`
+                rewards = {}
+            elif finish.get("type") == "abort":
                 raise RuntimeError(f"rollout aborted: {finish.get('message')}")
-            rewards = dict(self.verifiers.score(task, text, truncated))
-            rewards["verifier_error"] = 0.0
+            else:
+                rewards = dict(self.verifiers.score(task, text, truncated))
+                rewards["verifier_error"] = 0.0
         except Exception as e:  # recorded (metrics + failures.jsonl), never silently dropped
             rewards = {"reward": 0.0, "verifier_error": 1.0}
             failure = {"task_index": task.index, "family": task.family, "rid": completion.rid,
@@ -292,10 +297,11 @@ class Producer:
         while len(out) < count:
             need = count - len(out)
             if self.curriculum is None:
-                tasks = self.tasks.tasks(self.cursor, need)
+                tasks = self.hosts.read_tasks(lambda i, c=self.cursor: self.tasks.task(c + i), need)
             else:
                 draws = self.curriculum.sample(need)
-                tasks = [self.tasks.task(self.cursor + i, family=f, level=lv) for i, (f, lv) in enumerate(draws)]
+                tasks = self.hosts.read_tasks(lambda i, c=self.cursor, d=draws: self.tasks.task(
+                    c + i, family=d[i][0], level=d[i][1]), need)
             self.cursor += need
             drawn += need
             for task in tasks:
@@ -405,6 +411,7 @@ class Producer:
         if episode_groups:  # their turns and the single-turn groups share the scheduler concurrently
             episodes = self._episode_pool.submit(self._episode_samples, tasks, episode_groups, replays, step)
         by_group = self._scheduled_groups(tasks, prompts, replays, single, step) if single else {}
+        self.hosts.share_verdicts(by_group)
         if episodes is not None:
             by_group.update(episodes.result())
         failures = [f for g in sorted(by_group) for _, f in by_group[g] if f is not None]

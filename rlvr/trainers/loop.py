@@ -18,6 +18,7 @@ import ml_collections
 
 from rlvr import observe
 from rlvr.api import Model
+from rlvr.data import shards
 from rlvr.models import lora
 from rlvr.train import flops
 from rlvr.train import step as step_lib
@@ -72,7 +73,8 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str, model: Model, lo
         state = step_lib.init_state(trained, optimizer, shardings)
     model.params = trained = None  # now owned (and donated) by `state`
 
-    batch_sh = step_lib.batch_shardings(data.peek(), model.mesh)
+    batch_sh = step_lib.batch_shardings(data.shapes(), model.mesh)
+    reader = shards.RowReader(data, batch_sh)  # this process's rows of each batch
     train_step = step_lib.build_train_step(
         loss_fn, optimizer, model.mesh, shardings, batch_sh, micro_batches=config.train.micro_batches,
         learning_rate=learning_rate_schedule(config.optimizer, num_steps), frozen_sharding=frozen_sharding,
@@ -89,7 +91,7 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str, model: Model, lo
     preempted_at = None
     with PreemptionGuard() as guard:
         for step in range(start, num_steps):
-            batch = jax.device_put(next(data), batch_sh)
+            batch = reader.next()
             state, metrics = train_step(state, batch, rng, frozen, base)
             done, window_steps = step + 1, window_steps + 1
             if step == start:  # one host sync, to separate compile time from step time
@@ -105,12 +107,13 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str, model: Model, lo
                 progress.update(done, {"loss": metrics["loss"]})
                 window_start, window_steps = time.perf_counter(), 0
             if done % config.checkpoint.every_steps == 0 or done == num_steps:
-                checkpoints.save(done, state, {"data": data.get_state(), **record}, force=True)
+                checkpoints.save(done, state, {"data": shards.merged_state(data), **record}, force=True)
             if done < num_steps and guard.should_stop():
-                checkpoints.save_now(done, state, {"data": data.get_state(), **record})
+                checkpoints.save_now(done, state, {"data": shards.merged_state(data), **record})
                 preempted_at = done
                 break
     progress.close()
+    print(reader.describe())
     checkpoints.close()
     writer.close()
     if preempted_at is not None:

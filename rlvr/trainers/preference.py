@@ -17,6 +17,7 @@ import ml_collections
 import numpy as np
 
 from rlvr import api, losses
+from rlvr.data import shards
 from rlvr.data.pairs import PairStream
 from rlvr.data.sources import load_records
 from rlvr.losses import preference as pref
@@ -89,13 +90,19 @@ def reward_model_loss(cfg, params, batch, rng, frozen):
     return pref.to_step_sums(loss, metrics)
 
 
-def reference_table(cfg, params, stream: PairStream) -> np.ndarray:
-    """[num_records, 2] summed log-probs of (chosen, rejected) under `params`, one pass."""
+def _pass(stream: PairStream, fn, params, start: int, mesh):
+    """`fn(params, pairs order[start : start + P])`, each process reading only its rows' pairs."""
+    return shards.apply_by_rows(fn, params, lambda rows: stream.batch_at(start, rows), stream.shapes(), mesh)
+
+
+def reference_table(cfg, params, stream: PairStream, mesh) -> np.ndarray:
+    """[num_records, 2] summed log-probs of (chosen, rejected) under `params`, one pass (on a
+    multi-host job each process reads its rows' pairs of every batch; the table is gathered)."""
     compute = jax.jit(functools.partial(pair_logprobs, cfg))
     n, per = len(stream.records), stream.pairs_per_batch
     table = np.zeros((n, 2), np.float64)
     for start in range(0, n, per):
-        out = jax.device_get(compute(params, stream.batch_at(start)))
+        out = _pass(stream, compute, params, start, mesh)
         rows = [stream.order[k] for k in range(start, start + per)]
         for j, row in enumerate(rows[: n - start]):
             table[row] = (out["chosen"][j], out["rejected"][j])
@@ -106,7 +113,7 @@ def _pair_stream(config, tokenizer, records, shuffle: bool) -> PairStream:
     return PairStream(records, tokenizer, config.data.batch_size, config.data.seq_len, config.seed, shuffle)
 
 
-def evaluate_pairs(config, cfg, params, tokenizer, records, ref_params=None) -> dict[str, float]:
+def evaluate_pairs(config, cfg, params, tokenizer, records, mesh, ref_params=None) -> dict[str, float]:
     """Held-out pairwise accuracy, margin (and calibration for reward models)."""
     stream = _pair_stream(config, tokenizer, records, shuffle=False)
     chosen, rejected = [], []
@@ -123,7 +130,7 @@ def evaluate_pairs(config, cfg, params, tokenizer, records, ref_params=None) -> 
             return lp["chosen"] / lp["chosen_len"], lp["rejected"] / lp["rejected_len"]
         score = jax.jit(score)
     for start in range(0, len(records), stream.pairs_per_batch):
-        c, r = jax.device_get(score(params, stream.batch_at(start)))
+        c, r = _pass(stream, score, params, start, mesh)
         take = min(stream.pairs_per_batch, len(records) - start)
         chosen.append(np.asarray(c[:take]))
         rejected.append(np.asarray(r[:take]))
@@ -159,7 +166,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     else:
         loss_fn = functools.partial(preference_loss, cfg, p)
         if uses_reference and p.reference == "precompute":
-            stream.reference = reference_table(cfg, ref_params, stream)
+            stream.reference = reference_table(cfg, ref_params, stream, model.mesh)
         elif uses_reference:
             frozen = ref_params
     frozen_sharding = jax.tree.map(lambda x: x.sharding, frozen) if frozen is not None else None
@@ -168,6 +175,6 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     summary: dict[str, Any] = {"job": config.job, "loss_type": "bradley_terry" if config.job == "rm" else p.loss,
                                "final_step": config.train.num_steps, **result.last_metrics}
     if held_out:
-        summary.update(evaluate_pairs(config, cfg, result.params, tokenizer, held_out, ref_params))
+        summary.update(evaluate_pairs(config, cfg, result.params, tokenizer, held_out, model.mesh, ref_params))
     write_summary(workdir, summary)
     return summary

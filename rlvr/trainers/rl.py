@@ -374,9 +374,13 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 def check_processes(rl: ml_collections.ConfigDict, processes: int) -> None:
     """Several JAX processes (a multi-host job) run the rollout SPMD: each drives the same embedded
     engine over the global mesh, so every process must take the same host-side decisions in the same
-    order. Synchronous rollout does (tests/test_multihost.py: bitwise the one-process result); what
-    depends on timing or on a remote server's answers would let the processes diverge, so it is
-    refused. Raises api.ConfigError naming the setting."""
+    order. Synchronous rollout does (tests/test_multihost.py: bitwise the one-process result). Async
+    mode cannot, by construction: where a weight update lands in a generation (which decode step, which
+    tokens get the new version) and how far the producer runs ahead depend on each process's own timing,
+    so the processes' engines would run different programs; and its producer thread launches engine
+    collectives while the main thread launches training ones, in an order no process agrees on. SGLang
+    answers and time-based scheduling depend on timing too. All are refused; raises api.ConfigError
+    naming the setting and what to use instead."""
     if processes == 1:
         return
     refused = {"rl.mode='async'": rl.mode == "async", "rl.backend='sglang'": rl.backend == "sglang",
@@ -384,10 +388,30 @@ def check_processes(rl: ml_collections.ConfigDict, processes: int) -> None:
                "rl.schedule.deadline_s > 0": rl.schedule.deadline_s > 0}
     bad = [name for name, on in refused.items() if on]
     if bad:
-        raise api.ConfigError(f"{', '.join(bad)} with {processes} JAX processes: a multi-host RL job runs "
-                              "rl.mode='sync' on the embedded engine with time-independent scheduling (the "
-                              "processes must take identical rollout decisions); set those, or run the trainer "
-                              "as one process (README 'Running across hosts').")
+        raise api.ConfigError(f"{', '.join(bad)} with {processes} JAX processes: every process drives the same "
+                              "embedded engine, so all must take identical rollout decisions, which a background "
+                              "producer, remote servers or a clock cannot guarantee. On several hosts use "
+                              "rl.mode='sync', rl.backend='embedded', rl.schedule.lag_factor=0 and deadline_s=0; "
+                              "for asynchronous RL across machines run the trainer as one JAX process (one host) "
+                              "with rl.backend='sglang' and SGLang servers on the other machines (README 'Running "
+                              "across hosts').")
+
+
+def check_episodes(rl: ml_collections.ConfigDict, tasks, processes: int) -> None:
+    """Multi-turn episodes (tool and sandbox environments, rl.agent) are refused on several JAX processes:
+    a 2-process agentic run built different train batches on its two processes (JAX's device_put check
+    stopped it), most likely because the episode threads submit turns to the engine in an order that
+    differs from process to process (not yet confirmed). Raises api.ConfigError saying what to run."""
+    from rlvr.rl.producer import is_episode_task
+
+    if processes == 1:
+        return
+    episodic = sorted(name for name, family in tasks.families.items() if is_episode_task(family.task(0)))
+    if rl.agent or episodic:
+        raise api.ConfigError(f"multi-turn episodes ({'rl.agent' if rl.agent else ', '.join(episodic)}) with "
+                              f"{processes} JAX processes: agentic RL runs as one JAX process for now (one host, "
+                              "all its accelerators); rollout can still scale out with rl.backend='sglang' "
+                              "(README 'Running across hosts').")
 
 
 def start_run(config: ml_collections.ConfigDict, workdir: str) -> Run:
@@ -395,6 +419,7 @@ def start_run(config: ml_collections.ConfigDict, workdir: str) -> Run:
     frozen reference, the rollout backend on the current weights, the producer and the update."""
     tokenizer = api.build_tokenizer(config)
     tasks = build_tasks(config.rl, config.seed)
+    check_episodes(config.rl, tasks, jax.process_count())
     model, reference_pointer = initial_model(config, workdir, tasks)
     if config.rl.advantage == "gae":
         model = api.with_value_head(model)
@@ -566,6 +591,8 @@ def write_summary(run: Run, wall_s: float) -> dict[str, Any]:
     """summary.json (held-out accuracy before and after, per domain, the curriculum's report) and
     rl_curve.png; prints the result."""
     config, evals, details, num_steps = run.config, run.evals, run.eval_details, run.config.train.num_steps
+    hosts = run.producer.hosts  # this process's share of the task stream and of the verifying
+    print(hosts.report())
     if evals[-1][0] != num_steps:  # resumed after the final step was already saved
         raise RuntimeError("final evaluation missing from the last checkpoint")
     before, after = evals[0][1], evals[-1][1]
@@ -579,7 +606,9 @@ def write_summary(run: Run, wall_s: float) -> dict[str, Any]:
                "evals": [e[:3] for e in evals], "wall_s": round(wall_s, 1),
                "reference": run.reference_pointer, "families": len(run.tasks.names),
                "balance": evaluation.balance_report([(e[0], e[3]) for e in evals]),
-               "prompts_too_long": int(run.prompts_too_long), "eval_final": details[-1]}
+               "prompts_too_long": int(run.prompts_too_long), "eval_final": details[-1],
+               "host_share": {"process": hosts.process, "processes": hosts.processes, "tasks_read": hosts.tasks_read,
+                              "completions_verified": hosts.completions_verified}}
     if "tool_use" in details[0]["overall"]:  # multi-turn tool tasks: the share of episodes using a tool
         summary["heldout_tool_use_before"] = details[0]["overall"]["tool_use"]
         summary["heldout_tool_use_after"] = details[-1]["overall"]["tool_use"]

@@ -124,7 +124,7 @@ def evaluate_loss(config: ml_collections.ConfigDict, model: api.Model, tokenizer
                              shuffle=False)
     loss_fn = jax.jit(configured_loss(config, model.cfg))
     total, weight = 0.0, 0.0
-    while stream.cursor < len(examples):
+    while not stream.exhausted():
         loss_sum, aux = loss_fn(model.params, next(stream), None, None)
         total, weight = total + float(loss_sum), weight + float(aux["weight"])
     return total / max(weight, 1.0)
