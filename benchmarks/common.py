@@ -38,8 +38,13 @@ def time_calls(fn, repeats: int) -> tuple[float, list[float]]:
     return first, times
 
 
-def emit(record: dict) -> None:
+def emit(record: dict, out: str = "", sort_keys: bool = False) -> None:
+    """Prints the record as one JSON line and, with `out`, writes it there (indented)."""
     print(json.dumps(record, sort_keys=True))
+    if out:
+        with open(out, "w") as f:
+            json.dump(record, f, indent=2, sort_keys=sort_keys)
+            f.write("\n")
 
 
 def machine_peaks(dtype: str = "float32") -> dict:

@@ -1,22 +1,24 @@
 """On-policy distillation on the quickstart: an RL-trained teacher distilled into a fresh SFT student.
 
-    .venv/bin/python benchmarks/distill_quickstart.py [--seeds 0,1,2] [--out benchmarks/results/distill_quickstart.json]
+    .venv/bin/python benchmarks/distill_quickstart.py [--seeds 0,1,2] [--set optimizer.learning_rate=3e-3] \
+        [--steps 20 --eval_every 2] [--root workdirs/issue22] [--out benchmarks/results/distill_quickstart.json]
 
-Per seed, in a temporary directory: (1) the quickstart (`configs/quickstart.py`: SFT warm start, then
-100 GRPO steps) trains the teacher; that run is also "RL alone from the student", since the student is
-the same seed's SFT warm start. (2) The same config with `rl.teacher` = the teacher's workdir and
-`rl.distill_task_advantage=False` trains a fresh student (the identical warm start) on the teacher's
-per-token reverse KL alone (rlvr.rl.distill). Held-out greedy accuracy is evaluated every 10 steps in
-both runs; the record holds both curves, the teacher's final accuracy, and for each run the first step
-at which it is within 5 points of the teacher's final accuracy (None: never within 100 steps).
+Per seed: (1) the quickstart (`configs/quickstart.py`: SFT warm start, then 100 GRPO steps, held-out
+greedy accuracy every 10 steps) trains the teacher; its final accuracy is the target. (2) RL alone from
+the student: the same run (the student is the same seed's SFT warm start), `--steps` steps with
+evaluation every `--eval_every` (the teacher's own first steps, deterministic, evaluated more often).
+(3) The same config with `rl.teacher` = the teacher's workdir, `rl.distill_task_advantage=False` and the
+`--set` overrides trains a fresh student (the identical warm start) on the teacher's per-token reverse
+KL alone (rlvr.rl.distill), also `--steps` steps, evaluated as often. The record holds the curves and,
+for (2) and (3), the first evaluated step within 5 points of the target (None: never in the steps run).
+With `--root` the runs are kept and reused (the teacher is `quickstart_seeds.py --root DIR --set
+rl.eval_every=10`'s full run of the seed), else they live in a temporary directory.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
-import json
 import os
 import platform
 import sys
@@ -24,9 +26,7 @@ import tempfile
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import emit  # noqa: E402
-
-from rlvr import config_lib  # noqa: E402
-from rlvr.main import run  # noqa: E402
+from quickstart_seeds import _override, run_dir, run_seed  # noqa: E402
 
 EVAL_EVERY, WITHIN = 10, 0.05
 
@@ -35,39 +35,79 @@ def _first_within(evals, target: float):
     return next((step for step, acc, *_ in evals if acc >= target - WITHIN), None)
 
 
-def one_seed(seed: int) -> dict:
-    with tempfile.TemporaryDirectory(prefix=f"distill_s{seed}_") as root:
-        with contextlib.redirect_stdout(sys.stderr):
-            config = config_lib.load_config("configs/quickstart.py", {"seed": seed, "rl.eval_every": EVAL_EVERY})
-            teacher = run(config, os.path.join(root, "teacher"))
-            config = config_lib.load_config("configs/quickstart.py", {
-                "seed": seed, "rl.eval_every": EVAL_EVERY, "rl.teacher": os.path.join(root, "teacher"),
-                "rl.distill_task_advantage": False})
-            student = run(config, os.path.join(root, "student"))
+def one_seed(seed: int, root: str, student_overrides: dict, spec: str = "configs/quickstart.py",
+             steps: int = 0, fine_eval: int = EVAL_EVERY) -> dict:
+    """One seed's teacher (the quickstart's own GRPO run, 100 steps), RL alone from the student and
+    the distilled student (both `steps` steps, 0 = the teacher's, evaluated every `fine_eval`), all
+    kept under `root` (quickstart_seeds.py --root shares the teacher)."""
+    plain = {"rl.eval_every": EVAL_EVERY}
+    teacher = run_seed(seed, spec, plain, root)
     target = teacher["heldout_accuracy_after"]
+    compare = {"rl.eval_every": fine_eval, **({"train.num_steps": steps} if steps else {})}
+    rl_alone = teacher if compare == plain else run_seed(seed, spec, compare, root)  # = the teacher's first steps
+    distill = {**compare, "rl.teacher": run_dir(root, seed, plain, spec), "rl.distill_task_advantage": False,
+               **student_overrides}
+    student = run_seed(seed, spec, distill, root)
     return {"seed": seed, "teacher_accuracy": target, "student_start_accuracy": student["heldout_accuracy_before"],
-            "distilled_accuracy": student["heldout_accuracy_after"],
-            "rl_steps_to_within_5_points": _first_within(teacher["evals"], target),
+            "distilled_accuracy": student["heldout_accuracy_after"], "steps_run": student["final_step"],
+            "rl_steps_to_within_5_points": _first_within(rl_alone["evals"], target),
             "distill_steps_to_within_5_points": _first_within(student["evals"], target),
-            "rl_curve": teacher["evals"], "distill_curve": student["evals"],
-            "wall_s": {"rl": teacher["wall_s"], "distill": student["wall_s"]}}
+            "rl_curve": rl_alone["evals"], "distill_curve": student["evals"], "teacher_curve": teacher["evals"],
+            "wall_s": {"teacher": teacher["wall_s"], "rl": rl_alone["wall_s"], "distill": student["wall_s"]}}
+
+
+def plot(runs: list[dict], path: str) -> None:
+    """One panel per seed: held-out accuracy of RL alone and of the distilled student by step, and the
+    target band (within 5 points of the teacher's final accuracy)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.4), squeeze=False)
+    for ax, r in zip(axes[0], runs, strict=True):
+        for key, label in (("rl_curve", "RL alone"), ("distill_curve", "distillation")):
+            ax.plot([e[0] for e in r[key]], [e[1] for e in r[key]], marker=".", label=label)
+        ax.axhspan(r["teacher_accuracy"] - WITHIN, r["teacher_accuracy"], color="grey", alpha=0.2,
+                   label="teacher - 5 points")
+        ax.set(title=f"seed {r['seed']}", xlabel="step", ylabel="held-out greedy accuracy", ylim=(0, 0.8))
+        ax.legend(loc="lower right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--config", default="configs/quickstart.py", help="path[:arg] (`:smoke` to try the script)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override of the distilled student's run (e.g. optimizer.learning_rate=3e-3)")
+    parser.add_argument("--root", default="", help="keep the runs under this directory (resumable; the teachers "
+                        "are quickstart_seeds.py --root DIR --set rl.eval_every=10's full runs); default: temporary")
+    parser.add_argument("--steps", type=int, default=0, help="steps of the compared runs (RL alone from the "
+                        "student, distillation); 0 = the teacher's 100")
+    parser.add_argument("--eval_every", type=int, default=EVAL_EVERY, help="held-out evaluation interval of the "
+                        "compared runs (the teacher's stays 10)")
     parser.add_argument("--out", default="")
+    parser.add_argument("--plot", default="", help="a PNG of the curves")
     args = parser.parse_args(argv)
-    runs = [one_seed(int(s)) for s in args.seeds.split(",")]
+    overrides = dict(_override(item) for item in args.set)
+    with tempfile.TemporaryDirectory(prefix="distill_") as scratch:
+        runs = [one_seed(int(s), args.root or scratch, overrides, args.config, args.steps, args.eval_every)
+                for s in args.seeds.split(",")]
+    rl_steps = [r["rl_steps_to_within_5_points"] for r in runs]
+    distill_steps = [r["distill_steps_to_within_5_points"] for r in runs]
     record = {"benchmark": "distill_quickstart", "date": datetime.date.today().isoformat(),
               "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs (shared)",
               "command": " ".join([".venv/bin/python benchmarks/distill_quickstart.py", *(argv or sys.argv[1:])]),
-              "config": "configs/quickstart.py", "runs": runs}
-    emit(record)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=2)
-            f.write("\n")
+              "config": args.config, "student_overrides": overrides, "runs": runs,
+              "distill_faster_seeds": sum(d is not None and (r is None or d < r)
+                                          for r, d in zip(rl_steps, distill_steps, strict=True)),
+              "distill_reached_seeds": sum(d is not None for d in distill_steps)}
+    emit(record, args.out)
+    if args.plot:
+        plot(runs, args.plot)
     return 0
 
 

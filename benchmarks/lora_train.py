@@ -1,6 +1,9 @@
 """LoRA / QLoRA against full fine-tuning: memory from the ahead-of-time analysis, and the SFT step time.
 
     .venv/bin/python benchmarks/lora_train.py [--repeats 7] [--out benchmarks/results/lora_train.json]
+    .venv/bin/python benchmarks/lora_train.py --tunix_python=/path/to/.venv-tunix/bin/python [--rounds 2] \
+        [--repeats 5] --out benchmarks/results/lora_vs_tunix.json   # beside Tunix's LoRA step, same window
+    .venv/bin/python benchmarks/lora_train.py --memory_only --out benchmarks/results/lora_memory.json
 
 Memory (nothing allocated: `rlvr.aot.analyze` compiles the SFT train step on one CPU device and reads
 XLA's memory analysis) for the fixed config (the `bench` preset, 4.46M params, batch 8 x 256) and a
@@ -12,8 +15,11 @@ all seven projections (Tunix's peer LoRA step: qwix, same rank and targets).
 Step time (the fixed config, AdamW, fp32): full fine-tuning and LoRA / QLoRA steps interleaved, medians,
 beside Tunix's LoRA step (0.88 s, benchmarks/peers; another day's window: compare the same-run ratio
 LoRA / full first) and the roofline of each step: its model FLOPs at the fp32 matmul peak measured in
-the same run. A LoRA step's FLOPs: forward and input gradients of every matmul (4 per weight and token)
-plus the adapters' own 6, and attention; the frozen weights get no weight gradient.
+the same run. With `--tunix_python` (a venv with google-tunix), only that comparison, in one window: the
+peer script's LoRA step (`benchmarks/peers/bench_tunix.py --only sft_lora`, a fresh process, its median)
+and ours (with the full step beside it) alternately in ABBA order. A LoRA step's FLOPs: forward and
+input gradients of every matmul (4 per weight and token) plus the adapters' own 6, and attention; the
+frozen weights get no weight gradient.
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -107,11 +115,11 @@ def _step_fn(cfg: ModelConfig, batch_np):
     return one, per_token * BATCH * SEQ
 
 
-def step_times(repeats: int, peak: float) -> dict:
+def step_times(repeats: int, peak: float, variants: tuple[str, ...] = tuple(VARIANTS)) -> dict:
     fixed = ModelConfig(**PRESETS["bench"])
     batch = sft_batch(np.random.default_rng(0))
     steps = {}
-    for name, variant in VARIANTS.items():
+    for name, variant in ((n, VARIANTS[n]) for n in variants):
         cfg = dataclasses.replace(fixed, lora=LoraConfig.from_mapping(variant))
         steps[name] = _step_fn(cfg, batch)
         steps[name][0]()  # compile
@@ -127,7 +135,7 @@ def step_times(repeats: int, peak: float) -> dict:
         out[name] = {"step_s": round(step_s, 4), "tokens_per_s": round(BATCH * SEQ / step_s, 1),
                      "model_gflops_per_step": round(model_flops / 1e9, 2),
                      "roofline_step_s": round(model_flops / peak, 4), "mfu": round(model_flops / step_s / peak, 4)}
-    for name in VARIANTS:
+    for name in variants:
         if name != "full":
             out[name]["step_over_full"] = round(out[name]["step_s"] / out["full"]["step_s"], 3)
     out["lora"]["tunix_lora_step_s"] = TUNIX_LORA_STEP_S
@@ -135,11 +143,60 @@ def step_times(repeats: int, peak: float) -> dict:
     return out
 
 
+def tunix_lora_step(python: str) -> float:
+    """Tunix's LoRA SFT step (qwix rank 16, all projections, 8 x 256, AdamW), median of its own
+    timed calls, from the peer script in a fresh process."""
+    peer = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "bench_tunix.py")
+    out = subprocess.run([python, peer, "--only", "sft_lora", "--repeats", "1"], capture_output=True, text=True,
+                         check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["summary"]["sft_lora_step_s"]
+
+
+def vs_tunix(python: str, rounds: int, repeats: int) -> dict:
+    """Our LoRA (and full) SFT step and Tunix's LoRA step alternately (ABBA), `rounds` pairs, in one
+    window: both medians, each pair's ratio, and the roofline at the matmul peak measured meanwhile."""
+    ours, theirs, pairs, peaks = [], [], [], []
+    for r in range(rounds):
+        pair = {}
+        for who in ("tunix", "ours") if r % 2 == 0 else ("ours", "tunix"):
+            if who == "tunix":
+                pair["tunix"] = tunix_lora_step(python)
+            else:
+                peaks.append(calibrate_matmul_gflops() * 1e9)
+                pair["ours"] = step_times(repeats, peaks[-1], ("full", "lora"))
+        theirs.append(pair["tunix"])
+        ours.append(pair["ours"])
+        pairs.append(round(pair["tunix"] / pair["ours"]["lora"]["step_s"], 3))
+    median = lambda xs: statistics.median(xs)
+    lora_s = median([o["lora"]["step_s"] for o in ours])
+    peak = median(peaks)
+    lora_flops = ours[0]["lora"]["model_gflops_per_step"] * 1e9
+    return {"tunix_lora_step_s": round(median(theirs), 4), "tunix_runs": theirs,
+            "ours_lora_step_s": round(lora_s, 4), "ours_lora_runs": [o["lora"]["step_s"] for o in ours],
+            "ours_full_step_s": round(median([o["full"]["step_s"] for o in ours]), 4),
+            "speedup_ours_over_tunix": round(median(theirs) / lora_s, 3), "speedup_per_pair": pairs,
+            "lora_model_gflops_per_step": ours[0]["lora"]["model_gflops_per_step"],
+            "roofline_lora_step_s": round(lora_flops / peak, 4), "calib_matmul_gflops": round(peak / 1e9, 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--out", default="")
+    parser.add_argument("--tunix_python", default="", help="only the same-window comparison with Tunix's LoRA "
+                        "step: the python of a venv with google-tunix (e.g. .venv-tunix/bin/python)")
+    parser.add_argument("--rounds", type=int, default=2, help="with --tunix_python: ABBA pairs")
+    parser.add_argument("--memory_only", action="store_true", help="only the AOT memory figures (no timing)")
     args = parser.parse_args()
+    if args.tunix_python:
+        record = {"benchmark": "lora_vs_tunix", "date": datetime.date.today().isoformat(),
+                  "machine": f"{platform.machine()}, {jax.device_count()} CPU device(s), shared 2-core VM",
+                  "command": "benchmarks/lora_train.py " + " ".join(sys.argv[1:]),
+                  "workload": "SFT step, bench preset (4.46M params, fp32), 8 x 256 tokens, AdamW; LoRA rank 16, "
+                              "alpha 32, all 7 projections (Tunix: qwix LoraProvider, same targets)",
+                  **vs_tunix(args.tunix_python, args.rounds, args.repeats)}
+        emit(record, args.out, sort_keys=True)
+        return
     record = {"benchmark": "lora_train", "date": datetime.date.today().isoformat(),
               "machine": f"{platform.machine()}, {jax.device_count()} CPU device(s), shared 2-core VM",
               "command": "benchmarks/lora_train.py " + " ".join(sys.argv[1:]),
@@ -150,14 +207,14 @@ def main() -> None:
     record["memory_large"] = {"model": f"qwen3-style 12 layers d768 vocab 32768 ({large_params / 1e6:.0f}M params, "
                                        "fp32, remat full)", "batch": "8x1024",
                               **memory(LARGE, 8, 1024, "full")}
+    if args.memory_only:
+        record["benchmark"] = "lora_memory"
+        emit(record, args.out, sort_keys=True)
+        return
     calib = calibrate_matmul_gflops()
     record["step_fixed"] = step_times(args.repeats, calib * 1e9)
     record["calib_matmul_gflops"] = round((calib + calibrate_matmul_gflops()) / 2, 1)
-    emit(record)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=2, sort_keys=True)
-            f.write("\n")
+    emit(record, args.out, sort_keys=True)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -31,19 +32,63 @@ from rlvr import config_lib  # noqa: E402
 from rlvr.main import run  # noqa: E402
 
 
-def one_seed(seed: int, spec: str = "configs/quickstart.py", overrides: dict | None = None) -> dict:
+def run_dir(root: str, seed: int, overrides: dict | None = None, spec: str = "configs/quickstart.py") -> str:
+    """The kept workdir of one seed's run under `root`: named by its overrides (`full` for none) and
+    any other config than the quickstart's, so a rerun resumes it (a finished run just returns its
+    summary) and distill_quickstart.py finds the full run as its teacher."""
+    name = "_".join(f"{k.rsplit('.', 1)[-1]}{os.path.basename(str(v))}" for k, v in sorted((overrides or {}).items()))
+    name = name or "full"
+    if spec != "configs/quickstart.py":
+        name = os.path.basename(spec).replace(".py", "").replace(":", "_").replace(",", "_") + "_" + name
+    return os.path.join(root, f"{name}_s{seed}")
+
+
+def run_seed(seed: int, spec: str, overrides: dict | None, root: str = "", prefix: str = "quickstart") -> dict:
+    """`rlvr.main.run` of `spec` with the seed and overrides, in a kept workdir under `root` (or a
+    temporary one); its summary (a kept run that finished is read back, not rerun)."""
     config = config_lib.load_config(spec, {"seed": seed, **(overrides or {})})
-    with tempfile.TemporaryDirectory(prefix=f"quickstart_s{seed}_") as workdir:
+    done = os.path.join(run_dir(root, seed, overrides, spec), "summary.json") if root else ""
+    if done and os.path.exists(done):
+        with open(done) as f:
+            return json.load(f)
+    with contextlib.ExitStack() as stack:
+        workdir = run_dir(root, seed, overrides, spec) if root else stack.enter_context(
+            tempfile.TemporaryDirectory(prefix=f"{prefix}_s{seed}_"))
+        _share_warm_start(root, seed, overrides, workdir, spec)
         t0 = time.perf_counter()
         with contextlib.redirect_stdout(sys.stderr):  # the run's prints; stdout is the JSON line
             summary = run(config, workdir)
-        wall = time.perf_counter() - t0
+        summary["wall_s"] = round(time.perf_counter() - t0, 1)
+        _share_warm_start(root, seed, overrides, workdir, spec)
+    return summary
+
+
+def _share_warm_start(root: str, seed: int, overrides: dict | None, workdir: str, spec: str) -> None:
+    """One SFT warm start per seed under `root`: copied into a run's workdir before it starts, and
+    from the first run that made it. The warm start depends on the seed and the rl.sft_* settings
+    only (from a random init it trains every weight, a LoRA run's too), so runs whose overrides
+    leave those alone share it bit for bit."""
+    if not root or any(k.startswith(("rl.sft", "model.", "init.", "tokenizer.")) for k in overrides or {}):
+        return
+    shared = os.path.join(os.path.dirname(run_dir(root, seed, None, spec)), f"sft_s{seed}")
+    if spec != "configs/quickstart.py":  # another config (or variant): its own warm start
+        shared = run_dir(root, seed, None, spec).replace("_full_s", "_sft_s")
+    own = os.path.join(workdir, "sft")
+    source, target = (own, shared) if os.path.exists(os.path.join(own, "summary.json")) else (shared, own)
+    if os.path.exists(os.path.join(source, "summary.json")) and not os.path.exists(target):
+        shutil.copytree(source, target)
+
+
+def one_seed(seed: int, spec: str = "configs/quickstart.py", overrides: dict | None = None, root: str = "") -> dict:
+    summary = run_seed(seed, spec, overrides, root)
+    wall = summary["wall_s"]
     return {"seed": seed, "heldout_accuracy_before": summary["heldout_accuracy_before"],
             "heldout_accuracy_after": summary["heldout_accuracy_after"],
             "improvement_points": summary["improvement_points"],
             "heldout_value_accuracy_before": summary["heldout_value_accuracy_before"],
             "heldout_value_accuracy_after": summary["heldout_value_accuracy_after"],
-            "final_reward_mean_last10": summary["final_reward_mean_last10"], "wall_s": round(wall, 1)}
+            "final_reward_mean_last10": summary["final_reward_mean_last10"], "wall_s": round(wall, 1),
+            "heldout_curve": summary.get("evals", [])}
 
 
 def _override(item: str) -> tuple[str, object]:
@@ -63,11 +108,25 @@ def main(argv: list[str] | None = None) -> int:
                         "configs/quickstart.py (path[:arg])")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="A config override for every seed (e.g. lora.rank=16), a Python literal or a string.")
+    parser.add_argument("--root", default="", help="keep each run's workdir under this directory (resumable; "
+                        "distill_quickstart.py --root reuses the full runs as teachers); default: temporary")
+    parser.add_argument("--baseline", action="append", default=[], metavar="KEY=VALUE",
+                        help="also run the config with these overrides instead of --set (e.g. rl.eval_every=10 "
+                        "for full fine-tuning) on the same seeds, in the same window, and report each seed's "
+                        "gain over the baseline's")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "quickstart_seeds.json"))
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     overrides = dict(_override(item) for item in args.set)
-    runs = [one_seed(s, args.config, overrides) for s in seeds]
+    baseline = dict(_override(item) for item in args.baseline)
+    runs = []
+    for s in seeds:  # baseline and variant of a seed back to back: the same window
+        base = one_seed(s, args.config, baseline, args.root) if args.baseline else None
+        runs.append(one_seed(s, args.config, overrides, args.root))
+        if base:
+            runs[-1].update(baseline_improvement_points=base["improvement_points"],
+                            baseline_heldout_curve=base["heldout_curve"],
+                            over_baseline=round(runs[-1]["improvement_points"] / base["improvement_points"], 3))
     gains = [r["improvement_points"] for r in runs]
     flags = argv if argv is not None else sys.argv[1:]
     benchmark = "quickstart_seeds" if args.config == "configs/quickstart.py" else "learning_seeds"
@@ -76,11 +135,13 @@ def main(argv: list[str] | None = None) -> int:
               "command": " ".join([".venv/bin/python benchmarks/quickstart_seeds.py", *flags]),
               "config": args.config, "overrides": overrides, "runs": runs,
               "improvement_points_mean": round(sum(gains) / len(gains), 2), "improvement_points_min": min(gains)}
-    emit(record)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(record, f, indent=2)
-        f.write("\n")
+    if baseline:
+        base_gains = [r["baseline_improvement_points"] for r in runs]
+        record.update(baseline_overrides=baseline,
+                      baseline_improvement_points_mean=round(sum(base_gains) / len(gains), 2),
+                      over_baseline_mean_gain=round(sum(gains) / sum(base_gains), 3))
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    emit(record, args.out)
     return 0
 
 

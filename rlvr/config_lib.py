@@ -144,6 +144,9 @@ def base_config() -> ml_collections.ConfigDict:
         "examples_per_level": 32,  # held-out tasks per family and level
         "samples": 8,  # per task; pass@k for k = 1, 2, 4, … <= samples (1 = greedy pass@1)
         "temperature": 1.0,  # sampling temperature when samples > 1
+        # off-policy distillation data: tasks from the held_out or train stream; sft_out = a JSONL path
+        # for the completions as SFT records ("" = none), only the verified ones when sft_passed_only
+        "split": "held_out", "sft_out": "", "sft_passed_only": True,
     })
     c.checkpoint = ml_collections.ConfigDict({
         "every_steps": 50,  # steps between checkpoints (and one at the end)
@@ -404,6 +407,7 @@ def _validate_eval(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"eval.levels={levels!r}: use 'all', 'default' or comma-separated level numbers.")
     _positive(config, "eval.examples_per_level")
     _positive(config, "eval.samples")
+    _one_of(config, "eval.split", ("held_out", "train"))
 
 
 def _one_of(c, path: str, choices) -> None:

@@ -47,6 +47,8 @@ def test_fresh_adapter_is_the_base_and_merging_is_exact(quantize):
                             - np.asarray(base["layers"]["mlp"]["down_proj"]["kernel"])))
         bound = np.max(np.abs(np.asarray(base["layers"]["mlp"]["down_proj"]["kernel"]))) / (2 ** (bits - 1) - 1)
         assert 0 < err <= bound / 2 + 1e-7  # half a quantisation step at most
+        stored = params["layers"]["mlp"]["down_proj"]["kernel"]  # int8: a byte per weight; int4: two per byte
+        assert stored.nbytes * 8 == base["layers"]["mlp"]["down_proj"]["kernel"].size * bits
 
     # a trained adapter: the unmerged forward equals the merged weights' forward
     trained = _trained_adapters(params)

@@ -236,6 +236,27 @@ def test_eval_job_writes_tables(tmp_path):
         config_lib.validate(bad, 1, main.TRAINERS)
 
 
+def test_eval_job_writes_a_policys_samples_as_sft_data(tmp_path):
+    """Off-policy distillation data: the eval job on the training stream writes each completion as a
+    `{"prompt", "completion"}` SFT record (the teacher here: a random-init tiny model)."""
+    from rlvr import main
+    from rlvr.tasks import build_tasks
+    from rlvr.tasks.base import HELD_OUT, TRAIN
+
+    out = tmp_path / "teacher.jsonl"
+    config = config_lib.load_config("configs/eval_tasks.py:smoke", {
+        "init.workdir": "", "rl.task": "add", "rl.max_new_tokens": 6, "eval.levels": "1", "eval.examples_per_level": 3,
+        "eval.samples": 2, "eval.split": "train", "eval.sft_out": str(out), "eval.sft_passed_only": False})
+    result = main.run(config, str(tmp_path / "eval"))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    family = build_tasks(config.rl, config.seed).families["add"]
+    train = [family.task(i, TRAIN, 1).prompt for i in range(3)]
+    assert [r["prompt"] for r in rows] == [p for p in train for _ in range(2)] and result["sft_records"] == 6
+    assert not set(train) & {family.task(i, HELD_OUT, 1).prompt for i in range(3)}
+    logged = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
+    assert [r["completion"] for r in rows] == [s["completion"].removesuffix("<|im_end|>") for s in logged]
+
+
 def test_reward_model_moments_survive_a_checkpoint_round_trip():
     """The RM term's running normalisation is producer state, so a resumed run scores alike."""
     import types

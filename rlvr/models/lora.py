@@ -8,9 +8,10 @@ module names), two more leaves:
   lora_b [rank, *out_shape]  "lora_rank" + the kernel's output axes (PEFT's lora_B, transposed)
 
 and `y = x·W + (dropout(x)·A)·B · alpha/rank`. B starts at zero, so a fresh adapter is the base model
-exactly. With `lora.quantize` (QLoRA) every projection kernel of the base is stored as an int8/int4
-`kernel` with a float32 `kernel_scale` [in/block, *out_shape] (blockwise absmax), dequantised in the
-forward pass; embeddings, norms and the output head stay in `model.param_dtype`.
+exactly. With `lora.quantize` (QLoRA) every projection kernel of the base is stored as an int8 `kernel`
+(int4: two per byte, a uint8 `kernel` with the last output dim halved) with a float32 `kernel_scale`
+[in/block, *out_shape] (blockwise absmax), dequantised in the forward pass; embeddings, norms and the
+output head stay in `model.param_dtype`.
 
 What trains is decided once, by leaf name (`is_trainable`): the adapters, and a value head. `split`
 cuts a tree into (trainable, frozen base): the train state holds only the first (so the optimizer has
@@ -34,7 +35,7 @@ from jax.sharding import Mesh
 
 from rlvr.models import params as params_lib
 from rlvr.models.config import LORA_TARGETS, QUANTIZE, LoraConfig, ModelConfig
-from rlvr.models.transformer import dequantize
+from rlvr.models.transformer import dequantize, pack_int4
 
 Params = dict[str, Any]
 ADAPTER_LEAVES = ("lora_a", "lora_b")
@@ -97,14 +98,19 @@ def adapter_count(cfg: ModelConfig) -> int:
 
 def quantize(w: jax.Array, bits: int, block: int) -> tuple[jax.Array, jax.Array]:
     """Blockwise symmetric absmax quantisation of w [..., in, out] (blocks of `block` input rows):
-    (q [..., in, out] int8 / int4, scale [..., in / block, out] float32); `dequantize` inverts it."""
+    (q [..., in, out] int8, or for 4 bits uint8 [..., in, out / 2] (`pack_int4`: two values per
+    byte), scale [..., in / block, out] float32); `dequantize` inverts it."""
     *lead, n_in, n_out = w.shape
+    if bits == 4 and n_out % 2:
+        raise ValueError(f"int4 QLoRA packs two weights per byte along the output dim; {n_out} is odd "
+                         "(use lora.quantize='int8')")
     qmax = 2 ** (bits - 1) - 1
     blocks = w.astype(jnp.float32).reshape(*lead, n_in // block, block, n_out)
     scale = jnp.max(jnp.abs(blocks), axis=-2) / qmax
     scale = jnp.where(scale == 0, 1.0, scale)
     q = jnp.clip(jnp.round(blocks / scale[..., None, :]), -qmax, qmax)
-    return q.reshape(w.shape).astype(jnp.int8 if bits == 8 else jnp.int4), scale
+    q = q.reshape(w.shape).astype(jnp.int8)
+    return (q if bits == 8 else pack_int4(q)), scale
 
 
 def _as_2d(kernel: jax.Array, name: str, lead: int) -> tuple[jax.Array, tuple[int, ...]]:
@@ -151,7 +157,7 @@ def quantize_base(lora: LoraConfig, base: Params) -> Params:
         lead = _stacked(path)
         w2, shape = _as_2d(module["kernel"], path[-1], lead)
         q, scale = quantize(w2, bits, lora.quant_block)
-        _set(out, (*path, "kernel"), q.reshape(shape))
+        _set(out, (*path, "kernel"), q.reshape(*shape[:-1], -1))  # int4: the last dim packed, halved
         n_in = IN_DIMS[path[-1]]
         _set(out, (*path, "kernel_scale"), scale.reshape(*scale.shape[:-1], *shape[lead + n_in:]))
     return out
@@ -210,6 +216,7 @@ def merged_kernel(cfg: ModelConfig, path: tuple[str, ...], module: Mapping[str, 
     if "kernel_scale" in module:
         scale = module["kernel_scale"]
         w2 = dequantize(w2, scale.reshape(*scale.shape[:lead + 1], -1))
+        shape = (*shape[:-1], shape[-1] * 2) if kernel.dtype == jnp.uint8 else shape  # int4 unpacked
     w2 = w2.astype(jnp.float32)
     if "lora_a" in module:
         a, b = module["lora_a"], module["lora_b"]

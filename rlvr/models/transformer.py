@@ -72,8 +72,9 @@ class RMSNorm(nn.Module):
 class Linear(nn.Module):
     """`y = x · W (+ b)` contracting the last `len(in_axes)` dims of x; logical axes given.
 
-    With `lora` (the model's LoraConfig): a base quantised by QLoRA is stored as an int `kernel` with
-    `kernel_scale` and dequantised here; a projection named in `lora.targets` adds its low-rank
+    With `lora` (the model's LoraConfig): a base quantised by QLoRA is stored as an int `kernel` (int8,
+    or int4 packed two per byte into uint8 along the last output dim) with `kernel_scale` and
+    dequantised here; a projection named in `lora.targets` adds its low-rank
     update `(dropout(x) · lora_a) · lora_b · alpha/rank` when the params hold the adapter (so the same
     module runs the base alone from a tree without adapters: the reference policy of a LoRA run).
     """
@@ -117,7 +118,9 @@ class Linear(nn.Module):
             kernel = _param(self, "kernel", _INIT, shape, axes, _dtype(self.param_dtype))
             return kernel.reshape(n_in, -1).astype(self.dtype)
         blocks = n_in // self.lora.quant_block
-        kernel = _param(self, "kernel", nn.initializers.zeros, shape, axes, jnp.int8 if bits == 8 else jnp.int4)
+        if bits == 4:  # packed two per byte along the last output dim (`pack_int4`)
+            shape = (*shape[:-1], shape[-1] // 2)
+        kernel = _param(self, "kernel", nn.initializers.zeros, shape, axes, jnp.int8 if bits == 8 else jnp.uint8)
         scale = _param(self, "kernel_scale", nn.initializers.ones, (blocks, *self.out_shape), (None, *self.out_axes),
                        jnp.float32)
         return dequantize(kernel.reshape(n_in, -1), scale.reshape(blocks, -1)).astype(self.dtype)
@@ -142,9 +145,26 @@ def _lora_a_init(fan_in: int):
     return lambda rng, shape, dtype: jax.random.uniform(rng, shape, dtype, -bound, bound)
 
 
+def pack_int4(q: jax.Array) -> jax.Array:
+    """int4 values in [-8, 7] [..., 2n] -> uint8 [..., n]: two per byte along the last axis (even
+    index in the low nibble), the storage of an int4 QLoRA base."""
+    q = q.astype(jnp.int8)
+    return ((q[..., 0::2] & 0xF) | (q[..., 1::2] << 4)).astype(jnp.uint8)
+
+
+def unpack_int4(packed: jax.Array) -> jax.Array:
+    """`pack_int4`'s inverse: uint8 [..., n] -> int8 [..., 2n] (each nibble sign-extended)."""
+    byte = packed.astype(jnp.int8)
+    low, high = (byte << 4) >> 4, byte >> 4  # arithmetic shifts sign-extend the nibbles
+    return jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
 def dequantize(q: jax.Array, scale: jax.Array) -> jax.Array:
-    """Blockwise absmax dequantisation (rlvr.models.lora.quantize): q [..., in, out] int and
-    scale [..., in / block, out] -> float32 [..., in, out]."""
+    """Blockwise absmax dequantisation (rlvr.models.lora.quantize): q [..., in, out] int8 (or uint8
+    [..., in, out / 2]: int4 packed two per byte, `pack_int4`) and scale [..., in / block, out]
+    -> float32 [..., in, out]."""
+    if q.dtype == jnp.uint8:
+        q = unpack_int4(q)
     blocks = scale.shape[-2]
     w = q.astype(jnp.float32).reshape(*q.shape[:-2], blocks, q.shape[-2] // blocks, q.shape[-1])
     return (w * scale[..., :, None, :]).reshape(q.shape)
