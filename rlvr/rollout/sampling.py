@@ -2,7 +2,8 @@
 
 Every row carries its own parameters, so one jitted decode step serves a batch of requests
 with different settings. A row's random number is `uniform(fold_in(key(seed), position))`:
-the same seed and prompt give the same tokens whatever else is in the batch.
+the same seed and prompt give the same tokens whatever else is in the batch (bit for bit within
+the same compiled shapes; a different batch shape may round the logits differently on some CPUs).
 
 The distribution sampled from is `rlvr.kernels.chunked_logprob.sampling_logits` (softmax of
 logits / temperature over the kept set of top-k, top-p and min-p: a prefix of the tokens by
