@@ -5,6 +5,9 @@ PY ?= python3
 VENV := .venv
 PYTHON := $(VENV)/bin/python
 QUICKSTART_DIR ?= workdirs/quickstart
+# Test files run in TEST_WORKERS processes (pytest-xdist; a file's tests stay in one process, so its
+# module fixtures are built once). 2 matches CI's 2 cores; TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
 
 .PHONY: quickstart test install install-test system-deps lint clean
 
@@ -64,7 +67,7 @@ quickstart: install
 	$(PYTHON) -m rlvr.main --config=configs/quickstart.py --workdir=$(QUICKSTART_DIR)
 
 test: install-test
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 lint: install-test
 	$(VENV)/bin/ruff check rlvr kernels sandbox launch configs tests benchmarks

