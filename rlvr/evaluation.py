@@ -60,18 +60,20 @@ class EvalSettings:
     max_len: int | None = None
     max_turns: int = 0  # episodes: cap on the environment's turns (0 = its own)
     episode_workers: int = 64
+    deterministic: bool = False  # episodes in rounds (rl.deterministic_rollout; rlvr.envs.rollout.TurnRounds)
 
     @classmethod
     def for_rl(cls, rl) -> EvalSettings:
         """The RL job's held-out evaluation (`rl.eval_samples`, `rl.eval_temperature`, generation as in training)."""
         return cls(rl.max_new_tokens, rl.eval_samples, rl.eval_temperature, rl.prompt_format, rl.seq_len, rl.max_turns,
-                   rl.episode_workers)
+                   rl.episode_workers, rl.deterministic_rollout)
 
     @classmethod
     def for_eval_job(cls, config) -> EvalSettings:
         """The eval job (`eval.samples`, `eval.temperature`, generation settings of `rl.*`)."""
         rl = config.rl
-        return cls(rl.max_new_tokens, config.eval.samples, config.eval.temperature, rl.prompt_format, rl.seq_len)
+        return cls(rl.max_new_tokens, config.eval.samples, config.eval.temperature, rl.prompt_format, rl.seq_len,
+                   deterministic=rl.deterministic_rollout)
 
 
 def evaluate_tasks(backend, tokenizer, tasks, task_list: Sequence, settings: EvalSettings, *, seed: int = 0,
@@ -148,7 +150,8 @@ def _episode_rows(backend, tokenizer, task_list, settings: EvalSettings, *, seed
                                 f"{tag}-{t.family}-{t.level}-{t.index}-k{k}")
             for t in task_list for k in range(samples)]
     episode = episodes.EpisodeSettings(max_new_tokens=settings.max_new_tokens, max_tokens=settings.max_len or 4096,
-                                       temperature=settings.temperature, max_turns=settings.max_turns)
+                                       temperature=settings.temperature, max_turns=settings.max_turns,
+                                       rounds=settings.deterministic)
     trajectories = episodes.run_episodes(backend, tokenizer, jobs, episode, make_env, workers=settings.episode_workers)
     return [_row(t, samples, [tr.rewards for tr in trajectories[i * samples:(i + 1) * samples]])
             for i, t in enumerate(task_list)]
