@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from rlvr.rl.host_shards import HostShare
 from rlvr.rl.producer import completion_text, passed, prompt_ids, sample_seed
 from rlvr.rollout.types import Request, SamplingParams
 
@@ -111,16 +112,19 @@ def evaluate_tasks(backend, tokenizer, tasks, task_list: Sequence, settings: Eva
                                     sampling_seed=None if greedy else sample_seed(seed, t.index, k, 1 + t.stream))
             requests.append(Request(f"{tag}-{t.family}-{t.level}-{t.index}-k{k}", ids, params))
     completions = backend.generate(requests) if requests else []
-    rows = []
-    for i, t in enumerate(kept):
-        group = completions[i * samples:(i + 1) * samples]
-        texts = [completion_text(tokenizer, c) for c in group]
-        scores = [tasks.score(t, *text) for text in texts]
-        rows.append(_row(t, samples, scores))
-        if records is not None:
-            records += [{"family": t.family, "level": t.level, "task_index": t.index, "prompt_ids": c.prompt_ids,
-                         "output_ids": c.output_ids, "rewards": score, "truncated": text[1]}
-                        for c, text, score in zip(group, texts, scores, strict=True)]
+    texts = [completion_text(tokenizer, c) for c in completions]
+    hosts = HostShare()  # several processes: task i's completions are verified by process i mod N only
+    verdicts = hosts.split(len(kept), lambda i: [tasks.score(kept[i], *text)
+                                                 for text in texts[i * samples:(i + 1) * samples]])
+    if hosts.processes > 1:
+        print(f"{tag}: process {hosts.process} of {hosts.processes} verified "
+              f"{samples * len(range(hosts.process, len(kept), hosts.processes))} of {len(completions)} completions")
+    rows = [_row(t, samples, scores) for t, scores in zip(kept, verdicts, strict=True)]
+    for n, (c, (_, truncated)) in enumerate(zip(completions, texts, strict=True) if records is not None else ()):
+        t = kept[n // samples]
+        records.append({"family": t.family, "level": t.level, "task_index": t.index, "prompt_ids": c.prompt_ids,
+                        "output_ids": c.output_ids, "rewards": verdicts[n // samples][n % samples],
+                        "truncated": truncated})
     if episode_tasks:
         rows += _episode_rows(backend, tokenizer, episode_tasks, settings, seed=seed, tag=tag, make_env=make_env)
     result = summarize(rows, default_ks(samples), _domains(tasks))

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -297,6 +298,29 @@ process read only its rows' records."""
     for read, rows in _data_shares(outputs).values():
         assert read == sum(at12[r] - at4[r] + 1 for r in rows) < sum(at12) - sum(at4), (read, rows)
     assert _data_position(workdir, 12) == _data_position(sft_reference, 12)
+    # the held-out set (data.eval_path) is split the same way: each process encoded its rows' records
+    heldout = [json.loads((w / "summary.json").read_text())["heldout_loss"] for w in (Path(workdir), sft_reference)]
+    np.testing.assert_allclose(heldout[0], heldout[1], rtol=1e-6)
+    counts = [int(re.search(r"held-out: process \d of 2 encoded (\d+) of", o).group(1)) for o in outputs]
+    whole = _heldout_records_read(config_lib.load_config(SFT, SFT_OVERRIDES))
+    assert sum(counts) == whole and all(0 < c < whole for c in counts), (counts, whole)
+
+
+def _heldout_records_read(config) -> int:
+    """Records one process encodes for the held-out loss (its stream read to the end of the epoch)."""
+    import functools
+
+    from rlvr.data.chat import encode_record
+    from rlvr.data.sources import load_records
+    from rlvr.data.stream import TokenStream
+
+    d, tokenizer = config.data, api.build_tokenizer(config)
+    records = load_records(d, "eval")[: config.train.eval_examples]
+    stream = TokenStream(records, functools.partial(encode_record, tokenizer), d.batch_size, d.seq_len,
+                         tokenizer.pad_id, 0, d.pack, shuffle=False)
+    while not stream.exhausted():
+        next(stream)
+    return stream.records_read
 
 
 JOBS_DRIVER = """
@@ -339,6 +363,13 @@ def test_lockstep_rl_reward_model_and_eval_jobs_on_two_processes_match_one_proce
     assert all("config error: rl.mode='async' with 2 JAX processes" in log and "rl.mode='lockstep'" in log
                for log in logs)
     two, one = tmp_path / "two", tmp_path / "one"
+    # held-out evaluations (RL's, the eval job's): each process verified its share of the completions
+    verified = {}
+    for tag, _, count, total in re.findall(r"(\S+): process (\d) of 2 verified (\d+) of (\d+) completions",
+                                           "\n".join(logs)):
+        verified.setdefault((tag, int(total)), []).append(int(count))
+    assert verified and all(2 * sum(c) == total * len(c) and 0 < min(c) and max(c) < total
+                            for (_, total), c in verified.items()), verified
     # lockstep: each batch exactly one version old (the first from the initial weights), an update before the
     # last step is not zero (the lag is visible), and 2 processes = 1 process
     ref_metrics = [m for m in _metrics(one / "lockstep") if "reward" in m]

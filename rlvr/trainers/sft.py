@@ -141,8 +141,8 @@ def _row_split_loss(config: ml_collections.ConfigDict, model: api.Model, stream:
                                              stream.next_rows, stream.shapes(), model.mesh)
         shards.merged_state(stream)
         total, weight = total + float(loss_sum), weight + float(aux["weight"])
-    print(f"held-out: process {jax.process_index()} of {jax.process_count()} encoded {stream.records_read} of "
-          f"{len(stream.source)} records")
+    print(f"held-out: process {jax.process_index()} of {jax.process_count()} encoded {stream.records_read} records "
+          f"(of a {len(stream.source)}-record set)")
     return total / max(weight, 1.0)
 
 
