@@ -301,7 +301,7 @@ process read only its rows' records."""
     # the held-out set (data.eval_path) is split the same way: each process encoded its rows' records
     heldout = [json.loads((w / "summary.json").read_text())["heldout_loss"] for w in (Path(workdir), sft_reference)]
     np.testing.assert_allclose(heldout[0], heldout[1], rtol=1e-6)
-    counts = [int(re.search(r"held-out: process \d of 2 encoded (\d+) of", o).group(1)) for o in outputs]
+    counts = [int(re.search(r"held-out: process \d of 2 encoded (\d+) records", o).group(1)) for o in outputs]
     whole = _heldout_records_read(config_lib.load_config(SFT, SFT_OVERRIDES))
     assert sum(counts) == whole and all(0 < c < whole for c in counts), (counts, whole)
 
