@@ -8,8 +8,10 @@ demand: `configs/agentic_tools.py:smoke` with rl.deterministic_rollout=True (epi
 rlvr.envs.rollout.TurnRounds) runs once as 2 processes x 4 CPU devices on loopback (rlvr.launch.local_cluster,
 each process starting from the same SFT warm start, run first here) and once in this process with 8
 devices. Prints one JSON line: per-step rewards, losses and mean episode turns of both runs, whether
-every logged completion (train and held-out) is the same, and the largest weight difference. Before
-rounds, the 2-process run stopped in JAX's device_put check (its processes built different batches).
+every logged completion (train and held-out: tokens, rewards, versions; the per-token log-probs left out)
+is the same, the largest relative loss difference and the largest weight difference (the processes sum
+gradients in another order: rounding-level). Before rounds, the 2-process run stopped in JAX's
+device_put check (its processes built different batches).
 """
 
 from __future__ import annotations
@@ -78,8 +80,11 @@ def main() -> None:
           "config": SPEC, "overrides": overrides, "sft_steps": args.sft_steps,
           "two_processes": {"steps": steps(two), "wall_s": round(two_s, 1)},
           "one_process": {"steps": steps(one), "wall_s": round(one_s, 1)},
-          "same_steps": steps(two) == steps(one), "same_samples": samples(two) == samples(one),
-          "samples_compared": len(samples(one)), "max_weight_diff": diff}, args.out)
+          "same_rewards_and_turns": [s[::3] + s[1:2] for s in steps(two)] == [s[::3] + s[1:2] for s in steps(one)],
+          "max_loss_rel_diff": max(abs(a[2] - b[2]) / max(abs(b[2]), 1e-12)
+                                   for a, b in zip(steps(two), steps(one), strict=True)),
+          "same_samples": samples(two) == samples(one), "samples_compared": len(samples(one)),
+          "max_weight_diff": diff}, args.out)
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ def evaluate_tasks(backend, tokenizer, tasks, task_list: Sequence, settings: Eva
     hosts = HostShare()  # several processes: task i's completions are verified by process i mod N only
     verdicts = hosts.split(len(kept), lambda i: [tasks.score(kept[i], *text)
                                                  for text in texts[i * samples:(i + 1) * samples]])
-    if hosts.processes > 1:
+    if hosts.processes > 1 and completions:
         print(f"{tag}: process {hosts.process} of {hosts.processes} verified "
               f"{samples * len(range(hosts.process, len(kept), hosts.processes))} of {len(completions)} completions")
     rows = [_row(t, samples, scores) for t, scores in zip(kept, verdicts, strict=True)]

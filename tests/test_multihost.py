@@ -1,8 +1,9 @@
 """Multi-host for real: jobs run as 2 JAX processes x 4 CPU devices on loopback (rlvr.launch.local_cluster,
 the environment the k8s and Slurm targets give each host; two tests run the Slurm target's sbatch
 script and the k8s target's trainer container as written) and are checked against the same job in this
-one process with 8 devices: SFT, DPO and sync RL reach the same weights, also after resuming across
-process counts (1 -> 2 and 2 -> 1); metrics are written once (process 0); SIGTERM to one host
+one process with 8 devices: SFT, DPO, sync RL and lockstep (asynchronous, fixed-lag) RL reach the same
+weights, also after resuming across process counts (1 -> 2 and 2 -> 1); held-out sets and evaluations
+are split between the processes; metrics are written once (process 0); SIGTERM to one host
 checkpoints the whole job (exit 143 everywhere) and SIGKILL of one host ends the others with a clear
 error in bounded time; reruns resume."""
 
