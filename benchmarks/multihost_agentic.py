@@ -39,9 +39,9 @@ def main() -> None:
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     import jax
     import numpy as np
+    from rlvr.launch.local_cluster import LocalCluster
 
     from rlvr import api, config_lib, observe
-    from rlvr.launch.local_cluster import LocalCluster
     from rlvr.main import run
 
     root = tempfile.mkdtemp(prefix="multihost_agentic_")
