@@ -208,8 +208,8 @@ def rl_config() -> ml_collections.ConfigDict:
         "samples_per_step": 4, "print_samples_every": 10,
         # loop
         # sync | async (a producer thread, up to max_staleness versions ahead: timing decides how far) |
-        # lockstep (asynchronous with a fixed lag: batch b from the weights of step b - max_staleness,
-        # deterministic, so it also runs on several JAX processes)
+        # lockstep (async's off-policy lag, fixed: batch b from the weights of step b - max_staleness;
+        # deterministic, so it also runs on several JAX processes; no overlap: a sync step's speed)
         "mode": "sync",
         "max_staleness": 1,  # async: max (lockstep: exact) weight versions between sampling and training
         # rollout that depends on nothing but the seeds and the step, not on thread timing: every request

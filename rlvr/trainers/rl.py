@@ -20,7 +20,8 @@ training; a weight update mid-generation continues in-flight sequences on the ne
 (partial rollouts). max_staleness = 0 is the synchronous loop exactly. rl.mode = "lockstep" is
 asynchronous RL with a fixed lag: before training step s, batch s + max_staleness is generated from
 the weights of step s (on the trainer's thread), so every batch is exactly max_staleness versions old
-whatever the timing: the mode that runs on several JAX processes (check_processes).
+whatever the timing: the mode that runs on several JAX processes (check_processes). It trains as
+async does (the same lag) at the speed of sync (generation and training do not overlap).
 """
 
 from __future__ import annotations
