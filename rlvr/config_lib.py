@@ -207,8 +207,16 @@ def rl_config() -> ml_collections.ConfigDict:
         # samples.jsonl; the first and every print_samples_every steps, two are printed (0 = never)
         "samples_per_step": 4, "print_samples_every": 10,
         # loop
-        "mode": "sync",  # sync | async
-        "max_staleness": 1,  # async: max weight versions between sampling and training a sample
+        # sync | async (a producer thread, up to max_staleness versions ahead: timing decides how far) |
+        # lockstep (async's off-policy lag, fixed: batch b from the weights of step b - max_staleness;
+        # deterministic, so it also runs on several JAX processes; no overlap: a sync step's speed)
+        "mode": "sync",
+        "max_staleness": 1,  # async: max (lockstep: exact) weight versions between sampling and training
+        # rollout that depends on nothing but the seeds and the step, not on thread timing: every request
+        # of a round goes to the engine at once (its queue admits them), multi-turn episodes advance in
+        # rounds (rlvr.envs.rollout.TurnRounds) with no time budget, after the round's single-turn groups.
+        # On by itself on several JAX processes (each drives the same engine); set it to compare with one
+        "deterministic_rollout": False,
         # algorithm
         "advantage": "grpo",  # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae (PPO)
         "value_coef": 0.5, "value_clip": 0.2, "gae_gamma": 1.0, "gae_lambda": 0.95,  # gae: value head + loss
@@ -280,7 +288,7 @@ def _validate_rl(config: ml_collections.ConfigDict) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _one_of(config, "rl.backend", ("embedded", "sglang"))
-    _one_of(config, "rl.mode", ("sync", "async"))
+    _one_of(config, "rl.mode", ("sync", "async", "lockstep"))
     _one_of(config, "rl.prompt_format", ("", "raw", "chat"))
     _one_of(config, "rl.verifier_backend", ("local", "ray"))
     _existing_path(config, "rl.reward_model", "reward-model workdir (a job 'rm' run)")

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from rlvr.rl.host_shards import HostShare
 from rlvr.rl.producer import completion_text, passed, prompt_ids, sample_seed
 from rlvr.rollout.types import Request, SamplingParams
 
@@ -60,18 +61,20 @@ class EvalSettings:
     max_len: int | None = None
     max_turns: int = 0  # episodes: cap on the environment's turns (0 = its own)
     episode_workers: int = 64
+    deterministic: bool = False  # episodes in rounds (rl.deterministic_rollout; rlvr.envs.rollout.TurnRounds)
 
     @classmethod
     def for_rl(cls, rl) -> EvalSettings:
         """The RL job's held-out evaluation (`rl.eval_samples`, `rl.eval_temperature`, generation as in training)."""
         return cls(rl.max_new_tokens, rl.eval_samples, rl.eval_temperature, rl.prompt_format, rl.seq_len, rl.max_turns,
-                   rl.episode_workers)
+                   rl.episode_workers, rl.deterministic_rollout)
 
     @classmethod
     def for_eval_job(cls, config) -> EvalSettings:
         """The eval job (`eval.samples`, `eval.temperature`, generation settings of `rl.*`)."""
         rl = config.rl
-        return cls(rl.max_new_tokens, config.eval.samples, config.eval.temperature, rl.prompt_format, rl.seq_len)
+        return cls(rl.max_new_tokens, config.eval.samples, config.eval.temperature, rl.prompt_format, rl.seq_len,
+                   deterministic=rl.deterministic_rollout)
 
 
 def evaluate_tasks(backend, tokenizer, tasks, task_list: Sequence, settings: EvalSettings, *, seed: int = 0,
@@ -109,16 +112,19 @@ def evaluate_tasks(backend, tokenizer, tasks, task_list: Sequence, settings: Eva
                                     sampling_seed=None if greedy else sample_seed(seed, t.index, k, 1 + t.stream))
             requests.append(Request(f"{tag}-{t.family}-{t.level}-{t.index}-k{k}", ids, params))
     completions = backend.generate(requests) if requests else []
-    rows = []
-    for i, t in enumerate(kept):
-        group = completions[i * samples:(i + 1) * samples]
-        texts = [completion_text(tokenizer, c) for c in group]
-        scores = [tasks.score(t, *text) for text in texts]
-        rows.append(_row(t, samples, scores))
-        if records is not None:
-            records += [{"family": t.family, "level": t.level, "task_index": t.index, "prompt_ids": c.prompt_ids,
-                         "output_ids": c.output_ids, "rewards": score, "truncated": text[1]}
-                        for c, text, score in zip(group, texts, scores, strict=True)]
+    texts = [completion_text(tokenizer, c) for c in completions]
+    hosts = HostShare()  # several processes: task i's completions are verified by process i mod N only
+    verdicts = hosts.split(len(kept), lambda i: [tasks.score(kept[i], *text)
+                                                 for text in texts[i * samples:(i + 1) * samples]])
+    if hosts.processes > 1 and completions:
+        print(f"{tag}: process {hosts.process} of {hosts.processes} verified "
+              f"{samples * len(range(hosts.process, len(kept), hosts.processes))} of {len(completions)} completions")
+    rows = [_row(t, samples, scores) for t, scores in zip(kept, verdicts, strict=True)]
+    for n, (c, (_, truncated)) in enumerate(zip(completions, texts, strict=True) if records is not None else ()):
+        t = kept[n // samples]
+        records.append({"family": t.family, "level": t.level, "task_index": t.index, "prompt_ids": c.prompt_ids,
+                        "output_ids": c.output_ids, "rewards": verdicts[n // samples][n % samples],
+                        "truncated": truncated})
     if episode_tasks:
         rows += _episode_rows(backend, tokenizer, episode_tasks, settings, seed=seed, tag=tag, make_env=make_env)
     result = summarize(rows, default_ks(samples), _domains(tasks))
@@ -148,7 +154,8 @@ def _episode_rows(backend, tokenizer, task_list, settings: EvalSettings, *, seed
                                 f"{tag}-{t.family}-{t.level}-{t.index}-k{k}")
             for t in task_list for k in range(samples)]
     episode = episodes.EpisodeSettings(max_new_tokens=settings.max_new_tokens, max_tokens=settings.max_len or 4096,
-                                       temperature=settings.temperature, max_turns=settings.max_turns)
+                                       temperature=settings.temperature, max_turns=settings.max_turns,
+                                       rounds=settings.deterministic)
     trajectories = episodes.run_episodes(backend, tokenizer, jobs, episode, make_env, workers=settings.episode_workers)
     return [_row(t, samples, [tr.rewards for tr in trajectories[i * samples:(i + 1) * samples]])
             for i, t in enumerate(task_list)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ import pytest
 from rlvr import config_lib
 from rlvr.envs import episodes as episodes_lib
 from rlvr.envs import make_env
+from rlvr.envs import rollout as rollout_lib
 from rlvr.envs.rollout import EpisodeJob, EpisodeSettings, run_episodes
 from rlvr.main import run
 from rlvr.models.tokenizer import byte_level_tokenizer
@@ -153,3 +155,32 @@ def test_black_box_agent_is_trained_from_its_recorded_calls(tmp_path):
     assert all(e["trace"]["session"] and e["trace"]["calls"] for e in episodes)
     metrics = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert any(m.get("episodes") for m in metrics)
+
+
+def test_deterministic_rollout_plays_the_episodes_in_rounds():
+    """rl.deterministic_rollout (several JAX processes): the producer plays the episodes in rounds
+    (rlvr.envs.rollout.TurnRounds, after the single-turn groups): the scripted policy's two-turn
+    episodes all solve their tasks, and every turn after the first reached the backend in a round."""
+    tokenizer = byte_level_tokenizer()
+    rl = config_lib.load_config("configs/agentic_tools.py:smoke", {"rl.deterministic_rollout": True}).rl
+    policy = _ScriptedCalculatorPolicy(tokenizer)
+    rounds = []
+    real = rollout_lib.TurnRounds._run_round
+
+    def recorded(self):
+        if self._asked and len(self._asked) >= self.live:
+            rounds.append(len(self._asked))
+        real(self)
+    try:
+        producer = Producer(policy, build_tasks(rl, seed=0), tokenizer, ProducerSettings.from_config(rl), seed=0)
+        try:
+            with mock.patch.object(rollout_lib.TurnRounds, "_run_round", recorded):
+                batch = producer.make_batch(0)
+        finally:
+            producer.stop()
+    finally:
+        policy.close()
+    episodes = rl.prompts_per_step * rl.group_size
+    assert len(batch.samples) == episodes
+    assert all(s.rewards["correct"] == 1.0 and s.rewards["turns"] == 2.0 for s in batch.samples)
+    assert rounds == [episodes, episodes]  # each turn of every episode in one engine call

@@ -194,3 +194,42 @@ def test_real_engine_episodes_are_deterministic_under_concurrency(tokenizer):
         assert len({tuple(t.output_ids) for t in serial}) > 1  # different seeds, different episodes
     finally:
         backend.close()
+
+
+def test_episodes_in_rounds_reach_the_engine_in_the_same_batches_whatever_the_timing(tokenizer, policy):
+    """rl.deterministic_rollout (several JAX processes: every process's engine must run the same batches):
+    with random environment delays, two runs send the engine the same calls, each holding every live
+    episode's next turn in request-id order; the episodes are those of free-running threads."""
+    import random
+    import time
+
+    class T:
+        family, level, stream = "count", 0, 0
+
+        def __init__(self, i):
+            self.index = i
+
+    class SlowEnv(CountingEnv):
+        def step(self, text):
+            time.sleep(random.random() * 0.01)
+            return super().step(text)
+
+    class Recording:
+        def __init__(self):
+            self.calls = []
+
+        def generate(self, requests):
+            self.calls.append([r.rid for r in requests])
+            return policy.generate(requests)
+
+    jobs = [EpisodeJob(T(i), seed=i, rid=f"ep{i}") for i in range(6)]
+    make_env = lambda task: SlowEnv(max_turns=1 + task.index % 3)  # noqa: E731 - episodes of 1, 2 or 3 turns
+    rounds = EpisodeSettings(max_new_tokens=16, max_tokens=2048, rounds=True)
+    runs = []
+    for _ in range(2):
+        backend = Recording()
+        runs.append((backend.calls, run_episodes(backend, tokenizer, jobs, rounds, make_env)))
+    assert runs[0][0] == runs[1][0] == [[f"ep{i}-turn{t}" for i in range(6) if t < 1 + i % 3] for t in range(3)]
+    free = run_episodes(policy, tokenizer, jobs, SETTINGS, make_env, workers=6)
+    for a, b, c in zip(runs[0][1], runs[1][1], free, strict=True):
+        assert a.output_ids == b.output_ids == c.output_ids and a.turns == c.turns

@@ -1,8 +1,9 @@
 """Multi-host for real: jobs run as 2 JAX processes x 4 CPU devices on loopback (rlvr.launch.local_cluster,
 the environment the k8s and Slurm targets give each host; two tests run the Slurm target's sbatch
 script and the k8s target's trainer container as written) and are checked against the same job in this
-one process with 8 devices: SFT, DPO and sync RL reach the same weights, also after resuming across
-process counts (1 -> 2 and 2 -> 1); metrics are written once (process 0); SIGTERM to one host
+one process with 8 devices: SFT, DPO, sync RL and lockstep (asynchronous, fixed-lag) RL reach the same
+weights, also after resuming across process counts (1 -> 2 and 2 -> 1); held-out sets and evaluations
+are split between the processes; metrics are written once (process 0); SIGTERM to one host
 checkpoints the whole job (exit 143 everywhere) and SIGKILL of one host ends the others with a clear
 error in bounded time; reruns resume."""
 
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -218,12 +220,17 @@ def test_rl_sync_on_two_processes_matches_one_process(tmp_path, tmp_path_factory
 
 
 def test_multi_process_rl_refuses_what_would_let_processes_diverge():
-    config = config_lib.load_config(RL, {"rl.mode": "async"})
+    config = config_lib.load_config(RL, {"rl.mode": "async", "rl.deterministic_rollout": True})
     rl.check_processes(config.rl, 1)
-    advice = r"rl.mode='async' with 2 JAX processes: .* rl.mode='sync'.* rl.backend='sglang' and SGLang servers"
+    advice = (r"rl.mode='async' with 2 JAX processes: .* rl.mode='sync' or rl.mode='lockstep'.* "
+              r"rl.backend='sglang' and SGLang servers")
     with pytest.raises(config_lib.ConfigError, match=advice):
         rl.check_processes(config.rl, 2)
-    rl.check_processes(config_lib.load_config(RL, {}).rl, 2)
+    for refused in ({"rl.agent": "my_agents:make"}, {"rl.deterministic_rollout": False}):
+        with pytest.raises(config_lib.ConfigError, match=f"{next(iter(refused))}.* with 2 JAX processes"):
+            rl.check_processes(config_lib.load_config(RL, {"rl.deterministic_rollout": True, **refused}).rl, 2)
+    for mode in ("sync", "lockstep"):
+        rl.check_processes(config_lib.load_config(RL, {"rl.mode": mode, "rl.deterministic_rollout": True}).rl, 2)
 
 
 def test_only_process_zero_rewrites_or_appends_the_shared_workdir_logs(tmp_path, monkeypatch):
@@ -292,6 +299,29 @@ process read only its rows' records."""
     for read, rows in _data_shares(outputs).values():
         assert read == sum(at12[r] - at4[r] + 1 for r in rows) < sum(at12) - sum(at4), (read, rows)
     assert _data_position(workdir, 12) == _data_position(sft_reference, 12)
+    # the held-out set (data.eval_path) is split the same way: each process encoded its rows' records
+    heldout = [json.loads((w / "summary.json").read_text())["heldout_loss"] for w in (Path(workdir), sft_reference)]
+    np.testing.assert_allclose(heldout[0], heldout[1], rtol=1e-6)
+    counts = [int(re.search(r"held-out: process \d of 2 encoded (\d+) records", o).group(1)) for o in outputs]
+    whole = _heldout_records_read(config_lib.load_config(SFT, SFT_OVERRIDES))
+    assert sum(counts) == whole and all(0 < c < whole for c in counts), (counts, whole)
+
+
+def _heldout_records_read(config) -> int:
+    """Records one process encodes for the held-out loss (its stream read to the end of the epoch)."""
+    import functools
+
+    from rlvr.data.chat import encode_record
+    from rlvr.data.sources import load_records
+    from rlvr.data.stream import TokenStream
+
+    d, tokenizer = config.data, api.build_tokenizer(config)
+    records = load_records(d, "eval")[: config.train.eval_examples]
+    stream = TokenStream(records, functools.partial(encode_record, tokenizer), d.batch_size, d.seq_len,
+                         tokenizer.pad_id, 0, d.pack, shuffle=False)
+    while not stream.exhausted():
+        next(stream)
+    return stream.records_read
 
 
 JOBS_DRIVER = """
@@ -308,30 +338,48 @@ for spec, workdir, overrides in json.loads(sys.argv[1]):
 """
 
 
-def test_reward_model_and_eval_jobs_on_two_processes_match_one_process_async_and_agentic_rl_are_refused(
+def test_lockstep_rl_reward_model_and_eval_jobs_on_two_processes_match_one_process(
         tmp_path, tmp_path_factory, rl_reference, repo_root):
-    """One 2-process launch runs four jobs in turn, as rlvr.main does: async RL and agentic RL (multi-turn
-    calculator episodes) are refused on both processes with the config error that says what to do (no
-    hang; agentic RL was seen to build different train batches on the two processes), a reward model
-    (weights within 1e-6 and the same held-out accuracy as one process) and the eval job on the RL test's
-    reference policy (the same tables and completions: every completion sampled and verified alike)."""
+    """One 2-process launch runs four jobs in turn, as rlvr.main does: timing-based async RL is refused
+    on both processes with the config error that says what to do (no hang); asynchronous RL in lockstep
+    (batch b from the weights of step b - 1, from the RL test's warm start) samples the same completions
+    and ends with the weights of one process; a reward model (weights within 1e-6 and the same held-out
+    accuracy as one process) and the eval job on the RL test's reference policy (the same tables and
+    completions: every completion sampled and verified alike)."""
+    lockstep = {**RL_OVERRIDES, "rl.mode": "lockstep", "rl.max_staleness": 1, "rl.sft_steps": 0,
+                "init.workdir": str(rl_reference / "sft"), "rl.deterministic_rollout": True}
     jobs = [(RL, "async", {"rl.mode": "async", "train.tensorboard": False}),
+            (RL, "lockstep", lockstep),
             ("configs/rm_tiny.py:smoke", "rm", {"train.tensorboard": False}),
             ("configs/eval_tasks.py:smoke", "eval", {"init.workdir": str(rl_reference),
-                                                     "eval.examples_per_level": 2, "eval.samples": 2}),
-            ("configs/agentic_tools.py:smoke", "agentic", {"train.tensorboard": False, "train.num_steps": 2,
-                                                           "checkpoint.every_steps": 2, "rl.eval_examples": 4})]
+                                                     "eval.examples_per_level": 2, "eval.samples": 2})]
     plan = json.dumps([(spec, str(tmp_path / "two" / name), overrides) for spec, name, overrides in jobs])
     cluster = _cluster(tmp_path, "jobs", [sys.executable, "-c", JOBS_DRIVER, plan], _env(tmp_path_factory),
                        repo_root)
     try:
-        for spec, name, overrides in jobs[1:3]:  # the same jobs in this process, meanwhile
+        for spec, name, overrides in jobs[1:]:  # the same jobs in this process, meanwhile
             run(config_lib.load_config(spec, overrides), str(tmp_path / "one" / name))
     finally:
         logs = _finish(cluster)
-    assert all("config error: rl.mode='async' with 2 JAX processes" in log and "rl.backend='sglang'" in log
-               and "config error: multi-turn episodes (tool_calc_compact) with 2 JAX processes" in log for log in logs)
+    assert all("config error: rl.mode='async' with 2 JAX processes" in log and "rl.mode='lockstep'" in log
+               for log in logs)
     two, one = tmp_path / "two", tmp_path / "one"
+    # held-out evaluations (RL's, the eval job's): each process verified its share of the completions
+    verified = {}
+    for tag, _, count, total in re.findall(r"(\S+): process (\d) of 2 verified (\d+) of (\d+) completions",
+                                           "\n".join(logs)):
+        verified.setdefault((tag, int(total)), []).append(int(count))
+    assert verified and all(2 * sum(c) == total * len(c) and 0 < min(c) and max(c) < total
+                            for (_, total), c in verified.items()), verified
+    # lockstep: each batch exactly one version old (the first from the initial weights), an update before the
+    # last step is not zero (the lag is visible), and 2 processes = 1 process
+    ref_metrics = [m for m in _metrics(one / "lockstep") if "reward" in m]
+    assert [m["staleness_max"] for m in ref_metrics] == [0, 1, 1, 1], ref_metrics
+    assert any(m["loss"] != 0 for m in ref_metrics[:-1]), ref_metrics
+    got = [(m["step"], m["reward"], m["loss"]) for m in _metrics(two / "lockstep") if "reward" in m]
+    assert got == [(m["step"], m["reward"], m["loss"]) for m in ref_metrics]
+    _assert_same_samples(two / "lockstep", one / "lockstep")
+    _assert_same_params(two / "lockstep", one / "lockstep")
     # the score head's bias has no true gradient (a Bradley-Terry loss sees only score differences): Adam
     # turns its rounding-level gradient, summed in another order on 2 processes, into a full-size step
     _assert_same_params(two / "rm", one / "rm", skip="['value_proj']['bias']")

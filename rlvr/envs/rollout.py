@@ -12,6 +12,11 @@ Episodes run concurrently, one thread each: a thread blocked in `generate` lets 
 turns from many episodes (continuous batching), and a thread running a sandbox tool does not hold
 up the others. `run_episodes` returns the trajectories in job order; the tokens are deterministic
 given the seeds (per-turn seeds derived from the episode's), whatever the thread timing.
+
+What the engine batches together does depend on timing (which turns reach it before its next step),
+and on several JAX processes every process's engine must run the same batches (SPMD): with
+`EpisodeSettings.rounds` the episodes advance in rounds instead (`TurnRounds`): every live episode's
+next turn goes to the engine in one call, ordered by request id, once all of them have asked for it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -26,7 +32,7 @@ from typing import Any
 
 from rlvr.data.chat import render_text
 from rlvr.envs.base import Environment, Trajectory
-from rlvr.rollout.types import Request, SamplingParams
+from rlvr.rollout.types import Completion, Request, SamplingParams
 
 _TURN_SEED_STRIDE = 1_000_003
 
@@ -42,6 +48,9 @@ class EpisodeSettings:
     top_k: int = -1
     min_p: float = 0.0
     max_turns: int = 0  # 0 = the environment's own limit
+    # rl.deterministic_rollout: episodes advance in rounds (`TurnRounds`) and no clock cuts an episode
+    # short, so the engine runs the same batches whatever the thread timing (several JAX processes)
+    rounds: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +148,7 @@ def run_episode(backend, tokenizer, env: Environment, settings: EpisodeSettings,
         if not ended:  # cut mid-turn by the token budget: the template's turn structure is broken
             truncated, stop = True, "token_budget"
             break
-        if time.monotonic() - start > env.time_budget_s:
+        if not settings.rounds and time.monotonic() - start > env.time_budget_s:
             truncated, stop = True, "time_budget"
             break
         obs = observation_ids(tokenizer, step.observation, tools)
@@ -172,18 +181,62 @@ def failed_trajectory(job: EpisodeJob, error: BaseException) -> Trajectory:
     return Trajectory([], [], [], [], [], {"reward": 0.0, "correct": 0.0, "env_error": 1.0}, False, 0, trace)
 
 
+class TurnRounds:
+    """`generate` for episode threads that advances them in rounds: a call blocks until each of the
+    `episodes` live episodes has asked for its next turn or ended (`finished`); the round's requests
+    then go to `backend` in one call, ordered by request id."""
+
+    def __init__(self, backend, episodes: int):
+        self.backend, self.live = backend, episodes
+        self._cond = threading.Condition()
+        self._asked: dict[str, list[Request]] = {}
+        self._answers: dict[str, Any] = {}
+
+    def generate(self, requests: Sequence[Request]) -> list[Completion]:
+        key = requests[0].rid
+        with self._cond:
+            self._asked[key] = list(requests)
+            self._run_round()
+            while key not in self._answers:
+                self._cond.wait()
+            answer = self._answers.pop(key)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def finished(self) -> None:
+        with self._cond:
+            self.live -= 1
+            self._run_round()
+
+    def _run_round(self) -> None:
+        """(holding the lock) When every live episode has asked: generates the round's turns."""
+        if not self._asked or len(self._asked) < self.live:
+            return
+        asked, self._asked = sorted(self._asked.items()), {}
+        try:
+            done = iter(self.backend.generate([r for _, requests in asked for r in requests]))
+            answers = {key: [next(done) for _ in requests] for key, requests in asked}
+        except Exception as e:  # noqa: BLE001 - each episode of the round fails with it (recorded)
+            answers = dict.fromkeys((key for key, _ in asked), e)
+        self._answers.update(answers)
+        self._cond.notify_all()
+
+
 def run_episodes(backend, tokenizer, jobs: Sequence[EpisodeJob], settings: EpisodeSettings,
                  make_env: Callable[[Any], Environment], workers: int = 64) -> list[Trajectory]:
-    """Runs `jobs` concurrently (`workers` threads) and returns their trajectories in order. An
-    episode that raises becomes a `failed_trajectory` (its error in `trace["error"]`)."""
+    """Runs `jobs` concurrently (`workers` threads; with `settings.rounds`, one each, in rounds) and
+    returns their trajectories in order. An episode that raises becomes a `failed_trajectory` (its
+    error in `trace["error"]`)."""
+    rounds = TurnRounds(backend, len(jobs)) if settings.rounds else None
 
-    def one(job: EpisodeJob) -> Trajectory:
+    def play(job: EpisodeJob) -> Trajectory:
         try:
             env = make_env(job.task)
         except Exception as e:  # noqa: BLE001 - recorded, the run goes on
             return failed_trajectory(job, e)
         try:
-            trajectory = run_episode(backend, tokenizer, env, settings, seed=job.seed, rid=job.rid)
+            trajectory = run_episode(rounds or backend, tokenizer, env, settings, seed=job.seed, rid=job.rid)
         except Exception as e:  # noqa: BLE001
             return failed_trajectory(job, e)
         finally:
@@ -192,8 +245,15 @@ def run_episodes(backend, tokenizer, jobs: Sequence[EpisodeJob], settings: Episo
                                     "stream": job.task.stream}
         return trajectory
 
+    def one(job: EpisodeJob) -> Trajectory:
+        try:
+            return play(job)
+        finally:
+            if rounds is not None:  # ended (or failed): the rounds stop waiting for it
+                rounds.finished()
+
     if not jobs:
         return []
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(workers, len(jobs))),
-                                               thread_name_prefix="rlvr-episode") as pool:
+    threads = len(jobs) if rounds is not None else max(1, min(workers, len(jobs)))
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="rlvr-episode") as pool:
         return list(pool.map(one, jobs))

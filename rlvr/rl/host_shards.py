@@ -10,6 +10,9 @@ process nothing is exchanged and every task is read and verified here.
 
 Multi-turn episodes (tools, sandboxes) run on every process: an environment's answers shape the next
 turn's prompt, which the SPMD engine needs everywhere (README "Running across hosts").
+
+Held-out evaluation (rlvr.evaluation) splits its verifying the same way (`split`): task i's completions are
+scored only by process i mod N.
 """
 
 from __future__ import annotations
@@ -70,6 +73,17 @@ class HostShare:
                 for n, ((sample, _), (rewards, failure)) in enumerate(zip(results, verdicts, strict=True)):
                     sample.rewards = rewards
                     results[n] = (sample, failure)
+
+    def split(self, count: int, work: Callable[[int], Any]) -> list[Any]:
+        """[work(i) for i in range(count)]: this process computes the i it owns, the others' results (JSON)
+        arrive from their processes. Collective on several processes: all call it at the same point."""
+        if self.processes == 1:
+            return [work(i) for i in range(count)]
+        results: list[Any] = [None] * count
+        for shared in shards.gather_json({str(i): work(i) for i in range(count) if self.owns(i)}):
+            for i, value in shared.items():
+                results[int(i)] = value
+        return results
 
     def report(self) -> str:
         return (f"rollout: process {self.process} of {self.processes} read {self.tasks_read} tasks and verified "

@@ -6,7 +6,10 @@ thread for asynchronous RL: batch `b` may start generating once the policy has r
 current training step, and every sample trained at step b came from weights at most k versions
 old (tokens produced after a mid-generation weight update carry the newer version: partial
 rollouts). With k = 0 the thread only ever generates for the current version, which is exactly
-the synchronous loop (same requests, same seeds, same batches).
+the synchronous loop (same requests, same seeds, same batches). How far the thread runs ahead, and
+which decode step a weight update lands on, depend on timing. `fill_ahead` is the deterministic
+alternative (rl.mode = "lockstep"): on the trainer's thread, batch b is made from the weights of step
+max(b - k, 0) exactly, whole (no partial rollouts), so it runs alike on every process of a multi-host job.
 
 Determinism: the prompts of a batch come from a cursor over the task stream, and every sample's
 sampling seed is a function of (seed, task index, sample index), so a batch does not depend on
@@ -164,6 +167,7 @@ class ProducerSettings:
     max_turns: int = 0
     episode_workers: int = 64
     max_staleness: int = 1
+    deterministic_rollout: bool = False  # rounds, not timing, decide what the engine batches together
     verifier_workers: int = 8  # scoring threads when no verifier workers are given
     schedule: scheduler_lib.SchedulePolicy = dataclasses.field(default_factory=scheduler_lib.SchedulePolicy)
 
@@ -217,7 +221,8 @@ class Producer:
                                                                     thread_name_prefix="rlvr-verifier")
         # rollout groups and their scoring, by priority, with preemption and degradation (rl.schedule)
         self.policy = settings.schedule
-        self.scheduler = scheduler_lib.Scheduler(self.policy, backend, self._verifier_pool, self.verifiers.concurrency)
+        self.scheduler = scheduler_lib.Scheduler(self.policy, backend, self._verifier_pool, self.verifiers.concurrency,
+                                                 unbounded=settings.deterministic_rollout)
         self._domains = tasks.domains() if hasattr(tasks, "domains") else {}
         unknown = set(self.policy.priorities) - set(self._domains) - set(self._domains.values())
         if self._domains and unknown:
@@ -334,7 +339,8 @@ class Producer:
                                              f"s{step}-t{task.index}-k{i}{suffix}") for i in range(k)]
         settings = episodes_lib.EpisodeSettings(max_new_tokens=rl.max_new_tokens, max_tokens=rl.seq_len,
                                                 temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,
-                                                min_p=rl.min_p, max_turns=rl.max_turns)
+                                                min_p=rl.min_p, max_turns=rl.max_turns,
+                                                rounds=rl.deterministic_rollout)
         make_env = self.make_env
         if make_env is None:
             from rlvr.envs import make_env
@@ -408,12 +414,15 @@ class Producer:
         single = [g for g, task in enumerate(tasks) if not self._episodic(task)]
         episode_groups = sorted(set(range(len(tasks))) - set(single), key=lambda g: (-self.priority(tasks[g]), g))
         episodes = None
-        if episode_groups:  # their turns and the single-turn groups share the scheduler concurrently
+        if episode_groups and not self.settings.deterministic_rollout:
+            # their turns and the single-turn groups share the scheduler concurrently
             episodes = self._episode_pool.submit(self._episode_samples, tasks, episode_groups, replays, step)
         by_group = self._scheduled_groups(tasks, prompts, replays, single, step) if single else {}
         self.hosts.share_verdicts(by_group)
         if episodes is not None:
             by_group.update(episodes.result())
+        elif episode_groups:  # deterministic: after the single-turn groups
+            by_group.update(self._episode_samples(tasks, episode_groups, replays, step))
         failures = [f for g in sorted(by_group) for _, f in by_group[g] if f is not None]
         # an infrastructure failure (verifier crash, aborted rollout, environment error) is recorded in
         # `failures`, never trained on: it leaves its group (and the group's statistics)
@@ -567,6 +576,19 @@ class Producer:
                 self._error = e
                 self._cond.notify_all()
 
+    def fill_ahead(self, step: int, end_step: int) -> None:
+        """Lockstep mode (asynchronous with a fixed lag, on this thread): before training step `step`,
+        makes batches until the queue holds those of steps step..min(step + k, end_step - 1) with the
+        current weights (version `step`), so batch b comes from the weights of step max(b - k, 0), by
+        step count, never by timing: every process of a multi-host job makes the same batches, with its
+        engine collectives in the same order as its training ones."""
+        last = min(step + self.settings.max_staleness, end_step - 1)
+        while step + len(self._queue) <= last:
+            batch = self.make_batch(step + len(self._queue))
+            with self._cond:
+                self._queue.append(batch)
+                self._mark_completed(batch)
+
     def drain(self, timeout: float) -> bool:
         """Preemption: start no new batch and wait up to `timeout` s for the one being generated
         (async), so `state()` includes it. Returns whether nothing was left in flight."""
@@ -592,16 +614,19 @@ class Producer:
             else:
                 batch = self.make_batch(step)
                 self._mark_completed(batch)
-            return batch
+        else:
+            batch = self._from_thread()
+        if batch.step != step:
+            raise RuntimeError(f"producer made batch {batch.step} for train step {step}")
+        return batch
+
+    def _from_thread(self) -> ScoredBatch:
         with self._cond:
             while not self._queue and self._error is None:
                 self._cond.wait()
             if self._error is not None and not self._queue:
                 raise RuntimeError("rollout producer failed") from self._error
-            batch = self._queue.popleft()
-        if batch.step != step:
-            raise RuntimeError(f"producer made batch {batch.step} for train step {step}")
-        return batch
+            return self._queue.popleft()
 
     def _mark_completed(self, batch: ScoredBatch) -> None:
         self._completed_cursor = batch.cursor_end

@@ -208,10 +208,13 @@ class Scheduler:
     (rlvr.rl.backends)."""
 
     def __init__(self, policy: SchedulePolicy, backend, scorer: concurrent.futures.Executor, score_workers: int,
-                 clock: Callable[[], float] = time.monotonic, poll_s: float = 0.05):
+                 clock: Callable[[], float] = time.monotonic, poll_s: float = 0.05, unbounded: bool = False):
         backend = backend if hasattr(backend, "submit") else BlockingBackend(backend)
         self.policy, self.backend, self.clock, self.poll_s = policy, backend, clock, poll_s
-        self.capacity = policy.capacity or int(getattr(backend, "capacity", 0) or 0)
+        # unbounded (rl.deterministic_rollout): every request goes to the backend at once and the engine's own
+        # queue admits them, in submission order; holding some back until others complete would make what
+        # the engine batches together depend on timing
+        self.capacity = 0 if unbounded else policy.capacity or int(getattr(backend, "capacity", 0) or 0)
         self.protected = policy.protected()
         self.usage = Usage(clock)
         self.scores = PriorityWorkers(scorer, score_workers, self.usage)
@@ -232,11 +235,16 @@ class Scheduler:
     # --- callers ----------------------------------------------------------------------------
 
     def submit(self, job: GroupJob) -> GroupJob:
+        return self.submit_all([job])[0]
+
+    def submit_all(self, jobs: Sequence[GroupJob]) -> Sequence[GroupJob]:
+        """Queues `jobs` together: they are dispatched in one pass (one backend call)."""
         if self._closed:
             raise RuntimeError("the scheduler is closed")
-        job.results = [None] * len(job.requests)
-        self._events.put(("job", job))
-        return job
+        for job in jobs:
+            job.results = [None] * len(job.requests)
+        self._events.put(("jobs", list(jobs)))
+        return jobs
 
     def wait(self, job: GroupJob) -> GroupJob:
         while not job.finished.wait(1.0):
@@ -249,8 +257,7 @@ class Scheduler:
     def run(self, jobs: Sequence[GroupJob]) -> dict[int, GroupJob]:
         """Generates and scores every job's group; returns {key: job} with `.results` (None where
         a cut group dropped a sample; skipped jobs have `skipped=True`)."""
-        for job in jobs:
-            self.submit(job)
+        self.submit_all(jobs)
         for job in jobs:
             self.wait(job)
         generated = self.clock()
@@ -339,10 +346,10 @@ class Scheduler:
                 self._fail_all(e)
 
     def _handle(self, event: tuple) -> None:
-        if event[0] == "job":
-            job = event[1]
-            job.order = next(self._order)
-            self._waiting.append(job)
+        if event[0] == "jobs":
+            for job in event[1]:
+                job.order = next(self._order)
+                self._waiting.append(job)
             self._sort()
         else:
             self._on_completion(*event[1:])
@@ -370,14 +377,18 @@ class Scheduler:
 
     def _dispatch(self, level: int) -> None:
         """Highest priority first; smaller lower-priority groups backfill free capacity, unless a
-        waiting group preempts them (its capacity is then reserved until the aborts land)."""
+        waiting group preempts them (its capacity is then reserved until the aborts land). The
+        groups started in one pass go to the backend in one call, in that order."""
+        started = []
         for job in list(self._waiting):
             free = self.capacity - self.in_flight() if self.capacity else None
             if free is None or self._need(job) <= free or not self._inflight:
                 self._waiting.remove(job)
-                self._start(job, level)
+                started.append((job, self._start(job, level)))
             elif self._reserve_for(job, free):
-                return
+                break
+        if started:
+            self._submit(started)
 
     def _reserve_for(self, job: GroupJob, free: int) -> bool:
         """Preempts lower-priority groups so `job` fits; True when capacity is (being) freed for it."""
@@ -403,7 +414,7 @@ class Scheduler:
             self.backend.abort(list(victim.pending.values()))
         return True
 
-    def _start(self, job: GroupJob, level: int) -> None:
+    def _start(self, job: GroupJob, level: int) -> list[Request]:
         if level >= 1 and job.priority < self.protected and "budget" not in job.degraded:
             job.degraded.append("budget")
             self._count("degraded_budget")
@@ -420,14 +431,21 @@ class Scheduler:
             job.pending[i] = rid
         job.dispatched_at = self.clock()
         self._inflight.append(job)
+        return requests
+
+    def _submit(self, started: list[tuple[GroupJob, list[Request]]]) -> None:
+        """Sends the requests of the jobs just started to the backend, in one call."""
         try:
-            futures = self.backend.submit(requests)
+            futures = self.backend.submit([r for _, requests in started for r in requests])
         except Exception as e:
-            job.pending.clear()
-            self._finish(job, e)
+            for job, _ in started:
+                job.pending.clear()
+                self._finish(job, e)
             return
-        for i, future in zip(list(job.pending), futures, strict=True):
-            future.add_done_callback(lambda f, job=job, i=i: self._events.put(("done", job, i, f)))
+        futures = iter(futures)
+        for job, _ in started:
+            for i, future in zip(list(job.pending), futures, strict=False):
+                future.add_done_callback(lambda f, job=job, i=i: self._events.put(("done", job, i, f)))
 
     def _cut_stragglers(self) -> None:
         for job in self._inflight:

@@ -17,7 +17,11 @@ Read top to bottom:
 rl.mode = "sync" generates each batch with the current weights. rl.mode = "async" generates
 on a background thread up to rl.max_staleness versions ahead, overlapping rollout with
 training; a weight update mid-generation continues in-flight sequences on the new weights
-(partial rollouts). max_staleness = 0 is the synchronous loop exactly.
+(partial rollouts). max_staleness = 0 is the synchronous loop exactly. rl.mode = "lockstep" is
+asynchronous RL with a fixed lag: before training step s, batch s + max_staleness is generated from
+the weights of step s (on the trainer's thread), so every batch is exactly max_staleness versions old
+whatever the timing: the mode that runs on several JAX processes (check_processes). It trains as
+async does (the same lag) at the speed of sync (generation and training do not overlap).
 """
 
 from __future__ import annotations
@@ -374,44 +378,33 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 def check_processes(rl: ml_collections.ConfigDict, processes: int) -> None:
     """Several JAX processes (a multi-host job) run the rollout SPMD: each drives the same embedded
     engine over the global mesh, so every process must take the same host-side decisions in the same
-    order. Synchronous rollout does (tests/test_multihost.py: bitwise the one-process result). Async
+    order. Synchronous and lockstep rollout do (tests/test_multihost.py: the one-process result). Async
     mode cannot, by construction: where a weight update lands in a generation (which decode step, which
     tokens get the new version) and how far the producer runs ahead depend on each process's own timing,
     so the processes' engines would run different programs; and its producer thread launches engine
-    collectives while the main thread launches training ones, in an order no process agrees on. SGLang
-    answers and time-based scheduling depend on timing too. All are refused; raises api.ConfigError
-    naming the setting and what to use instead."""
+    collectives while the main thread launches training ones, in an order no process agrees on: it is
+    refused in favour of rl.mode='lockstep' (the same off-policy lag, fixed by step count). SGLang
+    answers and time-based scheduling depend on timing too, and so do free-running episode threads and
+    a black-box agent (rl.agent: it calls the engine on its own schedule): multi-turn episodes run in
+    rounds (rl.deterministic_rollout, which rlvr.main sets on several processes; without it a 2-process
+    agentic run built different batches on its two processes and JAX's device_put check stopped it).
+    All are refused; raises api.ConfigError naming the setting and what to use instead."""
     if processes == 1:
         return
     refused = {"rl.mode='async'": rl.mode == "async", "rl.backend='sglang'": rl.backend == "sglang",
                "rl.schedule.lag_factor > 0": rl.schedule.lag_factor > 0,
-               "rl.schedule.deadline_s > 0": rl.schedule.deadline_s > 0}
+               "rl.schedule.deadline_s > 0": rl.schedule.deadline_s > 0,
+               "rl.deterministic_rollout=False": not rl.deterministic_rollout, "rl.agent": bool(rl.agent)}
     bad = [name for name, on in refused.items() if on]
     if bad:
         raise api.ConfigError(f"{', '.join(bad)} with {processes} JAX processes: every process drives the same "
                               "embedded engine, so all must take identical rollout decisions, which a background "
                               "producer, remote servers or a clock cannot guarantee. On several hosts use "
-                              "rl.mode='sync', rl.backend='embedded', rl.schedule.lag_factor=0 and deadline_s=0; "
-                              "for asynchronous RL across machines run the trainer as one JAX process (one host) "
-                              "with rl.backend='sglang' and SGLang servers on the other machines (README 'Running "
-                              "across hosts').")
-
-
-def check_episodes(rl: ml_collections.ConfigDict, tasks, processes: int) -> None:
-    """Multi-turn episodes (tool and sandbox environments, rl.agent) are refused on several JAX processes:
-    a 2-process agentic run built different train batches on its two processes (JAX's device_put check
-    stopped it), most likely because the episode threads submit turns to the engine in an order that
-    differs from process to process (not yet confirmed). Raises api.ConfigError saying what to run."""
-    from rlvr.rl.producer import is_episode_task
-
-    if processes == 1:
-        return
-    episodic = sorted(name for name, family in tasks.families.items() if is_episode_task(family.task(0)))
-    if rl.agent or episodic:
-        raise api.ConfigError(f"multi-turn episodes ({'rl.agent' if rl.agent else ', '.join(episodic)}) with "
-                              f"{processes} JAX processes: agentic RL runs as one JAX process for now (one host, "
-                              "all its accelerators); rollout can still scale out with rl.backend='sglang' "
-                              "(README 'Running across hosts').")
+                              "rl.mode='sync' or rl.mode='lockstep' (asynchronous RL with a lag of exactly "
+                              "rl.max_staleness steps), rl.backend='embedded', rl.deterministic_rollout=True, "
+                              "rl.schedule.lag_factor=0 and deadline_s=0, and no rl.agent; or run the trainer as "
+                              "one JAX process (one host) with rl.backend='sglang' and SGLang servers on the other "
+                              "machines (README 'Running across hosts').")
 
 
 def start_run(config: ml_collections.ConfigDict, workdir: str) -> Run:
@@ -419,7 +412,6 @@ def start_run(config: ml_collections.ConfigDict, workdir: str) -> Run:
     frozen reference, the rollout backend on the current weights, the producer and the update."""
     tokenizer = api.build_tokenizer(config)
     tasks = build_tasks(config.rl, config.seed)
-    check_episodes(config.rl, tasks, jax.process_count())
     model, reference_pointer = initial_model(config, workdir, tasks)
     if config.rl.advantage == "gae":
         model = api.with_value_head(model)
@@ -569,6 +561,8 @@ def one_step(run: Run, step: int) -> tuple[dict[str, float], ScoredBatch]:
     """A scored batch (waiting for the producer) -> train batch -> policy update -> weight sync.
     Returns the step's metrics and the scored batch."""
     rl, t0 = run.config.rl, time.perf_counter()
+    if rl.mode == "lockstep":
+        run.producer.fill_ahead(step, run.config.train.num_steps)
     batch = run.producer.next_batch(step)
     t1 = time.perf_counter()
     arrays = build_batch(batch.samples, rl.seq_len, run.tokenizer.pad_id, rl.aggregation, rl.max_new_tokens,

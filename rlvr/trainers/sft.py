@@ -18,6 +18,7 @@ import ml_collections
 import numpy as np
 
 from rlvr import api, losses, observe
+from rlvr.data import shards
 from rlvr.data.arithmetic import ArithmeticData
 from rlvr.data.chat import check_tool_calls, encode_record, uses_tools
 from rlvr.data.images import ImageTokenStream, check_image_tokens, encode_image_record, uses_images
@@ -108,25 +109,40 @@ def evaluate_arithmetic(model: api.Model, tokenizer, data: ArithmeticData, count
 
 
 def evaluate_loss(config: ml_collections.ConfigDict, model: api.Model, tokenizer) -> float | None:
-    """Mean target-token NLL over (up to `train.eval_examples`) held-out records."""
+    """Mean target-token NLL over (up to `train.eval_examples`) held-out records. Text records are split
+    like training batches (rlvr.data.shards): each process encodes only its rows' records; records with
+    images are encoded by every process (a VLM's batch sizes its image arrays by the whole batch)."""
     d = config.data
     held_out = d.eval_path if d.source == "jsonl" else d.eval_split
     if not held_out:
         return None
     records = load_records(d, "eval" if d.source == "jsonl" else d.eval_split)
     records = [records[i] for i in range(min(len(records), config.train.eval_examples))]
-    if any(uses_images(r) for r in records):
-        stream = _image_stream(config, tokenizer, model.cfg.vision, records, shuffle=False)
-        examples = records
-    else:
-        examples = [encode_record(tokenizer, r) for r in records]
-        stream = TokenStream(examples, lambda x: x, d.batch_size, d.seq_len, tokenizer.pad_id, 0, d.pack,
-                             shuffle=False)
+    if not any(uses_images(r) for r in records):
+        stream = TokenStream(records, functools.partial(encode_record, tokenizer), d.batch_size, d.seq_len,
+                             tokenizer.pad_id, 0, d.pack, shuffle=False)
+        return _row_split_loss(config, model, stream)
+    stream = _image_stream(config, tokenizer, model.cfg.vision, records, shuffle=False)
     loss_fn = jax.jit(configured_loss(config, model.cfg))
     total, weight = 0.0, 0.0
     while not stream.exhausted():
         loss_sum, aux = loss_fn(model.params, next(stream), None, None)
         total, weight = total + float(loss_sum), weight + float(aux["weight"])
+    return total / max(weight, 1.0)
+
+
+def _row_split_loss(config: ml_collections.ConfigDict, model: api.Model, stream: TokenStream) -> float:
+    """The mean loss over `stream`'s first epoch, each process building only its rows of each batch; the
+    rows' cursors are merged after each batch, so every process agrees on when the epoch is done."""
+    loss_fn = jax.jit(configured_loss(config, model.cfg))
+    total, weight = 0.0, 0.0
+    while not stream.exhausted():
+        loss_sum, aux = shards.apply_by_rows(lambda p, batch: loss_fn(p, batch, None, None), model.params,
+                                             stream.next_rows, stream.shapes(), model.mesh)
+        shards.merged_state(stream)
+        total, weight = total + float(loss_sum), weight + float(aux["weight"])
+    print(f"held-out: process {jax.process_index()} of {jax.process_count()} encoded {stream.records_read} records "
+          f"(of a {len(stream.source)}-record set)")
     return total / max(weight, 1.0)
 
 
