@@ -229,7 +229,10 @@ def rl_config() -> ml_collections.ConfigDict:
         # (log π_student - log π_teacher) per sampled token; "full": loss += distill_coef · KL(π_student ‖
         # π_teacher) over the whole vocabulary at every sampled position (the teacher runs in the train
         # step, chunked). distill_task_advantage=False drops the task reward's advantage (distillation alone)
-        "teacher": "", "distill_coef": 1.0, "distill_task_advantage": True, "distill_estimator": "sampled",
+        # teacher_step: the checkpoint of an rlvr-workdir teacher (0 = its latest)
+        "teacher": "", "teacher_step": 0, "distill_coef": 1.0, "distill_task_advantage": True,
+        "distill_estimator": "sampled",
+        "distill_teacher_temperature": 1.0,  # "full": KL to softmax(teacher logits / this); < 1 sharpens it
         "entropy_coef": 0.0,  # entropy bonus weight in the loss
         "tis_cap": 2.0,  # truncated importance sampling cap on π_trainer/π_sampler; 0 = off
         "tis_level": "token",  # token | sequence
@@ -356,6 +359,9 @@ def _validate_objective(config: ml_collections.ConfigDict) -> None:
     if rl.distill_estimator not in ("sampled", "full"):
         raise ConfigError(f"rl.distill_estimator={rl.distill_estimator!r}: use 'sampled' (the per-token advantage "
                           "on the sampled token) or 'full' (the full-vocabulary reverse KL in the loss).")
+    if not rl.distill_teacher_temperature > 0:
+        raise ConfigError(f"rl.distill_teacher_temperature={rl.distill_teacher_temperature}: must be > 0 (1 = the "
+                          "teacher's own distribution, below 1 sharper).")
     if rl.teacher and not rl.distill_coef > 0:
         raise ConfigError(f"rl.distill_coef={rl.distill_coef}: must be > 0 with rl.teacher set (or set rl.teacher='').")
     if rl.dual_clip and rl.dual_clip <= 1:

@@ -56,9 +56,10 @@ def topk_forward_kl(student_hidden: jax.Array, student_head: jax.Array, teacher_
 
 def full_reverse_kl(student_hidden: jax.Array, student_head: jax.Array, teacher_hidden: jax.Array,
                     teacher_head: jax.Array, *, chunk_size: int, student_vocab_major: bool = False,
-                    teacher_vocab_major: bool = False) -> jax.Array:
+                    teacher_vocab_major: bool = False, teacher_temperature: float = 1.0) -> jax.Array:
     """KL(p_S ‖ p_T) over the whole vocabulary at each position [B, T] (float32; differentiable in the
-    student, the teacher a constant): hidden states [B, T, E]; heads as in `topk_forward_kl`."""
+    student, the teacher a constant): hidden states [B, T, E]; heads as in `topk_forward_kl`. p_T is
+    softmax(teacher logits / `teacher_temperature`): below 1 a sharpened teacher, towards its greedy mode."""
     vocab = student_head.shape[0 if student_vocab_major else 1]
     teacher_hidden = jax.lax.stop_gradient(teacher_hidden)
 
@@ -67,7 +68,7 @@ def full_reverse_kl(student_hidden: jax.Array, student_head: jax.Array, teacher_
         hs, ht = args
         logp_s = jax.nn.log_softmax(project(hs, student_head, student_vocab_major).astype(jnp.float32), axis=-1)
         logits_t = project(ht, teacher_head, teacher_vocab_major).astype(jnp.float32)[..., :vocab]
-        logp_t = jax.lax.stop_gradient(jax.nn.log_softmax(logits_t, axis=-1))
+        logp_t = jax.lax.stop_gradient(jax.nn.log_softmax(logits_t / teacher_temperature, axis=-1))
         return (jnp.sum(jnp.exp(logp_s) * (logp_s - logp_t), axis=-1),)
 
     return _map_chunks(one, chunk_size, student_hidden, teacher_hidden)[0]

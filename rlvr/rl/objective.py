@@ -71,6 +71,7 @@ class Objective:
     # > 0: + distill_coef · KL(π ‖ teacher) over the whole vocabulary per sampled position (the raw
     # softmaxes; rl.teacher with rl.distill_estimator="full"; frozen["teacher"], rl_loss's teacher_cfg)
     distill_coef: float = 0.0
+    distill_teacher_temperature: float = 1.0  # the teacher's softmax temperature in that KL (< 1: sharper)
 
     @classmethod
     def from_config(cls, config) -> Objective:
@@ -85,7 +86,8 @@ class Objective:
                    value_coef=rl.value_coef if rl.advantage == "gae" else 0.0, value_clip=rl.value_clip or None,
                    logprob_chunk_size=config.train.logprob_chunk_size, sampling=sampling_of(rl),
                    proximal=rl.proximal,
-                   distill_coef=rl.distill_coef if rl.teacher and rl.distill_estimator == "full" else 0.0)
+                   distill_coef=rl.distill_coef if rl.teacher and rl.distill_estimator == "full" else 0.0,
+                   distill_teacher_temperature=rl.distill_teacher_temperature)
 
 
 def sampling_of(rl) -> Sampling:
@@ -127,7 +129,7 @@ def distill_logprobs(cfg, teacher_cfg, obj: Objective, params, teacher_params, b
     logp, entropy = token_logprobs(x[:, :-1], head, tokens[:, 1:], chunk_size=chunk, return_entropy=True,
                                    vocab_major=tied, sampling=obj.sampling)
     kl = full_reverse_kl(x[:, :-1], head, xt[:, :-1], head_t, chunk_size=chunk, student_vocab_major=tied,
-                         teacher_vocab_major=tied_t)
+                         teacher_vocab_major=tied_t, teacher_temperature=obj.distill_teacher_temperature)
     return logp, entropy, predicted, kl
 
 

@@ -430,8 +430,8 @@ def start_run(config: ml_collections.ConfigDict, workdir: str) -> Run:
     ref_params = restore_or_init_state(run)
     run.backend = build_backend(config, model, run.policy_params(), tokenizer, workdir, version=run.start)
     rl, steps = config.rl, config.train.num_steps * config.rl.updates_per_batch
-    teacher_cfg, teacher = (distill.load_teacher(rl.teacher, model.mesh, tokenizer.vocab_size) if rl.teacher
-                            else (None, None))
+    teacher_cfg, teacher = (distill.load_teacher(rl.teacher, model.mesh, tokenizer.vocab_size, step=rl.teacher_step)
+                            if rl.teacher else (None, None))
     run.producer = build_producer(run, ref_params, (teacher_cfg, teacher) if rl.distill_estimator == "sampled"
                                   else None)
     # The reference runs inside the step for a KL loss term, or (rl.reference_model) to report the KL;
