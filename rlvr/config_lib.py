@@ -231,7 +231,7 @@ def rl_config() -> ml_collections.ConfigDict:
         # step, chunked). distill_task_advantage=False drops the task reward's advantage (distillation alone)
         # teacher_step: the checkpoint of an rlvr-workdir teacher (0 = its latest)
         "teacher": "", "teacher_step": 0, "distill_coef": 1.0, "distill_task_advantage": True,
-        "distill_estimator": "sampled",
+        "distill_estimator": "sampled",  # sampled (advantage term) | full (the whole-vocabulary KL in the loss)
         "distill_teacher_temperature": 1.0,  # "full": KL to softmax(teacher logits / this); < 1 sharpens it
         "entropy_coef": 0.0,  # entropy bonus weight in the loss
         "tis_cap": 2.0,  # truncated importance sampling cap on π_trainer/π_sampler; 0 = off
