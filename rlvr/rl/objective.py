@@ -16,10 +16,11 @@ policy, multiplied by truncated importance weights π_proximal/π_behaviour when
 to the frozen reference policy whose gradient is the KL's (`policy_loss.kl_loss`), the
 full-vocabulary reverse KL to a distillation teacher at every sampled position (`distill_coef`,
 rl.distill_estimator="full": `rlvr.losses.distill.full_reverse_kl`, an exact per-position gradient
-where the sampled-token estimator puts a noisy advantage on one token), an entropy bonus, and for PPO with GAE the clipped value loss of the value head (which shares the policy's
-backbone). The proximal policy (`proximal`) is "current": the weights before this batch's
-updates (the batch's `old_logp` from a pass before several updates, else the trainer's own
-log-probs, stop-gradient: ratio 1, no clipping, TIS corrects the sampler), or "behaviour": the
+where the sampled-token estimator puts a noisy advantage on one token), an entropy bonus, and for
+PPO with GAE the clipped value loss of the value head (which shares the policy's backbone). The
+proximal policy (`proximal`) is "current": the weights before this batch's updates (the batch's
+`old_logp` from a pass before several updates, else the trainer's own log-probs, stop-gradient:
+ratio 1, no clipping, TIS corrects the sampler), or "behaviour": the
 policy that generated the batch (its recorded log-probs: the ratio and its clipping are against
 the sampler; TIS then has nothing left to correct and is off).
 

@@ -432,8 +432,8 @@ def start_run(config: ml_collections.ConfigDict, workdir: str) -> Run:
     rl, steps = config.rl, config.train.num_steps * config.rl.updates_per_batch
     teacher_cfg, teacher = (distill.load_teacher(rl.teacher, model.mesh, tokenizer.vocab_size, step=rl.teacher_step)
                             if rl.teacher else (None, None))
-    run.producer = build_producer(run, ref_params, (teacher_cfg, teacher) if rl.distill_estimator == "sampled"
-                                  else None)
+    sampled = teacher is not None and rl.distill_estimator == "sampled"
+    run.producer = build_producer(run, ref_params, (teacher_cfg, teacher) if sampled else None)
     # The reference runs inside the step for a KL loss term, or (rl.reference_model) to report the KL;
     # the teacher for the full-vocabulary distillation term.
     frozen = {}
