@@ -4,7 +4,9 @@
         [--steps 20 --eval_every 2] [--root workdirs/issue22] [--out benchmarks/results/distill_quickstart.json]
 
 Per seed: (1) the quickstart (`configs/quickstart.py`: SFT warm start, then 100 GRPO steps, held-out
-greedy accuracy every 10 steps) trains the teacher; its final accuracy is the target. (2) RL alone from
+greedy accuracy every 10 steps) trains the teacher; its final accuracy is the target (with
+`--best_teacher`: its kept checkpoint with the best held-out accuracy is the teacher, and that accuracy
+the target). (2) RL alone from
 the student: the same run (the student is the same seed's SFT warm start), `--steps` steps with
 evaluation every `--eval_every` (the teacher's own first steps, deterministic, evaluated more often).
 (3) The same config with `rl.teacher` = the teacher's workdir, `rl.distill_task_advantage=False` and the
@@ -35,20 +37,30 @@ def _first_within(evals, target: float):
     return next((step for step, acc, *_ in evals if acc >= target - WITHIN), None)
 
 
+def best_checkpoint(workdir: str, evals) -> tuple[int, float]:
+    """(step, held-out accuracy) of the run's kept checkpoint with the best held-out evaluation."""
+    kept = {int(name) for name in os.listdir(os.path.join(workdir, "checkpoints")) if name.isdigit()}
+    return max(((step, acc) for step, acc, *_ in evals if step in kept), key=lambda e: e[1])
+
+
 def one_seed(seed: int, root: str, student_overrides: dict, spec: str = "configs/quickstart.py",
-             steps: int = 0, fine_eval: int = EVAL_EVERY) -> dict:
-    """One seed's teacher (the quickstart's own GRPO run, 100 steps), RL alone from the student and
-    the distilled student (both `steps` steps, 0 = the teacher's, evaluated every `fine_eval`), all
-    kept under `root` (quickstart_seeds.py --root shares the teacher)."""
+             steps: int = 0, fine_eval: int = EVAL_EVERY, best_teacher: bool = False) -> dict:
+    """One seed's teacher (the quickstart's own GRPO run, 100 steps; with `best_teacher` its kept
+    checkpoint with the best held-out accuracy, else its last), RL alone from the student and the
+    distilled student (both `steps` steps, 0 = the teacher's, evaluated every `fine_eval`), all kept
+    under `root` (quickstart_seeds.py --root shares the teacher)."""
     plain = {"rl.eval_every": EVAL_EVERY}
     teacher = run_seed(seed, spec, plain, root)
-    target = teacher["heldout_accuracy_after"]
+    teacher_dir = run_dir(root, seed, plain, spec)
+    teacher_step, target = teacher["final_step"], teacher["heldout_accuracy_after"]
+    if best_teacher:
+        teacher_step, target = best_checkpoint(teacher_dir, teacher["evals"])
     compare = {"rl.eval_every": fine_eval, **({"train.num_steps": steps} if steps else {})}
     rl_alone = teacher if compare == plain else run_seed(seed, spec, compare, root)  # = the teacher's first steps
-    distill = {**compare, "rl.teacher": run_dir(root, seed, plain, spec), "rl.distill_task_advantage": False,
-               **student_overrides}
+    distill = {**compare, "rl.teacher": teacher_dir, "rl.distill_task_advantage": False,
+               **({"rl.teacher_step": teacher_step} if best_teacher else {}), **student_overrides}
     student = run_seed(seed, spec, distill, root)
-    return {"seed": seed, "teacher_accuracy": target, "student_start_accuracy": student["heldout_accuracy_before"],
+    return {"seed": seed, "teacher_step": teacher_step, "teacher_accuracy": target, "student_start_accuracy": student["heldout_accuracy_before"],
             "distilled_accuracy": student["heldout_accuracy_after"], "steps_run": student["final_step"],
             "rl_steps_to_within_5_points": _first_within(rl_alone["evals"], target),
             "distill_steps_to_within_5_points": _first_within(student["evals"], target),
@@ -89,12 +101,15 @@ def main(argv: list[str] | None = None) -> int:
                         "student, distillation); 0 = the teacher's 100")
     parser.add_argument("--eval_every", type=int, default=EVAL_EVERY, help="held-out evaluation interval of the "
                         "compared runs (the teacher's stays 10)")
+    parser.add_argument("--best_teacher", action="store_true", help="the teacher (and the target) is the "
+                        "quickstart run's kept checkpoint (every 25 steps) with the best held-out accuracy")
     parser.add_argument("--out", default="")
     parser.add_argument("--plot", default="", help="a PNG of the curves")
     args = parser.parse_args(argv)
     overrides = dict(_override(item) for item in args.set)
     with tempfile.TemporaryDirectory(prefix="distill_") as scratch:
-        runs = [one_seed(int(s), args.root or scratch, overrides, args.config, args.steps, args.eval_every)
+        runs = [one_seed(int(s), args.root or scratch, overrides, args.config, args.steps, args.eval_every,
+                         args.best_teacher)
                 for s in args.seeds.split(",")]
     rl_steps = [r["rl_steps_to_within_5_points"] for r in runs]
     distill_steps = [r["distill_steps_to_within_5_points"] for r in runs]

@@ -233,9 +233,14 @@ def rl_config() -> ml_collections.ConfigDict:
         "kl_coef": 0.0, "kl_estimator": "k3", "kl_mode": "loss",  # loss (term) | reward (penalty)
         "reference_model": False,  # keep the frozen reference even at kl_coef=0 (KL is still reported)
         # on-policy distillation (rlvr.rl.distill): a teacher (HF directory or rlvr workdir, the student's
-        # tokenizer) scores every sampled token; advantage += -distill_coef · (log π_student - log π_teacher);
-        # distill_task_advantage=False drops the task reward's advantage (distillation alone)
-        "teacher": "", "distill_coef": 1.0, "distill_task_advantage": True,
+        # tokenizer) scores the student's samples. distill_estimator "sampled": advantage += -distill_coef ·
+        # (log π_student - log π_teacher) per sampled token; "full": loss += distill_coef · KL(π_student ‖
+        # π_teacher) over the whole vocabulary at every sampled position (the teacher runs in the train
+        # step, chunked). distill_task_advantage=False drops the task reward's advantage (distillation alone)
+        # teacher_step: the checkpoint of an rlvr-workdir teacher (0 = its latest)
+        "teacher": "", "teacher_step": 0, "distill_coef": 1.0, "distill_task_advantage": True,
+        "distill_estimator": "sampled",  # sampled (advantage term) | full (the whole-vocabulary KL in the loss)
+        "distill_teacher_temperature": 1.0,  # "full": KL to softmax(teacher logits / this); < 1 sharpens it
         "entropy_coef": 0.0,  # entropy bonus weight in the loss
         "tis_cap": 2.0,  # truncated importance sampling cap on π_trainer/π_sampler; 0 = off
         "tis_level": "token",  # token | sequence
@@ -359,6 +364,12 @@ def _validate_objective(config: ml_collections.ConfigDict) -> None:
     if rl.teacher and rl.advantage == "gae":
         raise ConfigError(f"rl.teacher={rl.teacher!r} gives per-token advantages, which GAE would replace: use a "
                           "group advantage (rl.advantage='grpo', 'rloo', ...) for on-policy distillation.")
+    if rl.distill_estimator not in ("sampled", "full"):
+        raise ConfigError(f"rl.distill_estimator={rl.distill_estimator!r}: use 'sampled' (the per-token advantage "
+                          "on the sampled token) or 'full' (the full-vocabulary reverse KL in the loss).")
+    if not rl.distill_teacher_temperature > 0:
+        raise ConfigError(f"rl.distill_teacher_temperature={rl.distill_teacher_temperature}: must be > 0 (1 = the "
+                          "teacher's own distribution, below 1 sharper).")
     if rl.teacher and not rl.distill_coef > 0:
         raise ConfigError(f"rl.distill_coef={rl.distill_coef}: must be > 0 with rl.teacher set (or set rl.teacher='').")
     if rl.dual_clip and rl.dual_clip <= 1:

@@ -174,6 +174,35 @@ def test_topk_forward_kl_matches_full_logits():
     np.testing.assert_allclose(np.asarray(got), np.asarray(jax.grad(full)(jnp.asarray(hs))), atol=1e-5)
 
 
+def test_full_reverse_kl_matches_numpy_and_the_naive_gradient():
+    """On-policy distillation's full-vocabulary reverse KL in chunks (a tied student head, a teacher
+    vocabulary padded beyond the student's, a sharpened teacher) equals the NumPy brute force, and its
+    gradient in the student's hidden states and head equals jax.grad of the full-logits formula."""
+    from rlvr.losses.distill import full_reverse_kl
+
+    rng = np.random.default_rng(1)
+    b, t, e, v, vt = 2, 7, 8, 11, 13
+    hs, ht = rng.normal(size=(b, t, e)).astype(np.float32), rng.normal(size=(b, t, e)).astype(np.float32)
+    ws, wt = rng.normal(size=(v, e)).astype(np.float32), rng.normal(size=(e, vt)).astype(np.float32)
+    weights = jnp.asarray(rng.uniform(size=(b, t)).astype(np.float32))
+    kl = lambda h, w: full_reverse_kl(h, w, jnp.asarray(ht), jnp.asarray(wt), chunk_size=3,
+                                      student_vocab_major=True, teacher_temperature=0.7)
+
+    def log_softmax(z):
+        z = z - z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+    ls, lt = log_softmax(hs.astype(np.float64) @ ws.T), log_softmax((ht.astype(np.float64) @ wt)[..., :v] / 0.7)
+    np.testing.assert_allclose(np.asarray(kl(jnp.asarray(hs), jnp.asarray(ws))), (np.exp(ls) * (ls - lt)).sum(-1),
+                               atol=1e-5)
+    naive = lambda h, w: jnp.sum(weights * jnp.sum(jax.nn.softmax(h @ w.T) * (jax.nn.log_softmax(h @ w.T)
+                                                                            - jnp.asarray(lt, jnp.float32)), -1))
+    got = jax.grad(lambda h, w: jnp.sum(weights * kl(h, w)), argnums=(0, 1))(jnp.asarray(hs), jnp.asarray(ws))
+    want = jax.grad(naive, argnums=(0, 1))(jnp.asarray(hs), jnp.asarray(ws))
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5)
+
+
 def test_teacher_token_advantages_by_hand():
     from rlvr.rl.batching import Sample, build_batch
     from rlvr.rl.distill import teacher_token_advantages
@@ -187,11 +216,15 @@ def test_teacher_token_advantages_by_hand():
     np.testing.assert_allclose(batch["advantages"][0, :5], [0, 0, -0.75, 0.25, -4.75])
 
 
-def test_lora_grpo_distills_from_a_teacher_and_serves_updated_adapters(tmp_path):
-    """On-policy distillation in a LoRA GRPO run on a random Qwen3 HF checkpoint (BPE, chat prompts),
-    the teacher being that checkpoint: before any update the student's sampled log-probs are the
-    teacher's (reverse KL 0: same tokens, aligned), after one update the engine samples from the
-    updated adapters (KL > 0) with log-probs equal to the trainer's."""
+@pytest.mark.parametrize("estimator", ["sampled", "full"])
+def test_lora_grpo_distills_from_a_teacher_and_serves_updated_adapters(tmp_path, estimator):
+    """On-policy distillation in a LoRA GRPO run on a random Qwen3 HF checkpoint (BPE, chat prompts).
+    Sampled-token estimator, the teacher being that checkpoint: before any update the student's
+    sampled log-probs are the teacher's (reverse KL 0: same tokens, aligned), after one update the
+    engine samples from the updated adapters (KL > 0) with log-probs equal to the trainer's.
+    Full-vocabulary estimator, the teacher another random Qwen3 (the same tokenizer) run inside the
+    train step: its exact KL is reported (positive: two models), the engine serving the updated
+    adapters (the estimator itself: test_full_reverse_kl_matches_numpy_and_the_naive_gradient)."""
     import json as json_lib
 
     from hf_fixtures import write_random_hf
@@ -200,18 +233,22 @@ def test_lora_grpo_distills_from_a_teacher_and_serves_updated_adapters(tmp_path)
     from rlvr.main import run
 
     model_dir = write_random_hf(str(tmp_path / "qwen3"), "qwen3")
+    teacher = model_dir if estimator == "sampled" else write_random_hf(str(tmp_path / "teacher"), "qwen3", seed=1)
     config = config_lib.load_config(f"configs/recipes/grpo_math.py:{model_dir},smoke",
-                                    {"lora.rank": 4, "lora.alpha": 8.0, "rl.teacher": model_dir,
+                                    {"lora.rank": 4, "lora.alpha": 8.0, "rl.teacher": teacher,
                                      "rl.distill_task_advantage": False, "optimizer.learning_rate": 3e-2,
-                                     "optimizer.warmup_steps": 0})
+                                     "optimizer.warmup_steps": 0, "rl.distill_estimator": estimator})
     workdir = str(tmp_path / "rl")
     run(config, workdir)
+    key = "reward/teacher_kl" if estimator == "sampled" else "teacher_kl"  # the producer's or the step's
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        steps = [m for m in map(json_lib.loads, f) if "reward/teacher_kl" in m]
+        steps = [m for m in map(json_lib.loads, f) if key in m]
     assert len(steps) == 2
-    # (a one-sample KL estimate: it may be negative; before the update only float noise, ~1e-8)
-    assert abs(steps[0]["reward/teacher_kl"]) < 1e-6, steps[0]["reward/teacher_kl"]
-    assert abs(steps[1]["reward/teacher_kl"]) > 1e-5, steps[1]["reward/teacher_kl"]
+    if estimator == "sampled":  # (a one-sample estimate may be negative; before the update only float noise)
+        assert abs(steps[0][key]) < 1e-6, steps[0][key]
+        assert abs(steps[1][key]) > 1e-5, steps[1][key]
+    else:
+        assert steps[0][key] > 1e-3 and steps[1][key] > 1e-3, (steps[0][key], steps[1][key])
     assert steps[1]["logprob_mismatch"] < 1e-4
 
 

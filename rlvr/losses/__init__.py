@@ -28,13 +28,22 @@ def model_token_logprobs(cfg, params, tokens: jax.Array, positions=None, segment
     batch images (rlvr.models.vision.ImageInputs)."""
     from rlvr.kernels.chunked_logprob import token_logprobs
 
-    x, predicted = _hidden_and_values(cfg, params, tokens, positions, segment_ids, values, rng, images)
-    tied = cfg.tie_word_embeddings  # the projection as `Transformer.logits` applies it (same dtype casts)
-    weight = params["embed_tokens"].astype(x.dtype) if tied else params["lm_head"]["kernel"].astype(cfg.dtype)
+    x, weight, tied, predicted = hidden_and_head(cfg, params, tokens, positions, segment_ids, values, rng, images)
     out = token_logprobs(x[:, :-1], weight, tokens[:, 1:], chunk_size=chunk_size, return_entropy=entropy,
                          vocab_major=tied, sampling=sampling)
     logp, ent = out if entropy else (out, None)
     return logp, ent, predicted
+
+
+def hidden_and_head(cfg, params, tokens, positions=None, segment_ids=None, values: bool = False, rng=None,
+                    images=None):
+    """(final-norm hidden states [B, T, E], the output head [E, V] (or the tied embedding [V, E]),
+    whether it is vocab-major (tied), value-head predictions [B, T] or None): the projection as
+    `Transformer.logits` applies it (same dtype casts), for chunked log-prob and distillation passes."""
+    x, predicted = _hidden_and_values(cfg, params, tokens, positions, segment_ids, values, rng, images)
+    tied = cfg.tie_word_embeddings
+    weight = params["embed_tokens"].astype(x.dtype) if tied else params["lm_head"]["kernel"].astype(cfg.dtype)
+    return x, weight, tied, predicted
 
 
 def model_values(cfg, params, tokens: jax.Array, positions=None, segment_ids=None) -> jax.Array:

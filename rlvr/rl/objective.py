@@ -13,11 +13,14 @@ computation:
 `token_terms` gives the per-token loss before aggregation: PPO-clip or GSPO against the proximal
 policy, multiplied by truncated importance weights π_proximal/π_behaviour when `tis_cap > 0`
 (which correct stale samples from async rollouts and sampler/trainer numerics), plus a KL term
-to the frozen reference policy whose gradient is the KL's (`policy_loss.kl_loss`), an entropy
-bonus, and for PPO with GAE the clipped value loss of the value head (which shares the policy's
-backbone). The proximal policy (`proximal`) is "current": the weights before this batch's
-updates (the batch's `old_logp` from a pass before several updates, else the trainer's own
-log-probs, stop-gradient: ratio 1, no clipping, TIS corrects the sampler), or "behaviour": the
+to the frozen reference policy whose gradient is the KL's (`policy_loss.kl_loss`), the
+full-vocabulary reverse KL to a distillation teacher at every sampled position (`distill_coef`,
+rl.distill_estimator="full": `rlvr.losses.distill.full_reverse_kl`, an exact per-position gradient
+where the sampled-token estimator puts a noisy advantage on one token), an entropy bonus, and for
+PPO with GAE the clipped value loss of the value head (which shares the policy's backbone). The
+proximal policy (`proximal`) is "current": the weights before this batch's updates (the batch's
+`old_logp` from a pass before several updates, else the trainer's own log-probs, stop-gradient:
+ratio 1, no clipping, TIS corrects the sampler), or "behaviour": the
 policy that generated the batch (its recorded log-probs: the ratio and its clipping are against
 the sampler; TIS then has nothing left to correct and is off).
 
@@ -66,6 +69,10 @@ class Objective:
     logprob_chunk_size: int = 0
     sampling: Sampling = RAW_POLICY  # the distribution the batch was sampled from (rl.temperature, ...)
     proximal: str = "current"  # current | behaviour (see the module docstring)
+    # > 0: + distill_coef · KL(π ‖ teacher) over the whole vocabulary per sampled position (the raw
+    # softmaxes; rl.teacher with rl.distill_estimator="full"; frozen["teacher"], rl_loss's teacher_cfg)
+    distill_coef: float = 0.0
+    distill_teacher_temperature: float = 1.0  # the teacher's softmax temperature in that KL (< 1: sharper)
 
     @classmethod
     def from_config(cls, config) -> Objective:
@@ -79,7 +86,9 @@ class Objective:
                    num_seqs=rl.prompts_per_step * rl.group_size,
                    value_coef=rl.value_coef if rl.advantage == "gae" else 0.0, value_clip=rl.value_clip or None,
                    logprob_chunk_size=config.train.logprob_chunk_size, sampling=sampling_of(rl),
-                   proximal=rl.proximal)
+                   proximal=rl.proximal,
+                   distill_coef=rl.distill_coef if rl.teacher and rl.distill_estimator == "full" else 0.0,
+                   distill_teacher_temperature=rl.distill_teacher_temperature)
 
 
 def sampling_of(rl) -> Sampling:
@@ -106,11 +115,34 @@ def model_logprobs(cfg, obj: Objective, params, batch, *, entropy: bool = False,
     return logp, ent, predicted
 
 
-def token_terms(cfg, obj: Objective, params, batch: dict[str, jax.Array], frozen, rng=None):
+def distill_logprobs(cfg, teacher_cfg, obj: Objective, params, teacher_params, batch, *, values: bool = False,
+                     rng=None):
+    """`model_logprobs(..., entropy=True)` and the full-vocabulary reverse KL [B, T-1] to the teacher at
+    each position, from one student forward, always chunked (`obj.logprob_chunk_size`, else 512
+    positions): neither model's [B, T, V] logits exist."""
+    from rlvr.kernels.chunked_logprob import token_logprobs
+    from rlvr.losses.distill import full_reverse_kl
+
+    chunk = obj.logprob_chunk_size or 512
+    tokens, positions, segment_ids = batch["tokens"], batch["positions"], batch["segment_ids"]
+    x, head, tied, predicted = losses.hidden_and_head(cfg, params, tokens, positions, segment_ids, values, rng)
+    xt, head_t, tied_t, _ = losses.hidden_and_head(teacher_cfg, teacher_params, tokens, positions, segment_ids)
+    logp, entropy = token_logprobs(x[:, :-1], head, tokens[:, 1:], chunk_size=chunk, return_entropy=True,
+                                   vocab_major=tied, sampling=obj.sampling)
+    kl = full_reverse_kl(x[:, :-1], head, xt[:, :-1], head_t, chunk_size=chunk, student_vocab_major=tied,
+                         teacher_vocab_major=tied_t, teacher_temperature=obj.distill_teacher_temperature)
+    return logp, entropy, predicted, kl
+
+
+def token_terms(cfg, obj: Objective, params, batch: dict[str, jax.Array], frozen, rng=None, teacher_cfg=None):
     """(per-token loss [B, T-1], per-token metrics, target mask [B, T-1]) of the batch, before
     aggregation (see the module docstring)."""
-    logp, entropy, values = model_logprobs(cfg, obj, params, batch, entropy=True, values=bool(obj.value_coef),
-                                           rng=rng)
+    if obj.distill_coef:
+        logp, entropy, values, teacher_kl = distill_logprobs(cfg, teacher_cfg, obj, params, frozen["teacher"], batch,
+                                                             values=bool(obj.value_coef), rng=rng)
+    else:
+        logp, entropy, values = model_logprobs(cfg, obj, params, batch, entropy=True, values=bool(obj.value_coef),
+                                               rng=rng)
     mask = losses.target_mask(batch["loss_mask"], batch["segment_ids"]).astype(jnp.float32)
     shift = lambda name: batch[name][:, 1:]
     advantages, behaviour, seq_index = shift("advantages"), shift("behaviour_logp"), shift("seq_index")
@@ -130,7 +162,10 @@ def token_terms(cfg, obj: Objective, params, batch: dict[str, jax.Array], frozen
                                                           obj.tis_cap, obj.tis_level)
         loss = loss * weights
         metrics["tis_capped_fraction"] = capped
-    if frozen is not None:
+    if obj.distill_coef:
+        loss = loss + obj.distill_coef * teacher_kl
+        metrics["teacher_kl"] = jax.lax.stop_gradient(teacher_kl)
+    if frozen is not None and "ref" in frozen:
         ref_logp, _, _ = model_logprobs(cfg, obj, frozen["ref"], batch)
         ref_logp = jax.lax.stop_gradient(ref_logp)
         metrics["kl"] = jax.lax.stop_gradient(pl.KL_ESTIMATORS[obj.kl_estimator](logp, ref_logp))
@@ -146,10 +181,11 @@ def token_terms(cfg, obj: Objective, params, batch: dict[str, jax.Array], frozen
     return loss, metrics, mask
 
 
-def rl_loss(cfg, obj: Objective, params, batch: dict[str, jax.Array], rng, frozen):
-    """(Σ weighted per-token loss, aux sums); see the module docstring. `frozen` is None or
-    {"ref": reference params}; `rng` drives adapter dropout (`lora.dropout`)."""
-    loss, metrics, mask = token_terms(cfg, obj, params, batch, frozen, rng)
+def rl_loss(cfg, obj: Objective, params, batch: dict[str, jax.Array], rng, frozen, teacher_cfg=None):
+    """(Σ weighted per-token loss, aux sums); see the module docstring. `frozen` is None or holds
+    "ref" (reference params) and/or "teacher" (a distillation teacher's, whose ModelConfig is
+    `teacher_cfg`); `rng` drives adapter dropout (`lora.dropout`)."""
+    loss, metrics, mask = token_terms(cfg, obj, params, batch, frozen, rng, teacher_cfg)
     loss_sum = jnp.sum(loss * batch["token_weight"][:, 1:] * mask)
     aux = {k: jnp.sum(v * mask) for k, v in metrics.items()}
     aux.update(weight=jnp.sum(batch["row_weight"]), tokens=jnp.sum(mask))
@@ -160,7 +196,7 @@ def token_means(metrics: dict[str, float]) -> dict[str, float]:
     """Turns the step's metrics (aux sums / weight) into token means for the per-token metrics."""
     tokens = metrics.get("tokens", 0.0)
     per_token = ("clip_fraction", "approx_kl", "ratio_mean", "logprob_mismatch", "tis_capped_fraction",
-                 "kl", "entropy", "dual_clip_fraction", "value_loss", "value_clip_fraction")
+                 "kl", "teacher_kl", "entropy", "dual_clip_fraction", "value_loss", "value_clip_fraction")
     out = dict(metrics)
     for key in per_token:
         if key in out:

@@ -160,6 +160,7 @@ class ProducerSettings:
     kl_estimator: str = "k3"
     distill_coef: float = 1.0  # weight of the teacher's per-token reverse KL (rl.teacher; rlvr.rl.distill)
     distill_task_advantage: bool = True  # False: the teacher's term alone (pure on-policy distillation)
+    teacher: str = ""  # rl.teacher: "" = no distillation
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
     reward_model_weight: float = 1.0
@@ -470,7 +471,7 @@ class Producer:
         if self.ref_logprobs is not None and rl.kl_penalty_coef:
             self._kl_penalty(samples)
         for s, a in zip(samples, group_advantages(kept, rl.advantage), strict=True):
-            s.advantage = float(a) if rl.distill_task_advantage or self.teacher_logprobs is None else 0.0
+            s.advantage = float(a) if rl.distill_task_advantage or not rl.teacher else 0.0
         if self.teacher_logprobs is not None:
             self._distill(samples)
         # generate_s: rollout wall time, scoring included; verify_s: the scoring not overlapped with generation

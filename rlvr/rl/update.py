@@ -104,17 +104,18 @@ class PolicyUpdate:
     """One scored batch -> `rl.updates_per_batch` optimizer steps: GAE advantages (PPO) and the
     proximal log-probs first when needed, then one jitted, sharded step per shuffled mini-batch
     (compiled once per mini-batch shape). Returns the new state and the mean metrics. `base`: a LoRA
-    policy's frozen base (the state then holds its adapters), else None."""
+    policy's frozen base (the state then holds its adapters), else None; `teacher_cfg`: the
+    ModelConfig of `frozen["teacher"]` (full-vocabulary on-policy distillation), else None."""
 
     def __init__(self, config: ml_collections.ConfigDict, model, optimizer, shardings, frozen, learning_rate,
-                 base=None):
+                 base=None, teacher_cfg=None):
         rl = config.rl
         self.config, self.model, self.optimizer, self.shardings = config, model, optimizer, shardings
         self.frozen, self.learning_rate, self.updates = frozen, learning_rate, rl.updates_per_batch
         self.base = base
         self.frozen_sharding = jax.tree.map(lambda x: x.sharding, frozen) if frozen is not None else None
         objective = Objective.from_config(config)
-        self.loss_fn = functools.partial(rl_loss, model.cfg, objective)
+        self.loss_fn = functools.partial(rl_loss, model.cfg, objective, teacher_cfg=teacher_cfg)
         self.old_logprobs = None  # the proximal policy of several mini-batch updates: the weights before them
         if self.updates > 1 and objective.proximal == "current":
             self.old_logprobs = logprobs_fn(model.cfg, objective.sampling, objective.logprob_chunk_size)

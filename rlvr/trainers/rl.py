@@ -421,13 +421,21 @@ def start_run(config: ml_collections.ConfigDict, workdir: str) -> Run:
     run.samples_log = observe.SampleLog(workdir, tokenizer)
     ref_params = restore_or_init_state(run)
     run.backend = build_backend(config, model, run.policy_params(), tokenizer, workdir, version=run.start)
-    run.producer = build_producer(run, ref_params)
     rl, steps = config.rl, config.train.num_steps * config.rl.updates_per_batch
-    # The reference runs inside the step for a KL loss term, or (rl.reference_model) to report the KL.
-    in_step = ref_params is not None and (rl.kl_mode == "loss" or rl.reference_model)
+    teacher_cfg, teacher = (distill.load_teacher(rl.teacher, model.mesh, tokenizer.vocab_size, step=rl.teacher_step)
+                            if rl.teacher else (None, None))
+    sampled = teacher is not None and rl.distill_estimator == "sampled"
+    run.producer = build_producer(run, ref_params, (teacher_cfg, teacher) if sampled else None)
+    # The reference runs inside the step for a KL loss term, or (rl.reference_model) to report the KL;
+    # the teacher for the full-vocabulary distillation term.
+    frozen = {}
+    if ref_params is not None and (rl.kl_mode == "loss" or rl.reference_model):
+        frozen["ref"] = ref_params
+    if teacher is not None and rl.distill_estimator == "full":
+        frozen["teacher"] = teacher
     shardings = step_lib.state_shardings(model.cfg, run.optimizer, model.mesh)
-    run.update = PolicyUpdate(config, model, run.optimizer, shardings, {"ref": ref_params} if in_step else None,
-                              learning_rate_schedule(config.optimizer, steps), base=run.base)
+    run.update = PolicyUpdate(config, model, run.optimizer, shardings, frozen or None,
+                              learning_rate_schedule(config.optimizer, steps), base=run.base, teacher_cfg=teacher_cfg)
     return run
 
 
@@ -462,9 +470,10 @@ def restore_or_init_state(run: Run):
     return ref_params
 
 
-def build_producer(run: Run, ref_params) -> Producer:
+def build_producer(run: Run, ref_params, teacher=None) -> Producer:
     """The producer (and what it draws on: curriculum, replay buffer, reward model, black-box
-    agent), resumed at the checkpointed task-stream position with the untrained batches."""
+    agent), resumed at the checkpointed task-stream position with the untrained batches.
+    `teacher`: (ModelConfig, params) scoring each sampled token (rl.distill_estimator="sampled")."""
     config, rl = run.config, run.config.rl
     producer_state = run.extra.get("producer", {"cursor": 0, "buffered": []})
     reward_model = None
@@ -478,9 +487,8 @@ def build_producer(run: Run, ref_params) -> Producer:
         ref_fn = reference_logprobs_fn(run.model.cfg, ref_params, rl.seq_len, run.tokenizer.pad_id, sampling_of(rl),
                                        config.train.logprob_chunk_size)
     teacher_fn = None
-    if rl.teacher:
-        teacher_cfg, teacher_params = distill.load_teacher(rl.teacher, run.model.mesh, run.tokenizer.vocab_size)
-        teacher_fn = reference_logprobs_fn(teacher_cfg, teacher_params, rl.seq_len, run.tokenizer.pad_id,
+    if teacher is not None:
+        teacher_fn = reference_logprobs_fn(*teacher, rl.seq_len, run.tokenizer.pad_id,
                                            sampling_of(rl), config.train.logprob_chunk_size)
     if rl.curriculum:
         run.curriculum = Curriculum(run.tasks.levels(), mixture=run.tasks.weights,
