@@ -172,7 +172,8 @@ class Dispatch:
         reach = np.zeros(self.max_slots, np.int64) if reach is None else reach
         entries = self.max_slots * self.pages_per_row
         chunk = max(RAGGED_MIN_CHUNK, -(-entries // RAGGED_CHUNKS))
-        ragged = ragged_pages(self.page_table, reach, self.page_size, chunk, -(-entries // chunk))
+        ragged = None if self.decode_window else ragged_pages(self.page_table, reach, self.page_size, chunk,
+                                                              -(-entries // chunk))
         active = active_host = np.array([s is not None for s in seqs]) & self.active
         if self._sampling_device is None:
             self._sampling_device = jax.device_put(self._sampling)
