@@ -19,8 +19,9 @@ sampling table: the `Slots` mixin), `dispatch` (the device calls and reading the
 `Dispatch` mixin), `device_fns` (the jitted functions themselves).
 
 Compiled shapes are a bounded set (`warmup()` compiles them all up front): prefill [1 or
-prefill_rows, prefill_chunk/4 or prefill_chunk] and one decode program (its attention loops over
-the pages held, `kernels/paged_attention/ragged.py`); each x2 when a request uses
+prefill_rows, prefill_chunk/4 or prefill_chunk] and one decode program (its attention runs over a
+contiguous per-slot window gathered once per call, or loops over the pages held,
+`kernels/paged_attention/ragged.py`: `decode_attention`); each x2 when a request uses
 top-k/top-p/min-p. `metrics()` reports compile counts, the prefix-cache hit rate and host vs
 device time.
 
