@@ -168,17 +168,7 @@ class Dispatch:
                 self._ensure_pages(seq, reach[i])
                 seq.device_tokens = min(seq.device_tokens + steps, final)
         self._dispatch_decode(seqs, reach, steps=steps)
-        self._release_length_finished(seqs)
         return True
-
-    def _release_length_finished(self, seqs: list) -> None:
-        """Frees at once the slots of rows whose max_new_tokens ends inside the call just
-        dispatched: the next step can admit into them instead of waiting a call for the tokens
-        (device calls run in order: later writes to the freed pages come after this call's). The
-        tokens are read as usual and finish the sequence then."""
-        for seq in seqs:
-            if seq is not None and seq.device_tokens == len(seq.prompt) + seq.max_new:
-                self._release_slot(seq, cache=True)
 
     def _dispatch_decode(self, seqs: list, reach: np.ndarray | None = None, filters: bool | None = None,
                          steps: int | None = None) -> None:
