@@ -1,6 +1,7 @@
 """Rollout throughput of the embedded engine beside the roofline of the same model and batch.
 
-    .venv/bin/python benchmarks/rollout.py [--only fixed,realistic,sampler,first_calls,extras] [--repeats 3]
+    .venv/bin/python benchmarks/rollout.py [--only fixed,realistic,sampler,decode_variants,first_calls,extras]
+        [--repeats 3]
 
 fixed (the `bench` preset shared with the Tunix peer: 4 layers, d256, vocab 1024, 4.46M params, fp32):
   batch:   32 prompts x 64 prompt tokens -> 64 new tokens (temperature 1, eos ignored)
@@ -16,6 +17,8 @@ params, fp32): an RL step's rollout, 16 chat prompts x groups of 8 = 128 request
   (the varied stopping of real RL; eos is a stop token too, rarely drawn by a random model);
   temperature 1, top_p 1. Continuous batching runs all 128 at once; static batching runs the
   groups in two batches of 64, each waiting for its longest. Timed calls run in ABBA order.
+
+decode_variants: the sampler workload under each decode attention x decode_steps, interleaved.
 
 first_calls: issue 17's probe of compile cost on its 13M-parameter, 8k-vocabulary Qwen3 (see
 `first_calls`).
@@ -160,6 +163,33 @@ def sampler(args) -> dict:
     return {"tokens_per_s": round(32 * 64 / median, 1), "median_s": round(median, 4),
             "all_call_s": [round(t, 4) for t in times], "first_call_incl_compile_s": round(first, 2),
             "compile_counts": _compile_counts()}
+
+
+def decode_variants(args) -> dict:
+    """The sampler workload under each decode attention ("window", "ragged") x decode_steps (16,
+    64), interleaved round by round in one process (same window): per variant the median wall
+    seconds and the median CPU seconds of the process (steadier than wall time on a shared box)."""
+    cfg = ModelConfig(**PRESETS["bench"])
+    params = _params(cfg)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 1024, 64).tolist() for _ in range(32)]
+    calls = {}
+    for attention in ("window", "ragged"):
+        for steps in (16, 64):
+            engine = Engine(cfg, params, max_slots=32, max_len=192, page_size=16, decode_steps=steps,
+                            prefill_rows=8, prefill_chunk=64, decode_attention=attention)
+            calls[f"{attention}_{steps}"] = _fresh(engine, lambda e=engine: e.generate(_requests(prompts, [64] * 32)))
+            time_calls(calls[f"{attention}_{steps}"], 2)
+    wall, cpu = {name: [] for name in calls}, {name: [] for name in calls}
+    for _ in range(args.repeats):
+        for name, call in calls.items():
+            start, start_cpu = time.perf_counter(), time.process_time()
+            call()
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+    return {name: {"tokens_per_s": round(32 * 64 / statistics.median(wall[name]), 1),
+                   "median_s": round(statistics.median(wall[name]), 4),
+                   "median_cpu_s": round(statistics.median(cpu[name]), 4)} for name in calls}
 
 
 # Issue 17's user model: a random Qwen3 of 13M parameters with an 8k BPE vocabulary (d384, 4 layers,
@@ -401,7 +431,7 @@ def main() -> None:
     args = parser.parse_args()
     record = {"benchmark": "rollout", "devices": str(jax.devices()[0]), "jax": jax.__version__}
     sections = {"fixed": fixed, "realistic": realistic, "sampler": sampler, "first_calls": first_calls,
-                "realistic_timing": realistic_timing, "extras": extras}
+                "realistic_timing": realistic_timing, "extras": extras, "decode_variants": decode_variants}
     for name in args.only.split(","):
         record[name] = sections[name](args)
     emit(record)

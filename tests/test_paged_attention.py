@@ -191,9 +191,9 @@ def test_layer_out_of_range():
 
 
 def test_engine_decodes_through_the_paged_kernel_identically():
-    """model.attention != "xla" routes the engine's one-token decode steps through this kernel;
-    greedy tokens and their log-probs equal the gather-then-attend path's."""
-    import dataclasses
+    """The engine's decode steps through the ragged kernel (decode_attention="ragged") and over
+    the contiguous per-call window ("window", `implementation="xla"`'s attention without the
+    gather): the same greedy tokens and log-probs."""
 
     from rlvr import api, config_lib
     from rlvr.models.tokenizer import byte_level_tokenizer
@@ -204,15 +204,15 @@ def test_engine_decodes_through_the_paged_kernel_identically():
     model = api.build_model(config)
     tokenizer = byte_level_tokenizer()
     outputs = {}
-    for attention in ("xla", "flash"):
-        cfg = dataclasses.replace(model.cfg, attention=attention)
-        engine = Engine(cfg, model.params, tokenizer, max_slots=4, max_len=64, page_size=8)
+    for attention in ("ragged", "window"):
+        engine = Engine(model.cfg, model.params, tokenizer, max_slots=4, max_len=64, page_size=8,
+                        decode_attention=attention)
         requests = [Request(f"r{i}", tokenizer.encode(f"{i}+{3 * i}="), SamplingParams(max_new_tokens=12,
                                                                                        temperature=0.0,
                                                                                        ignore_eos=True))
                     for i in range(3)]
         outputs[attention] = {c.rid: c for c in engine.generate(requests)}
-    for rid, ref in outputs["xla"].items():
-        got = outputs["flash"][rid]
+    for rid, ref in outputs["ragged"].items():
+        got = outputs["window"][rid]
         assert got.output_ids == ref.output_ids
         np.testing.assert_allclose(got.output_logprobs, ref.output_logprobs, atol=2e-5)

@@ -54,9 +54,10 @@ def _req(rid, prompt, **sampling):
     return Request(rid, prompt, SamplingParams(**{"max_new_tokens": 10, "temperature": 0.0, **sampling}))
 
 
-def test_greedy_equals_naive_loop_for_ragged_batch_with_chunked_prefill(params):
+@pytest.mark.parametrize("decode_attention", ["window", "ragged"])
+def test_greedy_equals_naive_loop_for_ragged_batch_with_chunked_prefill(params, decode_attention):
     prompts = _prompts([5, 20, 37, 3, 16, 9])  # more requests than slots, prompts longer than a chunk
-    engine = Engine(CFG, params, **OPTS)
+    engine = Engine(CFG, params, **OPTS, decode_attention=decode_attention)
     outs = engine.generate([_req(f"r{i}", p, max_new_tokens=12) for i, p in enumerate(prompts)])
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.output_ids == _naive_greedy(params, prompt, 12)

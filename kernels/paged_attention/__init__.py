@@ -29,7 +29,7 @@ where it cannot run raises RuntimeError. Bad shapes raise ValueError naming the 
 
 from rlvr.kernels.paged_attention.api import IMPLEMENTATIONS, paged_attention, pallas_unavailable_reason
 from rlvr.kernels.paged_attention.ragged import RaggedPages, ragged_pages
-from rlvr.kernels.paged_attention.reference import paged_attention_reference
+from rlvr.kernels.paged_attention.reference import contiguous_attention, paged_attention_reference
 
-__all__ = ["IMPLEMENTATIONS", "RaggedPages", "paged_attention", "paged_attention_reference",
+__all__ = ["IMPLEMENTATIONS", "RaggedPages", "contiguous_attention", "paged_attention", "paged_attention_reference",
            "pallas_unavailable_reason", "ragged_pages"]

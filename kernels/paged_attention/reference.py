@@ -51,13 +51,24 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
                               lengths: jax.Array, *, layer=None, sliding_window: int = 0, softcap: float = 0.0,
                               scale: float | None = None) -> jax.Array:
     """Attention output [B, Q, H, D] in q's dtype; float32 softmax and accumulation."""
+    k = jnp.swapaxes(gather_pages(k_pages, page_table, layer), 1, 2)  # [B, KVH, S, D]
+    v = jnp.swapaxes(gather_pages(v_pages, page_table, layer), 1, 2)
+    return contiguous_attention(q, k, v, lengths, sliding_window=sliding_window, softcap=softcap, scale=scale)
+
+
+def contiguous_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, sliding_window: int = 0,
+                         softcap: float = 0.0, scale: float | None = None) -> jax.Array:
+    """The same attention over each row's keys laid out head-major in position order, k/v
+    [B, KVH, S, D] (a gathered page view, or the rollout engine's per-slot decode window, which
+    needs no gather at all). Head-major makes both products plain batched matmuls (CPU XLA runs
+    the [B, S, KVH, D] einsum several times slower)."""
     b, nq, h, d = q.shape
-    k = gather_pages(k_pages, page_table, layer).astype(jnp.float32)  # [B, S, KVH, D]
-    v = gather_pages(v_pages, page_table, layer).astype(jnp.float32)
-    s, kvh = k.shape[1], k.shape[2]
+    kvh, s = k.shape[1], k.shape[2]
+    g = h // kvh
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    qg = (q.astype(jnp.float32) * scale).reshape(b, nq, kvh, h // kvh, d)
-    logits = jnp.einsum("bqkgd,bskd->bkgqs", qg, k)
+    qg = (q.astype(jnp.float32) * scale).reshape(b, nq, kvh, g, d).transpose(0, 2, 3, 1, 4)
+    logits = jnp.matmul(qg.reshape(b, kvh, g * nq, d), jnp.swapaxes(k.astype(jnp.float32), 2, 3))
+    logits = logits.reshape(b, kvh, g, nq, s)
     if softcap:
         logits = softcap * jnp.tanh(logits / softcap)
     mask = visible(query_positions(lengths, nq), jnp.arange(s, dtype=lengths.dtype), lengths,
@@ -65,6 +76,6 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     logits = jnp.where(mask, logits, MASK_VALUE)
     weights = jnp.where(mask, jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), 0.0)
     total = jnp.sum(weights, axis=-1, keepdims=True)
-    probs = weights / jnp.where(total > 0, total, 1.0)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
-    return out.reshape(b, nq, h, d).astype(q.dtype)
+    probs = (weights / jnp.where(total > 0, total, 1.0)).reshape(b, kvh, g * nq, s)
+    out = jnp.matmul(probs, v.astype(jnp.float32)).reshape(b, kvh, g, nq, d)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, nq, h, d).astype(q.dtype)

@@ -319,6 +319,27 @@ def _paged_decode(cfg: ModelConfig, q, pool, read_idx, columns, layer_id, ragged
                            sliding_window=cfg.sliding_window, ragged=ragged).astype(q.dtype)
 
 
+def _window_decode(cfg: ModelConfig, q, k, v, pool, columns, layer_id):
+    """Decode attention over the slots' contiguous KV window (`pool["window_k"/"window_v"]`: per
+    layer [B, KVH, S, D], each row's pages in position order, gathered once per multi-step decode
+    call by `rlvr.rollout.device_fns.decode`): the new token's k/v go in at its position (idle
+    rows' out-of-range column is dropped), then dense attention over the row, with no gather.
+    One array per layer, so each is updated in place (a stacked [L, ...] one was copied)."""
+    from rlvr.kernels.paged_attention import contiguous_attention
+
+    rows, pos = jnp.arange(q.shape[0]), columns[:, 0]
+    window = {}
+    for name, new in (("window_k", k), ("window_v", v)):
+        layers = list(pool[name])
+        layers[layer_id] = layers[layer_id].at[rows, :, pos].set(new[:, 0].astype(layers[layer_id].dtype),
+                                                                 mode="drop")
+        window[name] = tuple(layers)
+    lengths = jnp.where(pos < window["window_k"][layer_id].shape[2], pos + 1, 0)
+    out = contiguous_attention(q, window["window_k"][layer_id], window["window_v"][layer_id], lengths,
+                               sliding_window=cfg.sliding_window)
+    return out.astype(q.dtype), window
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
 
@@ -343,6 +364,10 @@ class Attention(nn.Module):
             write_idx, read_idx, columns, ragged = kv_index
             new_kv = {name: _scatter_layer(pool[name], layer_id, write_idx, val)
                       for name, val in (("k", k), ("v", v))}
+            if "window_k" in pool and x.shape[1] == 1:  # one new token per row, contiguous window
+                out, window = _window_decode(cfg, q, k, v, pool, columns, layer_id)
+                return Linear((h, d), (e,), ("heads", "head_dim"), ("embed",), cfg.o_bias, name="o_proj",
+                              **dense)(out), {**new_kv, **window}
             if (cfg.attention != "xla" or ragged is not None) and x.shape[1] == 1:  # one new token per row
                 out = _paged_decode(cfg, q, new_kv, read_idx, columns, layer_id, ragged)
                 return Linear((h, d), (e,), ("heads", "head_dim"), ("embed",), cfg.o_bias, name="o_proj",
@@ -452,7 +477,7 @@ class Transformer(nn.Module):
             x, _ = self._run_layers(x, cos, sin, mask, None, None)
             return self.norm(x), None
         mask, kv_index = paged_indices(cache, positions, segment_ids, cfg.sliding_window)
-        pool = {"k": cache["k"], "v": cache["v"]}
+        pool = {name: cache[name] for name in ("k", "v", "window_k", "window_v") if name in cache}
         x, updated = self._run_layers(x, cos, sin, mask, kv_index, pool)
         if cfg.scan_layers:  # the scan returned each layer's new k/v: write them all at once
             new_k, new_v = updated

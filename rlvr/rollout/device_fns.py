@@ -39,10 +39,20 @@ def init_state(slots: int, vocab: int | None = None) -> dict[str, jax.Array]:
 
 
 def _cache(pool, page_table, ragged=None):
-    cache = {"k": pool["k"], "v": pool["v"], "page_table": page_table}
+    cache = {**pool, "page_table": page_table}
     if ragged is not None:
         cache["ragged"] = ragged
     return cache
+
+
+def _window(pages, page_table):
+    """Each slot's pages in position order, head-major, one array per layer: [L, N, P, KVH, D] ->
+    L x [S, KVH, R·P, D]. One gather of whole pages (rows of a [N, P·KVH·D] view) per layer and
+    decode call, so the steps attend without gathering (see `decode`)."""
+    layers, num_pages, _, kvh, dim = pages.shape
+    slots = page_table.shape[0]
+    return tuple(jnp.take(pages[i].reshape(num_pages, -1), page_table.reshape(-1), axis=0)
+                 .reshape(slots, -1, kvh, dim).transpose(0, 2, 1, 3) for i in range(layers))
 
 
 def _mask_stops(logits, sampling, count):
@@ -115,6 +125,10 @@ def decode(cfg: ModelConfig, steps: int, filters: bool, params, pool, page_table
     max_new_tokens; the loop ends when all rows have. Returns the pool, the new state, the
     sampled tokens and log-probs [S, steps], how many tokens each row emitted, and the extra
     log-probs [S, steps, ...] asked for (`top`, `sampling["logprob_ids"]`).
+    `ragged`: the rows' pages as a flat list (`kernels/paged_attention/ragged.py`: work follows
+    the pages held), or None: the call gathers every slot's pages once into a contiguous window
+    that its steps attend over densely (no gather per layer and step; the engine's choice for
+    small slots x max_len, see `Engine`). The pool is written in both cases.
     `filters`: see `sampling.sample_tokens`. `mask` (packed grammar masks, see `logit_process`)
     holds for one token: the host passes steps=1 with it. Penalties run when the state has counts."""
     slots = state["token"].shape[0]
@@ -142,14 +156,17 @@ def decode(cfg: ModelConfig, steps: int, filters: bool, params, pool, page_table
         count = count + (~done).astype(jnp.int32)
         toks = jax.lax.dynamic_update_slice(toks, nxt[:, None], (0, i))
         logprobs = jax.lax.dynamic_update_slice(logprobs, logprob[:, None], (0, i))
-        pool = {"k": cache["k"], "v": cache["v"]}
+        pool = {name: cache[name] for name in pool}
         return (i + 1, pool, jnp.where(done, token, nxt), pos + (~done).astype(jnp.int32), count,
                 done | _finished(nxt, count, sampling), toks, logprobs, counts, extras)
 
-    carry = (jnp.int32(0), pool, state["token"], state["position"], state["count"], state["done"] | ~active,
+    kv = dict(pool) if ragged is not None else {**pool, "window_k": _window(pool["k"], page_table),
+                                                 "window_v": _window(pool["v"], page_table)}
+    carry = (jnp.int32(0), kv, state["token"], state["position"], state["count"], state["done"] | ~active,
              jnp.zeros((slots, steps), jnp.int32), jnp.zeros((slots, steps), jnp.float32), state.get("counts"),
              empty)
-    _, pool, token, pos, count, done, toks, logprobs, counts, extras = jax.lax.while_loop(cond, body, carry)
+    _, kv, token, pos, count, done, toks, logprobs, counts, extras = jax.lax.while_loop(cond, body, carry)
+    pool = {"k": kv["k"], "v": kv["v"]}
     new_state = {"token": token, "position": pos, "count": count, "done": jnp.where(active, done, state["done"])}
     if counts is not None:
         new_state["counts"] = counts

@@ -78,10 +78,13 @@ class Dispatch:
             pending = [s for s in pending if s.prefilled < len(s.prompt)]
         for start in range(0, len(pending), self.prefill_rows):
             seqs = pending[start: start + self.prefill_rows]
-            rows = 1 if len(seqs) == 1 else self.prefill_rows
             longest = max(len(s.prompt) - s.prefilled for s in seqs)
-            self._dispatch_prefill(seqs, rows, self._small_chunk() if longest <= self._small_chunk()
-                                   else self.prefill_chunk)
+            chunk = self._small_chunk() if longest <= self._small_chunk() else self.prefill_chunk
+            if 4 * len(seqs) <= self.prefill_rows:  # a quarter full or less: one-row calls pad less
+                for seq in seqs:
+                    self._dispatch_prefill([seq], 1, chunk)
+            else:
+                self._dispatch_prefill(seqs, self.prefill_rows, chunk)
 
     def _dispatch_prefill(self, seqs: list[Sequence], rows: int, chunk: int, filters: bool | None = None) -> None:
         tokens, positions, segments = (np.zeros((rows, chunk), np.int32) for _ in range(3))
@@ -172,7 +175,8 @@ class Dispatch:
         reach = np.zeros(self.max_slots, np.int64) if reach is None else reach
         entries = self.max_slots * self.pages_per_row
         chunk = max(RAGGED_MIN_CHUNK, -(-entries // RAGGED_CHUNKS))
-        ragged = ragged_pages(self.page_table, reach, self.page_size, chunk, -(-entries // chunk))
+        ragged = None if self.decode_window else ragged_pages(self.page_table, reach, self.page_size, chunk,
+                                                              -(-entries // chunk))
         active = active_host = np.array([s is not None for s in seqs]) & self.active
         if self._sampling_device is None:
             self._sampling_device = jax.device_put(self._sampling)

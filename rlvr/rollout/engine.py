@@ -19,8 +19,9 @@ sampling table: the `Slots` mixin), `dispatch` (the device calls and reading the
 `Dispatch` mixin), `device_fns` (the jitted functions themselves).
 
 Compiled shapes are a bounded set (`warmup()` compiles them all up front): prefill [1 or
-prefill_rows, prefill_chunk/4 or prefill_chunk] and one decode program (its attention loops over
-the pages held, `kernels/paged_attention/ragged.py`); each x2 when a request uses
+prefill_rows, prefill_chunk/4 or prefill_chunk] and one decode program (its attention runs over a
+contiguous per-slot window gathered once per call, or loops over the pages held,
+`kernels/paged_attention/ragged.py`: `decode_attention`); each x2 when a request uses
 top-k/top-p/min-p. `metrics()` reports compile counts, the prefix-cache hit rate and host vs
 device time.
 
@@ -54,19 +55,33 @@ from rlvr.rollout.stops import StopStrings
 from rlvr.rollout.types import Completion, Request
 
 
+DECODE_ATTENTION = ("auto", "window", "ragged")
+# "auto" decode attention uses the contiguous window up to this size (k + v, all layers): the
+# fixed benchmark config's 32 slots x 192 tokens is 25 MB; the realistic one's 64 x 1,536, 600 MB.
+WINDOW_AUTO_BYTES = 64 * 2**20
+
+
 class Engine(Slots, Dispatch):
     """Generates completions for `Request`s with the policy `params` (see module docstring).
 
     dtype / kv_dtype: "float32" (default) or "bfloat16" for the rollout weights and compute /
     the KV pages (then log-probs, still computed in float32 from the logits, no longer equal
-    the trainer's float32 ones bit for bit)."""
+    the trainer's float32 ones bit for bit).
+    decode_attention: how a decode call attends over the slots' KV. "window": the call gathers
+    every slot's pages once into a contiguous [slots, max_len] window and its steps attend over it
+    densely (no gather per layer and step; costs slots x max_len per step whatever the rows
+    hold); "ragged": each step loops over the pages the rows hold (work follows the lengths,
+    with a gather per layer and step); "auto" (default): "window" when that window (k and v,
+    all layers) is at most WINDOW_AUTO_BYTES, else "ragged"."""
 
     def __init__(self, cfg: ModelConfig, params, tokenizer=None, *, max_slots: int = 32, max_len: int = 512,
                  page_size: int = 16, num_pages: int | None = None, decode_steps: int = 8,
                  prefill_rows: int = 4, prefill_chunk: int = 64, seed: int = 0, model_path: str = "",
-                 dtype: str = "float32", kv_dtype: str | None = None):
+                 dtype: str = "float32", kv_dtype: str | None = None, decode_attention: str = "auto"):
         if max_len % page_size:
             raise ValueError(f"max_len={max_len} must be a multiple of page_size={page_size}")
+        if decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention={decode_attention!r}: use one of {DECODE_ATTENTION}")
         self.cfg, self.tokenizer = cfg, tokenizer
         # Decoding runs the same layers unscanned, on per-layer weights (see unstack_layers), and a
         # tied output projection as its own [E, V] copy (the tied einsum transposes [V, E] per step).
@@ -78,6 +93,10 @@ class Engine(Slots, Dispatch):
         self.max_slots, self.max_len, self.page_size = max_slots, max_len, page_size
         self.decode_steps, self.prefill_rows, self.prefill_chunk = decode_steps, prefill_rows, prefill_chunk
         self.pages_per_row = max_len // page_size
+        window_bytes = 2 * cfg.num_layers * max_slots * max_len * cfg.num_kv_heads * cfg.head_dim * \
+            jnp.dtype(self.kv_dtype).itemsize
+        self.decode_window = decode_attention == "window" or (decode_attention == "auto" and
+                                                              window_bytes <= WINDOW_AUTO_BYTES)
         self.pages = PagePool(num_pages or max_slots * self.pages_per_row + 1)
         self.prefix = PrefixCache(self.pages, page_size)
         self.pool = {k: v for k, v in init_paged_cache(cfg, self.pages.capacity, page_size, self.kv_dtype).items()
