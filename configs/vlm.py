@@ -38,19 +38,19 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
                     window_size=112, full_attention_layers=(1,), image_token_id=IMAGE_PAD,
                     vision_start_token_id=VISION_START, vision_end_token_id=VISION_END))
     c.rl.task, c.rl.prompt_format = "chart_bars_labelled", "chat"
-    c.rl.prompts_per_step, c.rl.group_size = 16, 8
+    c.rl.prompts_per_step, c.rl.group_size = 8, 8
     c.rl.max_new_tokens, c.rl.seq_len = 8, 104
-    c.rl.engine.page_size, c.rl.engine.max_slots, c.rl.engine.prefill_chunk = 8, 128, 128
-    c.rl.eval_examples, c.rl.eval_every = 128, 0
-    c.rl.sft_steps, c.rl.sft_demos, c.rl.sft_batch_size, c.rl.sft_learning_rate = 150, 1200, 16, 3e-3
+    c.rl.engine.page_size, c.rl.engine.max_slots, c.rl.engine.prefill_chunk = 8, 64, 128
+    c.rl.eval_examples, c.rl.eval_every = 64, 0
+    c.rl.sft_steps, c.rl.sft_demos, c.rl.sft_batch_size, c.rl.sft_learning_rate = 150, 600, 16, 3e-3
     c.rl.sft_seq_len = 112  # one chart per row (a record: ~109 tokens, 192 patches)
     c.data.image_patches = 192
     c.optimizer.learning_rate = 1e-3
     c.optimizer.warmup_steps = 5
     c.optimizer.schedule = "constant"
-    c.train.num_steps = 60
+    c.train.num_steps = 40
     c.train.log_every = 5
-    c.checkpoint.every_steps = 30
+    c.checkpoint.every_steps = 20
     variants = set(filter(None, arg.split(",")))
     unknown = variants - {"smoke"}
     if unknown:

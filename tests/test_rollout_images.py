@@ -6,6 +6,7 @@ image content."""
 import base64
 import dataclasses
 import io
+import os
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +23,10 @@ from rlvr.models.transformer import forward
 from rlvr.rollout.engine import Engine
 from rlvr.rollout.types import Request, SamplingParams
 
-IMG, VS, VE = 290, 292, 293
+VS, VE, IMG = 320, 321, 322  # the image tokens of configs/data/vlm_tokenizer (a BPE with a chat template)
+TOKENIZER = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "data", "vlm_tokenizer")
 CFG = dataclasses.replace(
-    ModelConfig(family="qwen2", vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    ModelConfig(family="qwen2", vocab_size=328, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                 num_kv_heads=2, head_dim=16, qkv_bias=True, qk_norm=False, mrope_section=(2, 3, 3)),
     vision=VisionConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, out_hidden_size=64,
                         window_size=56, full_attention_layers=(1,), image_token_id=IMG, vision_start_token_id=VS,
@@ -128,3 +130,51 @@ def test_image_requests_are_checked(params):
                        **OPTS)
     with pytest.raises(ValueError, match="no vision encoder"):
         text_only.submit(Request("y", _prompt(2, 2), image_data=[_png(0)]))
+
+
+def test_openai_image_url_parts_and_sglang_image_data_reach_the_engine(params):
+    """The `openai` SDK's chat request with an `image_url` part (a base64 PNG data URL) and SGLang's
+    `/generate` with `image_data` give the tokens the engine gives that chat prompt and image
+    directly; a text-only server refuses image parts with a 400 naming them."""
+    import httpx
+    import openai
+
+    from rlvr.models.tokenizer import Tokenizer
+    from rlvr.rollout.driver import EngineDriver
+    from rlvr.rollout.server import serve
+
+    tokenizer = Tokenizer.from_dir(TOKENIZER)
+    engine = Engine(CFG, params, tokenizer, **OPTS)
+    image = _png(2)
+    content = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "What is bar A?"}]
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "<|vision_start|><|image_pad|><|vision_end|>"
+                                           "What is bar A?"}], add_generation_prompt=True)
+    assert chat.count(IMG) == 1
+    direct = engine.generate([_req("d", chat, image, ignore_eos=True)])[0]
+    driver = EngineDriver(engine)
+    server, _ = serve(driver)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": content}],
+                                               max_tokens=6, temperature=0.0,
+                                               extra_body={"return_token_ids": True, "ignore_eos": True})
+        choice = reply.choices[0].model_dump()
+        assert choice["token_ids"] == direct.output_ids and choice["prompt_token_ids"] == direct.prompt_ids
+        body = {"input_ids": chat, "image_data": image, "sampling_params": {"max_new_tokens": 6, "temperature": 0.0,
+                                                                              "ignore_eos": True}}
+        out = httpx.post(server.url + "/generate", json=body, timeout=120).json()
+        assert out["output_ids"] == direct.output_ids
+        bad = httpx.post(server.url + "/generate", json={**body, "image_data": [image, image]}, timeout=60)
+        assert bad.status_code == 400 and "image_data has 2 images" in bad.json()["error"]["message"]
+    finally:
+        server.stop()
+        driver.close()
+    # a text-only model's server (its limits lack "images") refuses the part before any engine sees it
+    from types import SimpleNamespace
+
+    from rlvr.rollout.server_openai import _parse_chat
+    from rlvr.rollout.server_protocol import ApiError, ModelLimits
+
+    text_only = SimpleNamespace(limits=ModelLimits(CFG.vocab_size, 128, tokenizer))
+    with pytest.raises(ApiError, match=r"messages\[0\].content\[0\] \(an image_url part\) is not supported"):
+        _parse_chat(text_only, {"messages": [{"role": "user", "content": content}], "max_tokens": 2})

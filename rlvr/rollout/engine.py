@@ -307,7 +307,8 @@ class Engine(Slots, Dispatch):
     def model_info(self) -> dict[str, Any]:
         return {"model_path": self.model_path, "model_type": self.cfg.family, "is_generation": True,
                 "vocab_size": self.cfg.vocab_size, "weight_version": str(self.weight_version),
-                "max_len": self.max_len, "architectures": [self.cfg.family], "features": _features()}
+                "max_len": self.max_len, "architectures": [self.cfg.family],
+                "features": _features() + (["images"] if self.cfg.vision is not None else [])}
 
     def metrics(self) -> dict[str, Any]:
         """Compile counts, prefix-cache hits, host vs device-wait time, calls and tokens so far."""

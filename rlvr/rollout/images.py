@@ -24,7 +24,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from rlvr.models.config import ModelConfig
+from rlvr.models.config import ModelConfig, VisionConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +58,12 @@ def image_key(patches: np.ndarray, grid: tuple[int, ...]) -> int:
     return -1 - int.from_bytes(digest.digest()[:8], "little") % (1 << 62)
 
 
-def expand_prompt(input_ids: list[int], grids: list[tuple[int, int, int]], cfg: ModelConfig) -> list[int]:
+def expand_prompt(input_ids: list[int], grids: list[tuple[int, int, int]], vcfg: VisionConfig) -> list[int]:
     """`input_ids` with each image's placeholder run expanded to its merged-patch count: a run of
     one placeholder is expanded (a chat template's output); a run of the right length is kept."""
     from rlvr.data.images import placeholder_count
 
-    image = cfg.vision.image_token_id
+    image = vcfg.image_token_id
     out, i, k = [], 0, 0
     while i < len(input_ids):
         if input_ids[i] != image:
@@ -76,7 +76,7 @@ def expand_prompt(input_ids: list[int], grids: list[tuple[int, int, int]], cfg: 
         if k >= len(grids):
             raise ValueError(f"input_ids has more runs of the image token {image} than image_data has images "
                              f"({len(grids)}); give one image per placeholder.")
-        n = placeholder_count(grids[k], cfg.vision)
+        n = placeholder_count(grids[k], vcfg)
         if run - i not in (1, n):
             raise ValueError(f"input_ids: image {k} has {run - i} placeholder tokens; its {grids[k]} grid needs "
                              f"{n} (or 1, expanded here).")
@@ -99,7 +99,7 @@ def prepare(cfg: ModelConfig, params, input_ids: list[int], image_data: list[Any
         raise ValueError("request has image_data but the served model has no vision encoder (model.vision).")
     vcfg = cfg.vision
     patches, grids = preprocess(image_data, vcfg, max_pixels=max_pixels)
-    ids = expand_prompt(list(input_ids), grids, cfg)
+    ids = expand_prompt(list(input_ids), grids, vcfg)
     tokens = np.asarray(ids, np.int32)[None]
     _, deltas = mrope_positions(vcfg, tokens, np.ones_like(tokens), grids)
     units = -(-len(patches) // vcfg.merge_unit)
