@@ -56,8 +56,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     if unknown:
         raise ValueError(f"configs/vlm.py: unknown variant(s) {sorted(unknown)}; use smoke")
     if "smoke" in variants:
-        c.rl.prompts_per_step, c.rl.group_size, c.rl.eval_examples = 2, 2, 2
-        c.rl.sft_steps, c.rl.sft_demos, c.rl.sft_batch_size = 2, 4, 2
-        c.rl.engine.max_slots = 4
+        c.rl.prompts_per_step, c.rl.group_size, c.rl.eval_examples = 4, 2, 2
+        c.rl.sft_steps, c.rl.sft_demos, c.rl.sft_batch_size = 2, 8, 8
+        c.rl.engine.max_slots = 8
         c.train.num_steps, c.checkpoint.every_steps = 2, 2
     return c
