@@ -41,8 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlvr import observe
-from rlvr.envs import rollout as episodes_lib
 from rlvr.data.images import chat_prompt_ids, split_image_parts
+from rlvr.envs import rollout as episodes_lib
 from rlvr.launch.ray_workers import LocalVerifierWorkers
 from rlvr.rl import advantages as adv_lib
 from rlvr.rl import scheduler as scheduler_lib
@@ -297,8 +297,9 @@ class Producer:
             replayed = self.replay.draw(min(count - 1, round(count * self.settings.replay_fraction)))
         fresh = count - len(replayed)
         tasks, prompts = self._fresh_tasks(fresh)
-        replay_prompts = [[] if self._episodic(e.task) else
-                          prompt_ids(self.tokenizer, e.task, self.settings.prompt_format, self.vision) for e in replayed]
+        fmt = self.settings.prompt_format
+        replay_prompts = [[] if self._episodic(e.task) else prompt_ids(self.tokenizer, e.task, fmt, self.vision)
+                          for e in replayed]
         return [e.task for e in replayed] + tasks, replay_prompts + prompts, replayed + [None] * fresh
 
     def _fresh_tasks(self, count: int) -> tuple[list, list[list[int]]]:
