@@ -12,15 +12,28 @@ gain in points, wall time; the mean and minimum gain; date, machine, command) to
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import quickstart_seeds  # noqa: E402
 
-if __name__ == "__main__":
+
+def main(argv: list[str]) -> int:
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "vlm_learning.json")
-    flags = sys.argv[1:]
+    flags = list(argv)
     if not any(f.startswith("--out") for f in flags):
         flags.append(f"--out={out}")
-    raise SystemExit(quickstart_seeds.main(["--config=configs/vlm.py", *flags]))
+    code = quickstart_seeds.main(["--config=configs/vlm.py", *flags])
+    path = next(f.split("=", 1)[1] for f in flags if f.startswith("--out="))
+    with open(path) as f:
+        record = json.load(f)
+    record.update(benchmark="vlm_learning", command=" ".join([".venv/bin/python benchmarks/vlm_learning.py", *argv]))
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
