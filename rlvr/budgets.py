@@ -50,6 +50,7 @@ def resolve(config: ml_collections.ConfigDict, tokenizer, recorded: ml_collectio
     """Fills rl.max_new_tokens, prompt_format, max_prompt_len, seq_len and engine.max_len of an
     unlocked, otherwise resolved config (see the module docstring) and prints them. Returns the
     multi-turn (tool-using) families of rl.task."""
+    from rlvr.models.config import VisionConfig
     from rlvr.tasks import build_tasks, preview
 
     rl = config.rl
@@ -62,7 +63,8 @@ def resolve(config: ml_collections.ConfigDict, tokenizer, recorded: ml_collectio
     except ValueError as e:
         raise ConfigError(str(e)) from None
     sampled = preview.sample_tasks(tasks)
-    measured = preview.measure(sampled, tokenizer, rl.prompt_format)
+    vision = VisionConfig.of(config.model.get("vision"))
+    measured = preview.measure(sampled, tokenizer, rl.prompt_format, vision)
     episodic = preview.episodic_families(sampled)
     if episodic and not rl.seq_len:
         raise ConfigError(f"rl.seq_len is not set: the multi-turn tasks {episodic} need an episode budget (prompt, "

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from rlvr.rl.host_shards import HostShare
-from rlvr.rl.producer import completion_text, passed, prompt_ids, sample_seed
+from rlvr.rl.producer import completion_text, passed, prompt_ids, sample_seed, task_images
 from rlvr.rollout.types import Request, SamplingParams
 
 
@@ -98,7 +98,7 @@ def evaluate_tasks(backend, tokenizer, tasks, task_list: Sequence, settings: Eva
     for t in task_list:
         if is_episode_task(t):
             continue
-        ids = prompt_ids(tokenizer, t, settings.prompt_format)
+        ids = prompt_ids(tokenizer, t, settings.prompt_format, getattr(backend, "vision", None))
         if max_len is None or len(ids) + max_new_tokens <= max_len:
             prompts.append(ids)
             kept.append(t)
@@ -110,7 +110,8 @@ def evaluate_tasks(backend, tokenizer, tasks, task_list: Sequence, settings: Eva
         for k in range(samples):
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0 if greedy else settings.temperature,
                                     sampling_seed=None if greedy else sample_seed(seed, t.index, k, 1 + t.stream))
-            requests.append(Request(f"{tag}-{t.family}-{t.level}-{t.index}-k{k}", ids, params))
+            requests.append(Request(f"{tag}-{t.family}-{t.level}-{t.index}-k{k}", ids, params,
+                                    image_data=task_images(t)))
     completions = backend.generate(requests) if requests else []
     texts = [completion_text(tokenizer, c) for c in completions]
     hosts = HostShare()  # several processes: task i's completions are verified by process i mod N only

@@ -39,5 +39,5 @@ def test_charts_show_their_values_and_score_only_the_right_reading():
                 assert family.score(task, completion, False)["reward"] == 0.0, (kind, completion, task.answer)
     again = ChartReadingFamily(seed=0).task(1, level=2)
     assert again.messages == family.task(1, level=2).messages
-    record = family.demonstration(again)
+    record = family.chat_record(again)
     assert record["messages"][-1] == {"role": "assistant", "content": f"<answer>{again.answer}</answer>"}

@@ -32,7 +32,8 @@ NO_REFERENCE: dict[str, str] = {}
 SLOW = {f"rg/{name}" for name in ("zebra_puzzles", "polynomial_multiplication", "futoshiki", "game_of_life", "bf",
                                   "n_queens", "knight_swap", "acre", "arc_agi", "puzzle24", "rush_hour", "sokoban",
                                   "word_ladder", "countdown", "intermediate_integration", "jugs", "rubiks_cube")} | {
-    "cad_openscad", "cad_openscad_tools"}  # each score runs OpenSCAD in a fresh gVisor sandbox
+    "cad_openscad", "cad_openscad_tools",  # each score runs OpenSCAD in a fresh gVisor sandbox
+    "chart_bars", "chart_bars_labelled"}  # each task renders a matplotlib chart
 JUNK = ("", "zzz", "<answer>zzz</answer>")
 
 

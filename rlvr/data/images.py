@@ -98,6 +98,39 @@ def preprocess(images: Sequence[Any], vcfg: VisionConfig, min_pixels: int = MIN_
     return np.concatenate(all_patches).astype(np.float32), grids
 
 
+def image_grid(source: Any, vcfg: VisionConfig, max_pixels: int = MAX_PIXELS) -> tuple[int, int, int]:
+    """The (t, h, w) patch grid `preprocess` gives an image, from its size alone (no pixels decoded)."""
+    image = load_image(source)
+    factor = vcfg.patch_size * vcfg.spatial_merge_size
+    height, width = smart_resize(image.height, image.width, factor, MIN_PIXELS, max_pixels)
+    return 1, height // vcfg.patch_size, width // vcfg.patch_size
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], vcfg: VisionConfig | None,
+                    max_pixels: int = MAX_PIXELS) -> tuple[list[int], list[Any]]:
+    """(generation prompt ids, image sources) of chat messages whose contents may hold image parts:
+    the chat template's one `<|image_pad|>` per image expanded to the image's placeholder count,
+    as the rollout engine and the trainer see them."""
+    messages, sources = split_image_parts(messages)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    if not sources:
+        return ids, []
+    if vcfg is None:
+        raise ValueError("a prompt with image content parts needs a VLM policy (model.vision, e.g. a Qwen2.5-VL "
+                         "checkpoint); this model reads text only.")
+    out, k = [], 0
+    for token in ids:
+        if token == vcfg.image_token_id and k < len(sources):
+            out += [token] * placeholder_count(image_grid(sources[k], vcfg, max_pixels), vcfg)
+            k += 1
+        else:
+            out.append(token)
+    if k != len(sources):
+        raise ValueError(f"{len(sources)} image parts but {k} {IMAGE_PAD} tokens after the chat template: does the "
+                         "tokenizer have the image tokens as special tokens?")
+    return out, sources
+
+
 def placeholder_count(grid: Sequence[int], vcfg: VisionConfig) -> int:
     """Decoder tokens of one image: its patches over the merge unit."""
     t, h, w = grid

@@ -535,10 +535,11 @@ class Transformer(nn.Module):
             self.value_proj(x.astype(jnp.float32))  # create the value head's parameters
         return self.logits(x), cache
 
-    def last_logits(self, tokens, positions, segment_ids, cache, last):
+    def last_logits(self, tokens, positions, segment_ids, cache, last, embeds=None, rope_positions=None):
         """(logits [B, V] at position index `last` [B] of each row, cache): a prefill needs
-        the next-token distribution of one position per row, not the [B, T, V] of all."""
-        x, cache = self.hidden_states(tokens, positions, segment_ids, cache)
+        the next-token distribution of one position per row, not the [B, T, V] of all.
+        `embeds`, `rope_positions`: as `hidden_states` (a VLM's image prompt)."""
+        x, cache = self.hidden_states(tokens, positions, segment_ids, cache, embeds, rope_positions)
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)
         return self.logits(x)[:, 0], cache
 
@@ -633,10 +634,11 @@ def forward(cfg: ModelConfig, params: Params, tokens, positions=None, segment_id
                                   rngs=dropout_rngs(cfg, rng))
 
 
-def forward_last(cfg: ModelConfig, params: Params, tokens, positions, segment_ids, cache, last):
+def forward_last(cfg: ModelConfig, params: Params, tokens, positions, segment_ids, cache, last, embeds=None,
+                 rope_positions=None):
     """(logits float32 [B, V] at index `last` [B] of each row, updated cache): see `last_logits`."""
-    return Transformer(cfg).apply({"params": params}, tokens, positions, segment_ids, cache, last,
-                                  method=Transformer.last_logits)
+    return Transformer(cfg).apply({"params": params}, tokens, positions, segment_ids, cache, last, embeds,
+                                  rope_positions, method=Transformer.last_logits)
 
 
 def forward_with_values(cfg: ModelConfig, params: Params, tokens, positions=None, segment_ids=None,

@@ -48,6 +48,11 @@ class EmbeddedBackend:
     def capacity(self) -> int:
         return int(self.engine.max_slots)
 
+    @property
+    def vision(self):
+        """The policy's vision config (a VLM) or None: image tasks' prompts are laid out for it."""
+        return self.engine.cfg.vision
+
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
         return self.driver.generate(list(requests))
 
@@ -97,6 +102,10 @@ class SGLangBackend:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     capacity = 0  # the servers' own schedulers bound it; set rl.schedule.capacity to bound it here
+
+    @property
+    def vision(self):
+        return self.cfg.vision
 
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
         return self._run(self.client.generate(list(requests)))

@@ -39,6 +39,8 @@ class Sample:
     loss_mask: list[int] | None = None
     # per output token, added to `advantage`: a dense reward's (on-policy distillation, rlvr.rl.distill)
     token_advantage: list[float] | None = None
+    # the prompt's images (a VLM policy): one source (path, data URL, base64) per placeholder run, in order
+    images: list[str] | None = None
 
     @property
     def sampled_tokens(self) -> int:
@@ -71,11 +73,12 @@ def _bucket_rows(needed: int, multiple: int, limit: int) -> int:
 
 def build_batch(samples: list[Sample], seq_len: int, pad_id: int, aggregation: str = "token_mean",
                 norm_len: int = 1, pack: bool = False, row_multiple: int = 1,
-                min_rows: int = 0) -> dict[str, np.ndarray]:
+                min_rows: int = 0, vision=None) -> dict[str, np.ndarray]:
     """The train batch for `samples` (see the module docstring). Unpacked batches have at least
     `min_rows` rows (empty rows weigh nothing), so a batch the scheduler made smaller keeps the
     compiled shape. Raises ValueError when a sample does not fit `seq_len` (rl.seq_len must
-    cover prompt + max_new_tokens)."""
+    cover prompt + max_new_tokens). `vision` (a VLM policy's VisionConfig): the samples' images
+    join the batch as `image_*` arrays (`image_arrays`)."""
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"rl.aggregation={aggregation!r}: choose one of {AGGREGATIONS}")
     rows: list[list[int]] = []  # sample indices per row
@@ -123,4 +126,36 @@ def build_batch(samples: list[Sample], seq_len: int, pad_id: int, aggregation: s
             out["token_weight"][r, out_span] = weight * out["loss_mask"][r, out_span]
             out["row_weight"][r] += _row_unit(aggregation, length, norm_len)
             col += n
+    if vision is not None:
+        out.update(image_arrays(samples, rows, num_rows, out, vision))
+    elif any(s.images for s in samples):
+        raise ValueError("rollouts with images need a VLM policy (model.vision) to train on them.")
     return out
+
+
+def image_arrays(samples: list[Sample], rows: list[list[int]], num_rows: int, out: dict[str, np.ndarray],
+                 vision) -> dict[str, np.ndarray]:
+    """`image_*` arrays (rlvr.models.vision.ImageInputs) of each row's samples' images, processed
+    as the rollout engine did (rlvr.data.images.preprocess); the patch capacity per row is a power
+    of two of merge units (few compiled shapes). A group's images are decoded once."""
+    from rlvr.data.images import preprocess
+    from rlvr.models.vision import IMAGE_KEYS, image_inputs
+
+    cache: dict[str, tuple[np.ndarray, list]] = {}
+
+    def processed(source: str):
+        if source not in cache:
+            cache[source] = preprocess([source], vision)
+        return cache[source]
+
+    patches = [np.zeros((0, vision.patch_dim), np.float32) for _ in range(num_rows)]
+    grids: list[list] = [[] for _ in range(num_rows)]
+    for r, members in enumerate(rows):
+        parts = [processed(src) for i in members for src in samples[i].images or ()]
+        if parts:
+            patches[r] = np.concatenate([p for p, _ in parts])
+            grids[r] = [g for _, gs in parts for g in gs]
+    units = max(-(-max(len(p) for p in patches) // vision.merge_unit), 1)
+    capacity = (1 << (units - 1).bit_length()) * vision.merge_unit
+    inputs = image_inputs(vision, patches, grids, out["tokens"], out["segment_ids"], capacity)
+    return {f"image_{k}": np.asarray(v) for k, v in zip(IMAGE_KEYS, inputs, strict=True)}

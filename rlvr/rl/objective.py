@@ -43,6 +43,7 @@ from rlvr import losses
 from rlvr.kernels.chunked_logprob import Sampling
 from rlvr.kernels.chunked_logprob.reference import RAW_POLICY
 from rlvr.models.transformer import forward, forward_with_values
+from rlvr.models.vision import batch_images
 from rlvr.rl import policy_loss as pl
 
 PROXIMAL = ("current", "behaviour")
@@ -101,15 +102,18 @@ def model_logprobs(cfg, obj: Objective, params, batch, *, entropy: bool = False,
     predictions [B, T] or None): chunked when `obj.logprob_chunk_size`, else from the full logits.
     `rng`: adapter dropout (`lora.dropout`) in training, None otherwise."""
     tokens, positions, segment_ids = batch["tokens"], batch["positions"], batch["segment_ids"]
+    images = batch_images(batch)  # a VLM's rollouts with images (rlvr.rl.batching.image_arrays)
     if obj.logprob_chunk_size:
         return losses.model_token_logprobs(cfg, params, tokens, positions, segment_ids,
                                            chunk_size=obj.logprob_chunk_size, entropy=entropy, values=values,
-                                           sampling=obj.sampling, rng=rng)
+                                           sampling=obj.sampling, rng=rng, images=images)
     predicted = None
     if values:
+        if images is not None:
+            raise ValueError("a value head on image rollouts needs train.logprob_chunk_size > 0 (the chunked path).")
         logits, predicted, _ = forward_with_values(cfg, params, tokens, positions, segment_ids, rng=rng)
     else:
-        logits, _ = forward(cfg, params, tokens, positions, segment_ids, rng=rng)
+        logits, _ = forward(cfg, params, tokens, positions, segment_ids, rng=rng, images=images)
     out = losses.next_token_logprobs(logits, tokens, obj.sampling, entropy=entropy)
     logp, ent = out if entropy else (out, None)
     return logp, ent, predicted

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlvr import observe
+from rlvr.data.images import chat_prompt_ids, split_image_parts
 from rlvr.envs import rollout as episodes_lib
 from rlvr.launch.ray_workers import LocalVerifierWorkers
 from rlvr.rl import advantages as adv_lib
@@ -90,11 +91,20 @@ def sample_seed(seed: int, task_index: int, k: int, replay: int = 0) -> int:
     return int(np.random.SeedSequence(entropy).generate_state(1)[0] % 2**31)
 
 
-def prompt_ids(tokenizer, task, prompt_format: str) -> list[int]:
-    """The task's prompt as ids: raw text, or its chat messages through the chat template."""
+def prompt_ids(tokenizer, task, prompt_format: str, vision=None) -> list[int]:
+    """The task's prompt as ids: raw text, or its chat messages through the chat template (image
+    parts: placeholders expanded for the VLM's `vision` config; `task_images` are the images)."""
     if prompt_format == "chat":
-        return tokenizer.apply_chat_template(task.chat(), add_generation_prompt=True)
+        return chat_prompt_ids(tokenizer, task.chat(), vision)[0]
+    if task_images(task):
+        raise ValueError(f"rl.prompt_format='raw': the {task.family} tasks show images, which only chat messages "
+                         "carry; set rl.prompt_format='chat'.")
     return tokenizer.encode(task.prompt)
+
+
+def task_images(task) -> list:
+    """The image sources of a task's chat messages, in order (empty for a text task)."""
+    return split_image_parts(task.chat())[1] if task.messages else []
 
 
 def is_episode_task(task) -> bool:
@@ -191,6 +201,7 @@ class Producer:
                  reward_model=None, episode_log: str | None = None, make_env=None, agent=None, verifiers=None,
                  teacher_logprobs=None):
         self.backend, self.tasks, self.tokenizer, self.settings, self.seed = backend, tasks, tokenizer, settings, seed
+        self.vision = getattr(backend, "vision", None)  # a VLM policy's VisionConfig: image tasks' placeholders
         # rlvr.tasks.curriculum.Curriculum: draws each task's (family, level), learns from its group
         self.curriculum = curriculum
         self._completed_curriculum = curriculum.state() if curriculum is not None else None
@@ -255,11 +266,12 @@ class Producer:
             suffix = f"-r{replay}" if replay else ""
             constraint = sampling_constraint(task.verifier, getattr(self._family(task), "answer_format", "raw")) \
                 if rl.constrained_decoding else {}
+            images = task_images(task)
             for k in range(rl.group_size):
                 params = SamplingParams(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, top_p=rl.top_p,
                                         top_k=rl.top_k, min_p=rl.min_p,
                                         sampling_seed=sample_seed(self.seed, task.index, k, replay), **constraint)
-                out.append(Request(f"s{step}-t{task.index}-k{k}{suffix}", ids, params))
+                out.append(Request(f"s{step}-t{task.index}-k{k}{suffix}", ids, params, image_data=images))
         return out
 
     def _score(self, task, completion, group: int) -> tuple[Sample, dict[str, Any] | None]:
@@ -280,7 +292,7 @@ class Producer:
                        "error": f"{type(e).__name__}: {e}"}
         sample = Sample(group, task.index, list(completion.prompt_ids), list(completion.output_ids),
                         list(completion.output_logprobs), list(completion.output_versions), truncated, rewards,
-                        level=task.level, family=task.family)
+                        level=task.level, family=task.family, images=task_images(task) or None)
         return sample, failure
 
     def _draw_tasks(self, count: int) -> tuple[list, list[list[int]], list]:
@@ -291,8 +303,9 @@ class Producer:
             replayed = self.replay.draw(min(count - 1, round(count * self.settings.replay_fraction)))
         fresh = count - len(replayed)
         tasks, prompts = self._fresh_tasks(fresh)
-        replay_prompts = [[] if self._episodic(e.task) else
-                          prompt_ids(self.tokenizer, e.task, self.settings.prompt_format) for e in replayed]
+        fmt = self.settings.prompt_format
+        replay_prompts = [[] if self._episodic(e.task) else prompt_ids(self.tokenizer, e.task, fmt, self.vision)
+                          for e in replayed]
         return [e.task for e in replayed] + tasks, replay_prompts + prompts, replayed + [None] * fresh
 
     def _fresh_tasks(self, count: int) -> tuple[list, list[list[int]]]:
@@ -317,7 +330,7 @@ class Producer:
                     out.append(task)
                     prompts.append([])
                     continue
-                ids = prompt_ids(self.tokenizer, task, rl.prompt_format)
+                ids = prompt_ids(self.tokenizer, task, rl.prompt_format, self.vision)
                 if len(ids) + rl.max_new_tokens <= rl.seq_len:
                     out.append(task)
                     prompts.append(ids)

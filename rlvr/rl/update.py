@@ -19,6 +19,7 @@ import numpy as np
 
 from rlvr.kernels.chunked_logprob import Sampling
 from rlvr.models import lora
+from rlvr.models.vision import batch_images
 from rlvr.rl.batching import build_batch
 from rlvr.rl.objective import Objective, rl_loss
 from rlvr.train import step as step_lib
@@ -26,21 +27,22 @@ from rlvr.train import step as step_lib
 PASS_CHUNK = 512  # positions per chunk of the passes' log-probs when train.logprob_chunk_size is 0
 
 
-def logprobs_pass(cfg, sampling: Sampling, chunk_size: int, params, tokens, positions, segment_ids):
+def logprobs_pass(cfg, sampling: Sampling, chunk_size: int, params, tokens, positions, segment_ids, images=None):
     """The policy's log-prob of every token [B, T] (0 at position 0) under the sampled
     distribution, aligned like behaviour_logp: the proximal policy of PPO mini-batch updates, the
-    reference policy of a KL penalty. Chunked: never the [B, T, V] logits."""
+    reference policy of a KL penalty. Chunked: never the [B, T, V] logits. `images`: a VLM's."""
     from rlvr import losses
 
     lp, _, _ = losses.model_token_logprobs(cfg, params, tokens, positions, segment_ids,
-                                           chunk_size=chunk_size or PASS_CHUNK, sampling=sampling)
+                                           chunk_size=chunk_size or PASS_CHUNK, sampling=sampling, images=images)
     return jnp.pad(lp, ((0, 0), (1, 0)))
 
 
 def logprobs_fn(cfg, sampling: Sampling, chunk_size: int = 0):
     """(params, batch) -> `logprobs_pass` on the host."""
     logprobs = jax.jit(functools.partial(logprobs_pass, cfg, sampling, chunk_size))
-    return lambda params, b: np.asarray(logprobs(params, b["tokens"], b["positions"], b["segment_ids"]))
+    return lambda params, b: np.asarray(logprobs(params, b["tokens"], b["positions"], b["segment_ids"],
+                                                 batch_images(b)))
 
 
 def reference_logprobs_fn(cfg, ref_params, seq_len: int, pad_id: int, sampling: Sampling, chunk_size: int = 0):
@@ -48,7 +50,7 @@ def reference_logprobs_fn(cfg, ref_params, seq_len: int, pad_id: int, sampling: 
     logprobs = logprobs_fn(cfg, sampling, chunk_size)
 
     def fn(samples):
-        lp = logprobs(ref_params, build_batch(samples, seq_len, pad_id))
+        lp = logprobs(ref_params, build_batch(samples, seq_len, pad_id, vision=cfg.vision))
         return [lp[i, len(s.prompt_ids): len(s.prompt_ids) + len(s.output_ids)] for i, s in enumerate(samples)]
     return fn
 

@@ -285,7 +285,10 @@ class SGLangClient:
         if sp.sampling_seed is not None:
             params["sampling_seed"] = sp.sampling_seed
         params.update(_extra_sampling(sp))
-        return {"input_ids": list(request.input_ids), "sampling_params": params, "return_logprob": True, "rid": rid}
+        body = {"input_ids": list(request.input_ids), "sampling_params": params, "return_logprob": True, "rid": rid}
+        if request.image_data:  # a VLM's prompt images, one per placeholder run (SGLang's image_data)
+            body["image_data"] = list(request.image_data)
+        return body
 
     @staticmethod
     def parse(request: Request, out: dict[str, Any]) -> Completion:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from rlvr.models.config import ModelConfig
-from rlvr.models.transformer import forward, forward_last
+from rlvr.models.transformer import Transformer, forward, forward_last
 from rlvr.rollout.logit_process import count_tokens, extra_logprobs, process, reset_counts
 from rlvr.rollout.sampling import policy_logprob, sample_tokens
 
@@ -94,15 +94,22 @@ def _finished(token, count, sampling):
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 12), donate_argnums=(3, 8))
 def prefill(cfg: ModelConfig, filters: bool, params, pool, page_table, tokens, positions, segment_ids, state, slots,
-            completes, sampling, top: int = 0, mask=None):
+            completes, sampling, top: int = 0, mask=None, images=None):
     """Writes a chunk of prompt tokens [R, C] (valid tokens first in each row) into the pages.
     For rows with `completes` the chunk ends the prompt: the first output token is sampled from
     its last position and the row's slot (`slots`) gets its decode state. Returns the pool, the
     state, the sampled tokens and log-probs [R], and the extra log-probs [R, ...] asked for
     (`top` alternatives, `sampling["logprob_ids"]`; see `logit_process.extra_logprobs`).
-    `filters`: see `sampling.sample_tokens`; `mask`: the rows' grammar masks (packed) or None."""
+    `filters`: see `sampling.sample_tokens`; `mask`: the rows' grammar masks (packed) or None.
+    `images` (a VLM, see `image_chunk`): (rope ids [R, C, 3], features [R, C, E], is_image [R, C])."""
     last = jnp.maximum(jnp.sum(segment_ids != 0, axis=1) - 1, 0)
-    logits, cache = forward_last(cfg, params, tokens, positions, segment_ids, _cache(pool, page_table), last)
+    embeds = rope = None
+    if images is not None:
+        rope, features, is_image = images
+        embeds = jnp.where(is_image[..., None], features.astype(cfg.dtype),
+                           Transformer(cfg).apply({"params": params}, tokens, method=Transformer.embed))
+    logits, cache = forward_last(cfg, params, tokens, positions, segment_ids, _cache(pool, page_table), last,
+                                 embeds, rope)
     next_pos = jnp.take_along_axis(positions, last[:, None], axis=1)[:, 0] + 1
     one = jnp.ones_like(next_pos)
     penalized = "counts" in state
@@ -146,8 +153,9 @@ def decode(cfg: ModelConfig, steps: int, filters: bool, params, pool, page_table
     def body(carry):
         i, pool, token, pos, count, done, toks, logprobs, counts, extras = carry
         segment = (~done).astype(jnp.int32)[:, None]
+        rope = (pos + sampling["rope_delta"])[:, None] if "rope_delta" in sampling else None  # M-RoPE after images
         logits, cache = forward(cfg, params, token[:, None], pos[:, None], segment,
-                                _cache(pool, page_table, ragged))
+                                _cache(pool, page_table, ragged), rope_positions=rope)
         nxt, logprob = _sample(logits[:, 0], sampling, count, pos + 1, filters, counts, mask)
         counts = count_tokens(counts, nxt, ~done)
         extras = {k: jax.lax.dynamic_update_slice(extras[k], v[:, None], (0, i, *([0] * (v.ndim - 1))))
@@ -173,6 +181,16 @@ def decode(cfg: ModelConfig, steps: int, filters: bool, params, pool, page_table
     return pool, new_state, toks, logprobs, jnp.where(active, count, 0) - start, extras
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def encode_images(cfg: ModelConfig, visual_params, patches, vit_positions, frame_ids, window_ids):
+    """The vision tower's output [1, capacity / merge_unit, E]: one decoder input per placeholder
+    (`rlvr.models.vision.VisionTransformer`; inputs as `image_inputs` lays them out)."""
+    from rlvr.models.vision import VisionTransformer
+
+    return VisionTransformer(cfg.vision, cfg.dtype, cfg.param_dtype).apply(
+        {"params": visual_params}, patches, vit_positions, frame_ids, window_ids)
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def arm(state, slots, tokens, positions):
     """Slots whose prompt has one token left start decoding from it: the decode step that reads
@@ -194,13 +212,13 @@ def add_counts(state, slots, counts):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def score(cfg: ModelConfig, top: int, params, tokens, ids=None):
+def score(cfg: ModelConfig, top: int, params, tokens, ids=None, images=None):
     """Raw log-probs (temperature 1) of a prompt [T] scoring itself: entry t is log p(token t+1 | tokens <= t) (the
     last is meaningless), plus the extras of every position (`top` alternatives, the log-probs of
     `ids` [M]; see `logit_process.extra_logprobs`). Padding after the prompt does not change them
     (causal attention)."""
     positions = jnp.arange(tokens.shape[0])[None]
-    logits, _ = forward(cfg, params, tokens[None], positions, jnp.ones_like(positions), None)
+    logits, _ = forward(cfg, params, tokens[None], positions, jnp.ones_like(positions), None, images=images)
     logits = logits[0].astype(jnp.float32)
     nxt = jnp.concatenate([tokens[1:], tokens[-1:]])
     own = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), nxt[:, None], axis=-1)[:, 0]

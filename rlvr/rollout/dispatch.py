@@ -91,6 +91,7 @@ class Dispatch:
         table = np.zeros((rows, self.pages_per_row), np.int32)
         slots, completes = np.zeros(rows, np.int32), np.zeros(rows, bool)
         finishing = [None] * rows
+        images = self._image_chunk(seqs, rows, chunk)
         for i, seq in enumerate(seqs):
             end = min(seq.prefilled + chunk, len(seq.prompt))
             self._ensure_pages(seq, end)
@@ -113,12 +114,34 @@ class Dispatch:
         self.pool, self.state, tok, logprob, more = device_fns.prefill(
             self.decode_cfg, self._filters(host_slots) if filters is None else filters, self.params, self.pool,
             table, tokens, positions, segments, self.state, slots, completes, sampling, self._top(finishing),
-            self._masks(finishing, rows))
+            self._masks(finishing, rows), images)
         self._times["prefill_calls"] += 1
         self._time_call("prefill", rows * chunk, start, tok)
         self._restore_counts([s for s in finishing if s is not None])
         if any(finishing):
             self.inflight.append(_Inflight("prefill", finishing, tok, logprob, None, self.weight_version, more))
+
+    def _image_chunk(self, seqs: list[Sequence], rows: int, chunk: int) -> tuple | None:
+        """A VLM's prefill inputs for the next chunk of each row (before `prefilled` moves): M-RoPE
+        ids [R, C, 3] (text: its position thrice) and, when a row has images, the placeholders'
+        features [R, C, E] gathered from each prompt's encoded images and where they go [R, C]."""
+        if self.cfg.vision is None:
+            return None
+        rope = np.zeros((rows, chunk, 3), np.int32)
+        index, is_image = np.zeros((rows, chunk), np.int32), np.zeros((rows, chunk), bool)
+        for i, seq in enumerate(seqs):
+            end = min(seq.prefilled + chunk, len(seq.prompt))
+            n = end - seq.prefilled
+            if seq.image is None:
+                rope[i, :n] = np.arange(seq.prefilled, end)[:, None]
+                continue
+            rope[i, :n], index[i, :n] = seq.image.chunk(seq.prefilled, end)
+            is_image[i, :n] = np.asarray(seq.prompt[seq.prefilled:end]) == self.cfg.vision.image_token_id
+        width = self.cfg.hidden_size
+        features = [jnp.take(seqs[i].image.features, jnp.asarray(index[i]), axis=0)
+                    if i < len(seqs) and seqs[i].image is not None and is_image[i].any()
+                    else jnp.zeros((chunk, width), self.decode_cfg.dtype) for i in range(rows)]
+        return jax.device_put(rope), jnp.stack(features), jax.device_put(is_image)
 
     def _arm(self, seqs: list[Sequence]) -> None:
         """Prompts with one token left go straight to decoding (`device_fns.arm`)."""
@@ -146,7 +169,7 @@ class Dispatch:
         dispatched after the writes, so they see them)."""
         full = seq.prefilled // self.page_size
         if full > len(seq.nodes):
-            nodes = self.prefix.insert(seq.prompt[: full * self.page_size], seq.pages[:full])
+            nodes = self.prefix.insert(seq.key[: full * self.page_size], seq.pages[:full])
             self.prefix.lock(nodes[len(seq.nodes):])
             seq.nodes = nodes
 

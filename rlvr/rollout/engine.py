@@ -47,6 +47,7 @@ from rlvr.models.config import ModelConfig
 from rlvr.models.transformer import init_paged_cache, unstack_layers
 from rlvr.rollout import device_fns
 from rlvr.rollout import extras as extras_lib
+from rlvr.rollout import images as images_lib
 from rlvr.rollout.dispatch import Dispatch, _Inflight
 from rlvr.rollout.pages import PagePool, PrefixCache
 from rlvr.rollout.sequence import Sequence, sampling_table
@@ -77,7 +78,8 @@ class Engine(Slots, Dispatch):
     def __init__(self, cfg: ModelConfig, params, tokenizer=None, *, max_slots: int = 32, max_len: int = 512,
                  page_size: int = 16, num_pages: int | None = None, decode_steps: int = 8,
                  prefill_rows: int = 4, prefill_chunk: int = 64, seed: int = 0, model_path: str = "",
-                 dtype: str = "float32", kv_dtype: str | None = None, decode_attention: str = "auto"):
+                 dtype: str = "float32", kv_dtype: str | None = None, decode_attention: str = "auto",
+                 image_max_pixels: int = 28 * 28 * 1280):
         if max_len % page_size:
             raise ValueError(f"max_len={max_len} must be a multiple of page_size={page_size}")
         if decode_attention not in DECODE_ATTENTION:
@@ -105,6 +107,9 @@ class Engine(Slots, Dispatch):
         self.state = device_fns.init_state(max_slots)
         self.active = np.zeros(max_slots, bool)
         self._sampling = sampling_table(max_slots)
+        if cfg.vision is not None:  # decoding after an image prompt: M-RoPE id = position + the prompt's delta
+            self._sampling["rope_delta"] = np.zeros(max_slots, np.int32)
+        self.image_max_pixels = image_max_pixels
         self._sampling_device = None  # the table on device, refreshed after admissions change it
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.slots: list[Sequence | None] = [None] * max_slots
@@ -135,6 +140,11 @@ class Engine(Slots, Dispatch):
             raise ValueError("Engine.submit takes n=1 requests; expand n into separate rids")
         if not request.input_ids:
             raise ValueError(f"request {request.rid}: empty input_ids")
+        image = None
+        if request.image_data:
+            ids, image = images_lib.prepare(self.decode_cfg, self.params, request.input_ids, request.image_data,
+                                            self.image_max_pixels)
+            request = dataclasses.replace(request, input_ids=ids)
         if len(request.input_ids) >= self.max_len:
             raise ValueError(f"request {request.rid}: prompt of {len(request.input_ids)} tokens does not fit "
                              f"max_len={self.max_len}")
@@ -151,7 +161,7 @@ class Engine(Slots, Dispatch):
             stops = StopStrings(self.tokenizer, list(sp.stop), list(sp.stop_regex))
         budget = min(sp.max_new_tokens, self.max_len - len(request.input_ids))
         seq = Sequence(request, seed % 2**31, budget, frozenset(sp.stop_token_ids) | eos, stops,
-                       extras=extras_lib.prepare(request, self.tokenizer, self.cfg.vocab_size))
+                       extras=extras_lib.prepare(request, self.tokenizer, self.cfg.vocab_size), image=image)
         if request.logprob_start_len >= 0:
             self._score_prompt(seq)
         self.waiting.append(seq)
@@ -164,8 +174,15 @@ class Engine(Slots, Dispatch):
         tokens = np.zeros(max(16, 1 << (n - 1).bit_length()), np.int32)
         tokens[:n] = request.input_ids
         ids = np.asarray(request.token_ids_logprob, np.int32) if request.token_ids_logprob else None
+        images = None
+        if seq.image is not None:  # the full VLM over the prompt (padding: segment 0, no placeholders)
+            from rlvr.models.vision import image_inputs
+
+            capacity = len(seq.image.features) * self.cfg.vision.merge_unit
+            images = image_inputs(self.cfg.vision, [seq.image.patches], [seq.image.grids], tokens[None],
+                                  (np.arange(len(tokens)) < n).astype(np.int32)[None], capacity)
         own, top = device_fns.score(self.decode_cfg, extras_lib.top_bucket(request.top_logprobs_num), self.params,
-                                    jnp.asarray(tokens), None if ids is None else jnp.asarray(ids))
+                                    jnp.asarray(tokens), None if ids is None else jnp.asarray(ids), images)
         extras_lib.score_prompt(seq.extras, request, np.asarray(own), {k: np.asarray(v) for k, v in top.items()})
 
     def step(self) -> list[Completion]:
@@ -310,7 +327,8 @@ class Engine(Slots, Dispatch):
     def model_info(self) -> dict[str, Any]:
         return {"model_path": self.model_path, "model_type": self.cfg.family, "is_generation": True,
                 "vocab_size": self.cfg.vocab_size, "weight_version": str(self.weight_version),
-                "max_len": self.max_len, "architectures": [self.cfg.family], "features": _features()}
+                "max_len": self.max_len, "architectures": [self.cfg.family],
+                "features": _features() + (["images"] if self.cfg.vision is not None else [])}
 
     def metrics(self) -> dict[str, Any]:
         """Compile counts, prefix-cache hits, host vs device-wait time, calls and tokens so far."""

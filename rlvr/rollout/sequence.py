@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from rlvr.rollout import extras as extras_lib
+from rlvr.rollout.images import PromptImages
 from rlvr.rollout.stops import StopStrings
 from rlvr.rollout.types import Request
 
@@ -40,10 +41,16 @@ class Sequence:
     versions: list[int] = dataclasses.field(default_factory=list)
     finish: dict[str, Any] | None = None
     extras: extras_lib.Extras = dataclasses.field(default_factory=extras_lib.Extras)
+    image: PromptImages | None = None  # a VLM prompt's images (rlvr.rollout.images)
 
     @property
     def prompt(self) -> list[int]:
         return self.request.input_ids
+
+    @property
+    def key(self) -> list[int]:
+        """The prompt as the prefix cache keys it: image placeholders stand for their image's content."""
+        return self.prompt if self.image is None else self.image.keys
 
     @property
     def length(self) -> int:
@@ -91,6 +98,7 @@ class Sequence:
                         zip(self.extras.carried, (self.output, self.logprobs, self.versions), strict=True))
         return dataclasses.replace(
             self, **reset, request=extras_lib.retracted(self.request, self.output),
+            image=None if self.image is None else self.image.extended(self.output),
             max_new=self.max_new - len(self.output), output=[], logprobs=[], versions=[],
             extras=dataclasses.replace(self.extras, carried=carried))
 
@@ -107,6 +115,8 @@ def write_sampling_row(table: dict[str, np.ndarray], slot: int, seq: Sequence) -
     table["temperature"][slot], table["top_k"][slot], table["top_p"][slot] = sp.temperature, sp.top_k, sp.top_p
     table["min_p"][slot], table["seed"][slot], table["min_new"][slot] = sp.min_p, seq.seed, sp.min_new_tokens
     table["max_new"][slot] = seq.max_new
+    if "rope_delta" in table:
+        table["rope_delta"][slot] = 0 if seq.image is None else seq.image.delta
     stops = sorted(seq.stop_ids)[:MAX_STOP_IDS]
     table["stop_ids"][slot] = -1
     table["stop_ids"][slot, : len(stops)] = stops

@@ -96,7 +96,8 @@ class RolloutApp:
         info = driver.model_info()
         self.model_path = str(info.get("model_path") or "rlvr-model")
         self.model_name = served_model_name or self.model_path
-        self.limits = ModelLimits.from_model_info(info, driver.tokenizer)
+        vision = getattr(getattr(driver.engine, "cfg", None), "vision", None)  # a VLM: image placeholders
+        self.limits = ModelLimits.from_model_info(info, driver.tokenizer, vision)
         self.start_time = time.time()
         self.address: tuple[str, int] = ("", 0)
         self.labels: dict[int, str] = {}  # engine weight version -> the label a client gave it

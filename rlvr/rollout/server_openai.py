@@ -15,8 +15,13 @@ callers `return_token_ids` (each choice gets `prompt_token_ids` and `token_ids`,
 and `return_meta_info` (each choice gets the native `meta_info`, output logprobs included).
 Unknown fields are ignored (logged once), as SGLang's request models do.
 
+Message content parts: text, and for a vision-language model `image_url` parts (`{"url": ...}`: a
+data URL with base64 PNG/JPEG, bare base64 or a path; each becomes
+`<|vision_start|><|image_pad|><|vision_end|>` in the prompt, as Qwen2.5-VL's template writes it,
+and the engine prefills the image there).
+
 Not implemented (answered 400, not ignored): `suffix`, `continue_final_message`, LoRA, ebnf /
-structural tags, non-text message parts.
+structural tags, audio / video / file message parts, image parts for a text-only model.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from rlvr.rollout.server_protocol import (
     check_str,
     encode_text,
     expand,
+    expand_image_tokens,
     expect_object,
     is_int,
     log_ignored,
@@ -184,33 +190,51 @@ def completions(app: Any, body: Any, cancelled: Any = None) -> dict[str, Any] | 
 # --- /v1/chat/completions ------------------------------------------------------------------
 
 
-def _content(message: dict[str, Any], i: int) -> str | None:
+def _content(message: dict[str, Any], i: int, images: list[str], limits: ModelLimits) -> str | None:
+    """The message's text; its image parts become the placeholder block and their URLs join `images`."""
+    from rlvr.data.images import IMAGE_PAD, VISION_END, VISION_START
+
     content = message.get("content")
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, list):
         texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(f"messages[{i}].content: only text parts are supported")
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url":
+                limits.require("images", f"messages[{i}].content[{j}] (an image_url part)")
+                url = part.get("image_url")
+                images.append(_image_url(url.get("url") if isinstance(url, dict) else url, i, j))
+                texts.append(VISION_START + IMAGE_PAD + VISION_END)
+                continue
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(f"messages[{i}].content[{j}]: only text and image_url parts are supported")
             texts.append(part["text"])
         return "".join(texts)
-    raise ApiError(f"messages[{i}].content must be a string, null or a list of text parts")
+    raise ApiError(f"messages[{i}].content must be a string, null or a list of text / image_url parts")
 
 
-def _messages(value: Any) -> list[dict[str, Any]]:
+def _image_url(url: Any, i: int, j: int) -> str:
+    if not isinstance(url, str) or not url or url.startswith(("http://", "https://")):
+        raise ApiError(f"messages[{i}].content[{j}].image_url.url: give the image inline (a data:image/...;base64 "
+                       "URL, base64 or a local path); this server fetches nothing from the network")
+    return url
+
+
+def _messages(value: Any, limits: ModelLimits) -> tuple[list[dict[str, Any]], list[str]]:
+    """(the messages with string contents, the image URLs of their image parts in order)."""
     if not isinstance(value, list) or not value:
         raise ApiError("'messages' must be a non-empty list")
-    out = []
+    out, images = [], []
     for i, message in enumerate(value):
         message = dict(expect_object(message, f"messages[{i}]"))
         if message.get("role") not in _ROLES:
             raise ApiError(f"messages[{i}].role must be one of {sorted(_ROLES)}")
-        message["content"] = _content(message, i)
+        message["content"] = _content(message, i, images, limits)
         if message.get("tool_calls") is not None and not isinstance(message["tool_calls"], list):
             raise ApiError(f"messages[{i}].tool_calls must be a list")
         out.append(message)
-    return out
+    return out, images
 
 
 def _tools(value: Any) -> list[dict[str, Any]] | None:
@@ -246,23 +270,25 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> tu
     return "required", name
 
 
-def _render(app: Any, body: dict[str, Any], tools: list[dict[str, Any]] | None) -> list[int]:
+def _render(app: Any, body: dict[str, Any], tools: list[dict[str, Any]] | None) -> tuple[list[int], list[str]]:
+    """(the chat prompt's ids, its image URLs: one per image placeholder, not yet expanded)."""
     tokenizer = app.limits.tokenizer
     if tokenizer is None:
         raise ApiError("this server has no tokenizer, so no chat template: use /generate with input_ids")
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise ApiError("'chat_template_kwargs' must be an object")
+    messages, images = _messages(body.get("messages"), app.limits)
     try:
-        ids = tokenizer.apply_chat_template(_messages(body.get("messages")), tools=tools,
-                                            add_generation_prompt=True, tokenize=True, **kwargs)
+        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                            **kwargs)
     except ApiError:
         raise
     except Exception as e:  # jinja errors, bad message shapes for this template
         raise ApiError(f"chat template failed: {type(e).__name__}: {e}") from None
     if not ids or any(not 0 <= t < app.limits.vocab_size for t in ids):
         raise ApiError("the rendered chat prompt is empty or has ids outside the model's vocabulary")
-    return list(ids)
+    return list(ids), images
 
 
 def _parse_chat(app: Any, body: Any) -> OpenAICall:
@@ -279,14 +305,14 @@ def _parse_chat(app: Any, body: Any) -> OpenAICall:
     if choice == "required":
         limits.require("constraints", "tool_choice 'required' or a named function (constrained decoding)")
         constraint = ("regex", tool_calls.tool_call_regex(tools or [], name))
-    prompt = _render(app, body, tools)
+    prompt, images = _render(app, body, tools)
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     sp = _sampling(body, limits, max_tokens, constraint)
     if want and top:
         limits.require("top_logprobs", "top_logprobs > 0")
     lp = LogprobOptions(-1, top if want else 0)
     response_id, rids = _rids(body, "chatcmpl", sp.params.n)
-    requests = expand([prompt], [sp], rids, limits, [lp])
+    requests = expand([prompt], [sp], rids, limits, [lp], [images])
     include, continuous = _stream_options(body)
     return OpenAICall("/v1/chat/completions", body, requests, sp.params, top if want else None, None,
                       bool(tools) and choice != "none", include, continuous, limits.tokenizer, response_id)
@@ -321,7 +347,9 @@ def tokenize(app: Any, body: Any) -> dict[str, Any]:
     special = check_bool("add_special_tokens", body.get("add_special_tokens", True))
     max_len = app.limits.context_length or -1
     if body.get("messages") is not None:
-        ids = _render(app, body, _tools(body.get("tools")))
+        ids, images = _render(app, body, _tools(body.get("tools")))
+        if images:
+            ids = expand_image_tokens(ids, images, app.limits)
         return {"tokens": ids, "count": len(ids), "max_model_len": max_len}
     prompt = body["prompt"]
     texts = [prompt] if isinstance(prompt, str) else prompt

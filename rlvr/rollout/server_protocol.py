@@ -9,9 +9,11 @@ max_new_tokens` is a 400, prompt/top log-prob fields count only with `return_log
 Refused with a 4xx `ApiError` (SGLang-style `{"error": {...}}` body) before anything reaches the
 engine: malformed JSON, wrong types, both or neither of `text` / `input_ids`, empty prompts,
 out-of-vocabulary ids, unknown sampling params (as SGLang does), and any non-empty value of a
-feature the engine lacks (multimodal inputs, LoRA, beam search, ebnf; penalties, constraints or
-extra log-probs when the engine's `model_info()["features"]` does not list them): an RL run never
-trains on samples drawn from another distribution than the one it asked for.
+feature the engine lacks (video / audio inputs, LoRA, beam search, ebnf; images, penalties,
+constraints or extra log-probs when the engine's `model_info()["features"]` does not list them): an
+RL run never trains on samples drawn from another distribution than the one it asked for.
+`image_data` (a VLM): per prompt an image or a list of them (a URL string: a data URL, base64 or a
+path; or `{"url": ...}`), one per `<|image_pad|>` in the prompt; a batch gives one entry per prompt.
 """
 
 from __future__ import annotations
@@ -56,15 +58,16 @@ class ModelLimits:
     context_length: int | None = None
     tokenizer: Any = None  # rlvr.models.tokenizer.Tokenizer or None (input_ids only)
     features: frozenset[str] = frozenset()  # of ENGINE_FEATURES, as the engine's model_info() reports
+    vision: Any = None  # a VLM's rlvr.models.config.VisionConfig (image placeholders), else None
 
     @classmethod
-    def from_model_info(cls, info: dict[str, Any], tokenizer: Any) -> ModelLimits:
+    def from_model_info(cls, info: dict[str, Any], tokenizer: Any, vision: Any = None) -> ModelLimits:
         vocab = info.get("vocab_size") or (tokenizer.vocab_size if tokenizer is not None else None)
         if not isinstance(vocab, int) or vocab <= 0:
             raise ValueError(f"model_info() must report a positive vocab_size, got {vocab!r}")
         ctx = next((info[k] for k in ("context_length", "max_context_length", "max_len", "max_seq_len",
                                       "max_position_embeddings") if is_int(info.get(k))), None)
-        return cls(vocab, ctx, tokenizer, frozenset(info.get("features") or ()))
+        return cls(vocab, ctx, tokenizer, frozenset(info.get("features") or ()), vision)
 
     def require(self, feature: str, what: str) -> None:
         if feature not in self.features:
@@ -78,6 +81,7 @@ ENGINE_FEATURES = {
     "stop_regex": "stop_regex",
     "prompt_logprobs": "prompt log-probs (logprob_start_len >= 0)",
     "top_logprobs": "top_logprobs_num > 0 and token_ids_logprob",
+    "images": "image inputs (image_data, image_url message parts): a vision-language model",
 }
 
 
@@ -308,9 +312,9 @@ def check_length(prompt_len: int, max_new_tokens: int, limits: ModelLimits) -> N
 
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
                    "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream",
-                   "return_prompt_token_ids"}
+                   "return_prompt_token_ids", "image_data"}
 # Fields of features the engine lacks: empty / false / null = unset, anything else is a 400.
-GENERATE_UNSUPPORTED = ("input_embeds", "image_data", "video_data", "audio_data", "lora_path",
+GENERATE_UNSUPPORTED = ("input_embeds", "video_data", "audio_data", "lora_path",
                         "custom_logit_processor", "return_hidden_states", "return_routed_experts",
                         "return_entropy", "session_params", "return_sampling_mask")
 # Anything else (extra_key, priority, custom_labels, ...) is ignored and logged once, as SGLang does.
@@ -410,10 +414,13 @@ class LogprobOptions:
 
 
 def expand(prompts: list[list[int]], params: list[ParsedSampling], rids: list[str], limits: ModelLimits,
-           logprobs: list[LogprobOptions] | None = None) -> list[Request]:
-    """n>1 becomes n requests per prompt (prompt-major); sample i gets sampling_seed + i."""
+           logprobs: list[LogprobOptions] | None = None, images: list[list[str]] | None = None) -> list[Request]:
+    """n>1 becomes n requests per prompt (prompt-major); sample i gets sampling_seed + i. `images`:
+    per prompt its image sources (`parse_images`)."""
     requests = []
     for j, (prompt, parsed) in enumerate(zip(prompts, params, strict=True)):
+        if images is not None and images[j]:
+            prompt = expand_image_tokens(prompt, images[j], limits)
         sp = fit_length(len(prompt), parsed, limits)
         lp = logprobs[j] if logprobs is not None else LogprobOptions()
         for i in range(sp.n):
@@ -422,8 +429,47 @@ def expand(prompts: list[list[int]], params: list[ParsedSampling], rids: list[st
                                       stop_token_ids=list(sp.stop_token_ids))
             requests.append(Request(rid=rids[j * sp.n + i], input_ids=list(prompt), sampling=one,
                                     logprob_start_len=lp.start, top_logprobs_num=lp.top,
-                                    token_ids_logprob=list(lp.token_ids)))
+                                    token_ids_logprob=list(lp.token_ids),
+                                    image_data=list(images[j]) if images is not None else []))
     return requests
+
+
+def _image_source(item: Any, where: str) -> str:
+    if isinstance(item, dict):
+        item = item.get("url")
+    if not isinstance(item, str) or not item:
+        raise ApiError(f"{where}: an image is a URL string (data:image/...;base64, base64 or a path) or "
+                       f"{{'url': ...}}, got {json.dumps(item)[:60]}")
+    return item
+
+
+def parse_images(value: Any, count: int, batch: bool, limits: ModelLimits, where: str = "image_data"
+                 ) -> list[list[str]] | None:
+    """Per prompt its image sources, from SGLang's `image_data` (None / [] = none)."""
+    if value in (None, [], ""):
+        return None
+    limits.require("images", where)
+    if not batch:
+        items = value if isinstance(value, list) else [value]
+        return [[_image_source(x, f"{where}[{i}]") for i, x in enumerate(items)]]
+    if not isinstance(value, list) or len(value) != count:
+        raise ApiError(f"{where}: a batch of {count} prompts needs a list of {count} entries (null for none)")
+    return [[] if v in (None, []) else [_image_source(x, f"{where}[{j}][{i}]")
+                                         for i, x in enumerate(v if isinstance(v, list) else [v])]
+            for j, v in enumerate(value)]
+
+
+def expand_image_tokens(prompt: list[int], sources: list[str], limits: ModelLimits) -> list[int]:
+    """The prompt with each image's single placeholder expanded (its length then counts against the
+    context as the engine sees it); a bad image or placeholder count is a 400."""
+    from rlvr.data.images import image_grid
+    from rlvr.rollout.images import expand_prompt
+
+    try:
+        grids = [image_grid(src, limits.vision) for src in sources]
+        return expand_prompt(prompt, grids, limits.vision)
+    except (ValueError, OSError) as e:
+        raise ApiError(f"image_data: {e}") from None
 
 
 def _logprob_options(body: dict[str, Any], prompts: list[list[int]], wanted: list[bool],
@@ -475,7 +521,8 @@ def parse_generate(body: Any, limits: ModelLimits) -> GenerateInput:
     prompt_ids = check_bool("return_prompt_token_ids", body.get("return_prompt_token_ids") or False)
     logprob = per_item(body, "return_logprob", len(prompts), False, check_bool)
     rids = make_rids(body.get("rid"), len(prompts), n, batch)
-    requests = expand(prompts, params, rids, limits, _logprob_options(body, prompts, logprob, limits))
+    images = parse_images(body.get("image_data"), len(prompts), batch, limits)
+    requests = expand(prompts, params, rids, limits, _logprob_options(body, prompts, logprob, limits), images)
     options = [OutputOptions(logprob[j], text_lp, prompt_ids, params[j].params.skip_special_tokens,
                              params[j].params.no_stop_trim) for j in range(len(prompts)) for _ in range(n)]
     return GenerateInput(requests, options, batch or n > 1, stream)

@@ -32,7 +32,7 @@ class Slots:
         deferred = collections.deque()
         while self.waiting and None in self.slots:
             seq = self.waiting.popleft()
-            nodes = self.prefix.match(seq.prompt[:-1])
+            nodes = self.prefix.match(seq.key[:-1])
             if self._prefix_pending(seq, len(nodes) * self.page_size):
                 deferred.append(seq)  # a running prefill is about to cache more of this prompt
                 continue
@@ -64,15 +64,15 @@ class Slots:
         for other in self._running():
             if other.prefilled >= len(other.prompt):
                 continue
-            usable = min(_common_prefix(seq.prompt, other.prompt), len(seq.prompt) - 1)
+            usable = min(_common_prefix(seq.key, other.key), len(seq.prompt) - 1)
             if other.prefilled < usable and (usable == len(seq.prompt) - 1 or usable - cached >= self.page_size):
                 return True
         return False
 
     def _twin(self, seq: Sequence) -> Sequence | None:
-        """A running sequence with the same prompt whose prompt (but the last token) is written."""
+        """A running sequence with the same prompt (and images) whose prompt (but the last token) is written."""
         for other in self._running():
-            if other.prompt == seq.prompt and other.prefilled >= len(seq.prompt) - 1:
+            if other.key == seq.key and other.prefilled >= len(seq.prompt) - 1:
                 return other
         return None
 
@@ -118,7 +118,7 @@ class Slots:
         self.slots[seq.slot] = None
         self.active[seq.slot] = False
         if cache:
-            self.prefix.insert(seq.prompt + seq.output[:-1], seq.pages)
+            self.prefix.insert(seq.key + seq.output[:-1], seq.pages)
         self.prefix.lock(seq.nodes, -1)
         self.pages.release(seq.pages)
         self._reserved -= seq.budget

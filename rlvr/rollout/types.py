@@ -95,7 +95,9 @@ class SamplingParams:
 class Request:
     """One sample to generate. Log-prob extras (SGLang's names): `logprob_start_len >= 0` also asks
     for the prompt's log-probs from that position on; `top_logprobs_num` for the k most likely
-    tokens at each position; `token_ids_logprob` for the log-probs of these ids at each position."""
+    tokens at each position; `token_ids_logprob` for the log-probs of these ids at each position.
+    `image_data` (a VLM; SGLang's name): one image per run of `<|image_pad|>` in `input_ids`, in
+    order, each a path, a data URL or base64 (rlvr.rollout.images)."""
 
     rid: str
     input_ids: list[int]
@@ -103,6 +105,7 @@ class Request:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     token_ids_logprob: list[int] = dataclasses.field(default_factory=list)
+    image_data: list[Any] = dataclasses.field(default_factory=list)
 
 
 TopLogprobs = list[tuple[float, int]]  # (logprob, token id), most likely first

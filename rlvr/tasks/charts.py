@@ -9,11 +9,12 @@ the answer is checked by the numeric verifier (exact). Levels:
 Each bar has its own colour from `PALETTE` (in `metadata["colors"]`), so a test can measure the
 drawn heights from the pixels. `audit_probes` are the answers a reader of the text alone, or of the
 wrong bar, would give. The text-only `prompt` lacks the chart: these tasks need a VLM
-(rlvr.models.vision); RL over them also needs the rollout engine's image prefill, not built yet,
-so the family is not in `rlvr.tasks.registry.FAMILIES`. SFT data:
+(rlvr.models.vision) and rl.prompt_format="chat" (the rollout engine prefills the image; see
+configs/vlm.py). SFT data, and the small BPE tokenizer (with the image tokens) of configs/vlm.py:
 
     python -m rlvr.tasks.charts charts_train.jsonl --count=256 --level=0
     python -m rlvr.tasks.charts charts_eval.jsonl --count=64 --level=0 --held_out
+    python -m rlvr.tasks.charts configs/data/vlm_tokenizer --tokenizer
 """
 
 from __future__ import annotations
@@ -102,13 +103,22 @@ class ChartReadingFamily(Family):
             probes.append(("hack:tallest_bar", f"<answer>{max(values)}</answer>"))
         return probes
 
-    def demonstration(self, task: Task, off_format: bool = False) -> dict[str, Any]:
-        """A chat record with the chart (SFT through rlvr.data.images)."""
-        del off_format
-        return {"messages": [*task.chat(), {"role": "assistant", "content": f"<answer>{task.answer}</answer>"}]}
+    def chat_record(self, task: Task) -> dict[str, Any]:
+        """A chat record with the chart and the answer (SFT through rlvr.data.images)."""
+        return {"messages": [*task.chat(), {"role": "assistant", "content": self.reference_completion(task)}]}
 
 
-CHART_FAMILIES = {ChartReadingFamily.name: ChartReadingFamily}
+class LabelledChartFamily(ChartReadingFamily):
+    """Level 0 alone (3 bars, each labelled with its value): the easiest chart reading, the task of
+    the tiny VLM's learning check (configs/vlm.py, benchmarks/vlm_learning.py)."""
+
+    name = "chart_bars_labelled"
+
+    def levels(self) -> list[int]:
+        return [0]
+
+
+CHART_FAMILIES = {f.name: f for f in (ChartReadingFamily, LabelledChartFamily)}
 
 
 def write_records(path: str, count: int, level: int, stream: int = TRAIN, seed: int = 0) -> None:
@@ -118,7 +128,27 @@ def write_records(path: str, count: int, level: int, stream: int = TRAIN, seed: 
     family = ChartReadingFamily(seed=seed)
     with open(path, "w") as f:
         for index in range(count):
-            f.write(json.dumps(family.demonstration(family.task(index, stream, level))) + "\n")
+            f.write(json.dumps(family.chat_record(family.task(index, stream, level))) + "\n")
+
+
+def write_tokenizer(directory: str, vocab_size: int = 320) -> None:
+    """A byte-level BPE tokenizer (ChatML template) trained on chart-reading prompts and answers,
+    with Qwen2.5-VL's image tokens (<|vision_start|>, <|vision_end|>, <|image_pad|>) as special
+    tokens after its vocabulary: the tokenizer of the tiny random VLM (configs/vlm.py)."""
+    from tokenizers import AddedToken
+
+    from rlvr.data.images import IMAGE_PAD, VISION_END, VISION_START
+    from rlvr.models.tokenizer import train_bpe
+
+    family = ChartReadingFamily(seed=0)
+    texts = []
+    for index in range(40):
+        task = family.task(index, TRAIN, index % len(LEVELS))
+        texts += [task.prompt, f"<answer>{task.answer}</answer>", "user\n", "assistant\n"]
+    tokenizer = train_bpe(texts, vocab_size)
+    tokenizer.tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                      for t in (VISION_START, VISION_END, IMAGE_PAD)])
+    tokenizer.save(directory)
 
 
 if __name__ == "__main__":
@@ -129,5 +159,9 @@ if __name__ == "__main__":
     parser.add_argument("--count", type=int, default=256)
     parser.add_argument("--level", type=int, default=0, choices=sorted(LEVELS))
     parser.add_argument("--held_out", action="store_true", help="the held-out task stream")
+    parser.add_argument("--tokenizer", action="store_true", help="write the tiny VLM's tokenizer to PATH (a directory)")
     args = parser.parse_args()
-    write_records(args.path, args.count, args.level, stream=HELD_OUT if args.held_out else TRAIN)
+    if args.tokenizer:
+        write_tokenizer(args.path)
+    else:
+        write_records(args.path, args.count, args.level, stream=HELD_OUT if args.held_out else TRAIN)

@@ -49,11 +49,13 @@ def sample_tasks(mixture, per_level: int = PER_LEVEL) -> list[Task]:
     return out
 
 
-def measure(tasks: Sequence[Task], tokenizer, prompt_format: str) -> list[Measured]:
-    """Prompt lengths of the single-turn tasks (multi-turn prompts come from their environment)."""
+def measure(tasks: Sequence[Task], tokenizer, prompt_format: str, vision=None) -> list[Measured]:
+    """Prompt lengths of the single-turn tasks (multi-turn prompts come from their environment);
+    `vision` (a VLM's VisionConfig): image placeholders counted as the model sees them."""
     from rlvr.rl.producer import is_episode_task, prompt_ids
 
-    return [Measured(len(prompt_ids(tokenizer, t, prompt_format)), t) for t in tasks if not is_episode_task(t)]
+    return [Measured(len(prompt_ids(tokenizer, t, prompt_format, vision)), t) for t in tasks
+            if not is_episode_task(t)]
 
 
 def episodic_families(tasks: Sequence[Task]) -> list[str]:

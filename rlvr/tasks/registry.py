@@ -30,3 +30,7 @@ FAMILIES.update(finance_families.FAMILIES)
 from rlvr.domains.cad import families as cad_families  # noqa: E402
 
 FAMILIES.update(cad_families.FAMILIES)
+# multimodal families (their prompts show images: a VLM policy, rl.prompt_format="chat")
+from rlvr.tasks.charts import CHART_FAMILIES  # noqa: E402
+
+FAMILIES.update(CHART_FAMILIES)
