@@ -60,7 +60,8 @@ def one_seed(seed: int, root: str, student_overrides: dict, spec: str = "configs
     distill = {**compare, "rl.teacher": teacher_dir, "rl.distill_task_advantage": False,
                **({"rl.teacher_step": teacher_step} if best_teacher else {}), **student_overrides}
     student = run_seed(seed, spec, distill, root)
-    return {"seed": seed, "teacher_step": teacher_step, "teacher_accuracy": target, "student_start_accuracy": student["heldout_accuracy_before"],
+    return {"seed": seed, "teacher_step": teacher_step, "teacher_accuracy": target,
+            "student_start_accuracy": student["heldout_accuracy_before"],
             "distilled_accuracy": student["heldout_accuracy_after"], "steps_run": student["final_step"],
             "rl_steps_to_within_5_points": _first_within(rl_alone["evals"], target),
             "distill_steps_to_within_5_points": _first_within(student["evals"], target),

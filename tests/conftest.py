@@ -1,5 +1,6 @@
 """Test set-up: 8 fake CPU devices (set before jax is imported) and shared helpers."""
 
+import gc
 import os
 import sys
 
@@ -25,6 +26,15 @@ def repo_root() -> str:
 @pytest.fixture(scope="session")
 def python() -> str:
     return sys.executable
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs_after_each_module():
+    """Drop JAX's compiled programs and dead buffers when a test file ends: a test process runs many
+    files (make test: 2 processes), and without this each keeps every file's executables alive."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 def pytest_configure(config):

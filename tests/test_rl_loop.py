@@ -28,8 +28,11 @@ STEPS = 6
 PROMPTS = 4  # smoke: rl.prompts_per_step
 # sft_steps=10 leaves the policy with mixed formats, so rewards vary within groups and every
 # step has a non-zero gradient; warmup_steps=0 so step 1 already moves the weights.
+# rl.deterministic_rollout: the resume tests compare runs bitwise, so what the engine batches together
+# must not depend on thread timing (a different batch shape can round a log-prob in the last bit)
 BASE = {"train.num_steps": STEPS, "train.tensorboard": False, "checkpoint.every_steps": 2,
-        "rl.sft_steps": 10, "rl.format_weight": 0.5, "optimizer.warmup_steps": 0, "rl.engine.max_slots": 16}
+        "rl.sft_steps": 10, "rl.format_weight": 0.5, "optimizer.warmup_steps": 0, "rl.engine.max_slots": 16,
+        "rl.deterministic_rollout": True}
 ASYNC = {"rl.mode": "async"}
 STALE = {"rl.max_staleness": 1, "rl.sft_steps": 0, "rl.max_new_tokens": 20, "rl.seq_len": 32,
          "rl.engine.decode_steps": 2}

@@ -137,8 +137,9 @@ def test_sampler_draws_from_the_distribution_it_reports():
 def test_a_rows_output_is_the_same_whatever_else_is_in_the_batch_and_seeds_reproduce(params):
     """Each row's tokens depend on its own prompt and seed only: moved to another slot and
     prefill row, every other request swapped for one with different tokens and seed (same
-    lengths, so the same compiled shapes run), its output is unchanged. Same shapes on purpose: across different batch shapes XLA may round the
-    logits differently (it did on CI's CPU), so bit-identity is only promised within a shape."""
+    lengths, so the same compiled shapes run), its output is unchanged. Same shapes on purpose:
+    across different batch shapes XLA may round the logits differently (it did on CI's CPU), so
+    bit-identity is only promised within a shape."""
     lengths = [11, 4, 25, 8]
     prompts, others = _prompts(lengths, seed=2), _prompts(lengths, seed=9)
     requests = [_req(f"b{i}", p, temperature=1.0, top_p=0.9, top_k=50, sampling_seed=100 + i)

@@ -55,7 +55,6 @@ from rlvr.rollout.slots import Slots
 from rlvr.rollout.stops import StopStrings
 from rlvr.rollout.types import Completion, Request
 
-
 DECODE_ATTENTION = ("auto", "window", "ragged")
 # "auto" decode attention uses the contiguous window up to this size (k + v, all layers): the
 # fixed benchmark config's 32 slots x 192 tokens is 25 MB; the realistic one's 64 x 1,536, 600 MB.
