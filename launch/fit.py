@@ -191,6 +191,10 @@ def analyze_rl(config) -> dict[str, Any]:
     from rlvr.train.optimizer import build_optimizer
 
     rl = config.rl
+    if rl.teacher and rl.distill_estimator == "full":
+        raise ValueError("launch.fit: rl.distill_estimator='full' runs the teacher inside the train step, which "
+                         "the fit does not model yet; fit with --config.rl.distill_estimator=sampled and add the "
+                         "teacher's parameter bytes")
     mesh = sharding.make_mesh(dict(config.mesh))
     cfg = aot.model_config_of(config)
     cfg = dataclasses.replace(cfg, value_head=cfg.value_head or rl.advantage == "gae")
