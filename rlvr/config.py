@@ -22,6 +22,8 @@ from typing import Any
 
 import ml_collections
 
+from rlvr.sandbox import pyast
+
 PRESET_DOC = ("a named architecture (rlvr.models.config.PRESETS) for random init; model.* fields left unset come "
               "from the checkpoint the job starts from, else this preset, else ModelConfig's defaults")
 
@@ -74,7 +76,7 @@ def key_docs() -> dict[str, str]:
     source = inspect.getsource(config_lib)
     comments, lines = _comments(source), source.splitlines()
     out: dict[str, str] = {}
-    for fn in ast.parse(source).body:
+    for fn in pyast.parse(source).body:
         if not isinstance(fn, ast.FunctionDef) or fn.name not in ("base_config", "rl_config"):
             continue
         for node in ast.walk(fn):
@@ -88,7 +90,7 @@ def key_docs() -> dict[str, str]:
                 out.setdefault(name, _doc_at(node.lineno, comments, lines))
     model_source = inspect.getsource(model_config.ModelConfig)
     model_comments, model_lines = _comments(model_source), model_source.splitlines()
-    for node in ast.parse(model_source).body[0].body:
+    for node in pyast.parse(model_source).body[0].body:
         if isinstance(node, ast.AnnAssign) and node.target.id != "lora":  # the `lora.*` section's
             out[f"model.{node.target.id}"] = _doc_at(node.lineno, model_comments, model_lines)
     out["model.preset"] = PRESET_DOC

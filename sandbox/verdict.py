@@ -45,6 +45,7 @@ import secrets
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from . import pyast
 from .types import Limits, Result
 from .wire import WireError, decode, encode
 
@@ -275,7 +276,7 @@ def calls_from_asserts(tests_source: str, entry_point: str) -> list[CallTest] | 
     top level, also calling `entry_point` by name); None when any assert has another shape (tolerances,
     computed arguments, several calls): then those tests cannot be judged on the host."""
     try:
-        tree = ast.parse(tests_source)
+        tree = pyast.parse(tests_source)
     except SyntaxError:
         return None
     found = []

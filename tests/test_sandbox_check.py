@@ -133,3 +133,36 @@ def test_probing_never_decides():
     rounds.clear()
     with pytest.raises(RuntimeError, match="round 6"):
         harness_module.judge(setup, sent.append, lambda: run(sent[-1]["run"], lambda x, r: 2 * x + r))
+
+
+def test_every_ast_parse_goes_through_the_conversion_lock():
+    """CPython 3.11 fails `ast.parse` run on two threads at once now and then ("AST constructor recursion depth
+    mismatch": it broke the 164-problem HumanEval check in CI); graders parse from thread pools, so every
+    conversion takes sandbox/pyast.py's lock: no `ast.parse` elsewhere, and a parse waits while it is held."""
+    import ast
+    import pathlib
+    import threading
+
+    from rlvr.sandbox import pyast
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    direct = []
+    for path in [*root.glob("rlvr/**/*.py"), *root.glob("sandbox/*.py"), *root.glob("launch/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "parse"
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "ast"
+                    and path.name != "pyast.py"):
+                direct.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert direct == []
+
+    parsed = threading.Event()
+    with pyast._CONVERSION:
+        worker = threading.Thread(target=lambda: (pyast.parse("x = 1"), parsed.set()))
+        worker.start()
+        assert not parsed.wait(0.2)  # blocked behind the held lock
+    worker.join(5)
+    assert parsed.is_set()
+    code = pyast.compile_tree(ast.fix_missing_locations(pyast.parse("y = 6 * 7")), "<t>")
+    namespace = {}
+    exec(code, namespace)
+    assert namespace["y"] == 42

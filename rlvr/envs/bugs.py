@@ -32,6 +32,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from rlvr.sandbox import pyast
+
 KINDS = ("off_by_one", "wrong_operator", "swapped_arguments", "wrong_constant", "missing_return",
          "negated_condition", "syntax_error")
 
@@ -146,7 +148,7 @@ def _string_variant(value: str) -> str | None:
 def mutations(source: str, first_line: int = 0, last_line: int | None = None) -> list[Mutation]:
     """Every single-line mutation of `source` on lines [first_line, last_line) (0-based), deduplicated, in
     source order; each (except syntax_error) still parses."""
-    tree = ast.parse(source)
+    tree = pyast.parse(source)
     lines = source.split("\n")
     last_line = len(lines) if last_line is None else last_line
     skip = _skipped_nodes(tree)

@@ -23,6 +23,8 @@ import math
 import operator
 from collections.abc import Callable
 
+from rlvr.sandbox import pyast
+
 MAX_CHARS = 500
 MAX_NODES = 200
 MAX_DIGITS = 1000
@@ -156,7 +158,7 @@ def evaluate(expression: str) -> Number:
     if len(text) > MAX_CHARS:
         raise CalcError(f"expression longer than {MAX_CHARS} characters")
     try:
-        tree = ast.parse(text, mode="eval")
+        tree = pyast.parse(text, mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         raise CalcError("not a valid arithmetic expression") from None
     if sum(1 for _ in ast.walk(tree)) > MAX_NODES:

@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from rlvr.sandbox import pyast
 from rlvr.tasks.base import ANSWER_INSTRUCTION, Family, RewardWeights, Task, chat_messages, extract_answer, stable_hash
 
 try:
@@ -101,7 +102,7 @@ def safe_expression(text: str, names: frozenset[str] = frozenset(), functions: f
     if len(text) > max_length or "__" in text:
         return False
     try:
-        tree = ast.parse(text.strip(), mode="eval")
+        tree = pyast.parse(text.strip(), mode="eval")
     except (SyntaxError, ValueError):
         return False
     return _safe_node(tree.body, names, functions, max_exponent)
@@ -174,7 +175,7 @@ def arithmetic_value(text: str) -> tuple[Fraction, list[int]] | None:
         raise ValueError("not integer arithmetic")
 
     try:
-        return value(ast.parse(text.strip(), mode="eval").body), numbers
+        return value(pyast.parse(text.strip(), mode="eval").body), numbers
     except (ValueError, ZeroDivisionError):
         return None
 
