@@ -83,6 +83,12 @@ def _fresh(engine, fn):
     return call
 
 
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def _compile_counts() -> dict:
     return {"prefill": device_fns.prefill._cache_size(), "decode": device_fns.decode._cache_size()}
 
@@ -117,18 +123,7 @@ def fixed(args) -> dict:
     naive = tokens_per_s(lambda: jax.block_until_ready(_greedy(cfg, params, tokens, lengths, 64, -1)), 32 * 64,
                          args.repeats)
 
-    varied_new = rng.integers(8, 129, 64).tolist()
-    varied_prompts = [rng.integers(0, 1024, 32).tolist() for _ in range(64)]
-    small = Engine(cfg, params, max_slots=16, **opts)
-    total = sum(varied_new)
-    continuous = tokens_per_s(lambda: small.generate(_requests(varied_prompts, varied_new)), total, args.repeats,
-                              small)
-
-    def static():
-        for start in range(0, 64, 16):
-            small.generate(_requests(varied_prompts[start:start + 16], varied_new[start:start + 16], prefix="s"))
-
-    static_batching = tokens_per_s(static, total, args.repeats, small)
+    varied_lengths = varied(args, cfg, params, rng)
     roofline = decode_roofline(cfg, prompts, [64] * 32, 32, peaks)
     ratio = batch["tokens_per_s"] / TUNIX["sampler_tokens_per_s"]
     return {
@@ -139,12 +134,47 @@ def fixed(args) -> dict:
         "engine_vs_naive": round(batch["tokens_per_s"] / naive["tokens_per_s"], 3),
         "roofline_32x64_to_64": roofline,
         "vs_roofline": round(batch["tokens_per_s"] / roofline["tokens_per_s"], 3),
-        "varied_lengths_continuous": continuous, "varied_lengths_static": static_batching,
-        "continuous_vs_static": round(continuous["tokens_per_s"] / static_batching["tokens_per_s"], 3),
+        **varied_lengths,
         "compile_counts": compiles, "engine_metrics": metrics,
         "tunix_sampler_tokens_per_s_published": TUNIX["sampler_tokens_per_s"],
         "speedup_vs_tunix_published_raw": round(ratio, 3),
     }
+
+
+def varied(args, cfg: ModelConfig | None = None, params=None, rng=None) -> dict:
+    """64 requests (32-token prompts) with max_new_tokens uniform in [8, 128] on 16 slots:
+    continuous batching (all submitted at once) vs static batching (batches of 16, each waiting
+    for its longest), calls interleaved (ABBA), medians."""
+    if cfg is None:
+        cfg = ModelConfig(**PRESETS["bench"])
+        params, rng = _params(cfg), np.random.default_rng(0)
+        rng.integers(0, 1024, (32, 64))  # the fixed section's prompts, drawn first there
+    varied_new = rng.integers(8, 129, 64).tolist()
+    varied_prompts = [rng.integers(0, 1024, 32).tolist() for _ in range(64)]
+    small = Engine(cfg, params, max_slots=16, max_len=192, page_size=16, decode_steps=args.decode_steps,
+                   prefill_rows=8, prefill_chunk=64)
+    total = sum(varied_new)
+
+    def continuous():
+        small.generate(_requests(varied_prompts, varied_new))
+
+    def static():
+        for start in range(0, 64, 16):
+            small.generate(_requests(varied_prompts[start:start + 16], varied_new[start:start + 16], prefix="s"))
+
+    calls = {"continuous": _fresh(small, continuous), "static": _fresh(small, static)}
+    first = {name: _seconds(call) for name, call in calls.items()}
+    runs = {name: [] for name in calls}
+    for r in range(args.repeats):
+        for name in calls if r % 2 == 0 else reversed(list(calls)):
+            runs[name].append(_seconds(calls[name]))
+    out = {f"varied_lengths_{name}": {"tokens_per_s": round(total / statistics.median(runs[name]), 1),
+                                      "median_s": round(statistics.median(runs[name]), 4),
+                                      "all_s": [round(t, 4) for t in runs[name]],
+                                      "first_call_incl_compile_s": round(first[name], 2)} for name in calls}
+    out["continuous_vs_static"] = round(statistics.median(runs["static"]) / statistics.median(runs["continuous"]), 3)
+    out["varied_engine_metrics"] = _engine_metrics(small)
+    return out
 
 
 def sampler(args) -> dict:
@@ -431,7 +461,7 @@ def main() -> None:
     args = parser.parse_args()
     record = {"benchmark": "rollout", "devices": str(jax.devices()[0]), "jax": jax.__version__}
     sections = {"fixed": fixed, "realistic": realistic, "sampler": sampler, "first_calls": first_calls,
-                "realistic_timing": realistic_timing, "extras": extras, "decode_variants": decode_variants}
+                "realistic_timing": realistic_timing, "varied": varied, "extras": extras, "decode_variants": decode_variants}
     for name in args.only.split(","):
         record[name] = sections[name](args)
     emit(record)

@@ -202,12 +202,21 @@ def test_continuous_batching_refills_freed_slots(params):
     engine = Engine(CFG, params, **{**OPTS, "max_slots": 2})
     for i, n in enumerate([2, 30, 2, 2]):
         engine.submit(_req(f"c{i}", _prompts([5], seed=i)[0], max_new_tokens=n))
-    finished_order = []
-    while engine.has_work():
-        finished_order += [c.rid for c in engine.step()]
+    finished_order, outputs = [], {}
+    for step in range(10**4):
+        if not engine.has_work():
+            break
+        done = engine.step()
+        finished_order += [c.rid for c in done]
+        outputs.update({c.rid: c.output_ids for c in done})
+        if step == 1:  # c0's max_new ended inside the first decode call: its slot was given back at
+            # dispatch, so the second step admitted c2 without waiting a call for c0's tokens
+            assert [s.request.rid for s in engine.waiting] == ["c3"]
     # Short requests queued behind the long one finish before it: they took the freed slot.
     assert finished_order.index("c2") < finished_order.index("c1")
     assert finished_order.index("c3") < finished_order.index("c1")
+    for i, n in enumerate([2, 30, 2, 2]):  # reusing the slot while c0's call ran changed no output
+        assert outputs[f"c{i}"] == _naive_greedy(params, _prompts([5], seed=i)[0], n)
     assert engine.pages.used == engine.prefix.pages  # what is left is only the prefix cache's
 
 

@@ -191,6 +191,9 @@ class Dispatch:
                 self._ensure_pages(seq, reach[i])
                 seq.device_tokens = min(seq.device_tokens + steps, final)
         self._dispatch_decode(seqs, reach, steps=steps)
+        for seq in seqs:  # rows this call ends (max_new_tokens): their slots take new requests next step
+            if seq is not None and seq.device_tokens == len(seq.prompt) + seq.max_new:
+                self._detach(seq)
         return True
 
     def _dispatch_decode(self, seqs: list, reach: np.ndarray | None = None, filters: bool | None = None,
@@ -201,9 +204,9 @@ class Dispatch:
         ragged = None if self.decode_window else ragged_pages(self.page_table, reach, self.page_size, chunk,
                                                               -(-entries // chunk))
         active = active_host = np.array([s is not None for s in seqs]) & self.active
-        if self._sampling_device is None:
-            self._sampling_device = jax.device_put(self._sampling)
-        table, ragged, active = jax.device_put((self.page_table, ragged, active))  # one transfer
+        if self._sampling_device is None:  # copies: on CPU, device_put may alias the host arrays we edit
+            self._sampling_device = jax.device_put({k: v.copy() for k, v in self._sampling.items()})
+        table, ragged, active = jax.device_put((self.page_table.copy(), ragged, active))  # one transfer
         filters = self._filters(np.flatnonzero(active_host)) if filters is None else filters
         mask = self._masks(seqs, self.max_slots)
         start = time.perf_counter()

@@ -112,6 +112,7 @@ class Engine(Slots, Dispatch):
         self._sampling_device = None  # the table on device, refreshed after admissions change it
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.slots: list[Sequence | None] = [None] * max_slots
+        self.draining: list[Sequence] = []  # slot given back, last tokens not read yet (`Slots._detach`)
         self.finished: list[Completion] = []
         self.inflight: collections.deque[_Inflight] = collections.deque()
         self.weight_version, self.paused, self.model_path = 0, False, model_path
@@ -216,18 +217,18 @@ class Engine(Slots, Dispatch):
         return [results[r.rid] for r in requests]
 
     def snapshot(self, rid: str) -> Completion | None:
-        for seq in self._running():
+        for seq in self._live():
             if seq.request.rid == rid:
                 return self._completion(seq, finish=None)
         return None
 
     def abort(self, rid: str, message: str = "aborted") -> None:
-        for seq in list(self.waiting) + self._running():
+        for seq in list(self.waiting) + self._live():
             if seq.request.rid == rid:
                 self._finish(seq, {"type": "abort", "message": message, "status_code": 200})
 
     def abort_all(self, message: str = "aborted") -> None:
-        for seq in list(self.waiting) + self._running():
+        for seq in list(self.waiting) + self._live():
             self._finish(seq, {"type": "abort", "message": message, "status_code": 200})
 
     def pause(self, mode: str = "in_place") -> int:
@@ -313,11 +314,11 @@ class Engine(Slots, Dispatch):
         self.prefix.reset()
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self._running() or self.finished or self.inflight)
+        return bool(self.waiting or self._live() or self.finished or self.inflight)
 
     @property
     def num_running(self) -> int:
-        return len(self._running())
+        return len(self._live())
 
     @property
     def num_waiting(self) -> int:
