@@ -83,10 +83,11 @@ def _fresh(engine, fn):
     return call
 
 
-def _seconds(fn) -> float:
-    start = time.perf_counter()
+def _seconds(fn) -> tuple[float, float]:
+    """(wall, process CPU) seconds of one call."""
+    start, start_cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - start_cpu
 
 
 def _compile_counts() -> dict:
@@ -144,7 +145,8 @@ def fixed(args) -> dict:
 def varied(args, cfg: ModelConfig | None = None, params=None, rng=None) -> dict:
     """64 requests (32-token prompts) with max_new_tokens uniform in [8, 128] on 16 slots:
     continuous batching (all submitted at once) vs static batching (batches of 16, each waiting
-    for its longest), calls interleaved (ABBA), medians."""
+    for its longest), calls interleaved (ABBA), medians of wall and of process CPU seconds (the
+    latter steadier on a shared machine)."""
     if cfg is None:
         cfg = ModelConfig(**PRESETS["bench"])
         params, rng = _params(cfg), np.random.default_rng(0)
@@ -168,11 +170,14 @@ def varied(args, cfg: ModelConfig | None = None, params=None, rng=None) -> dict:
     for r in range(args.repeats):
         for name in calls if r % 2 == 0 else reversed(list(calls)):
             runs[name].append(_seconds(calls[name]))
-    out = {f"varied_lengths_{name}": {"tokens_per_s": round(total / statistics.median(runs[name]), 1),
-                                      "median_s": round(statistics.median(runs[name]), 4),
-                                      "all_s": [round(t, 4) for t in runs[name]],
-                                      "first_call_incl_compile_s": round(first[name], 2)} for name in calls}
-    out["continuous_vs_static"] = round(statistics.median(runs["static"]) / statistics.median(runs["continuous"]), 3)
+    wall = {name: statistics.median(w for w, _ in runs[name]) for name in calls}
+    cpu = {name: statistics.median(c for _, c in runs[name]) for name in calls}
+    out = {f"varied_lengths_{name}": {"tokens_per_s": round(total / wall[name], 1), "median_s": round(wall[name], 4),
+                                      "all_s": [round(w, 4) for w, _ in runs[name]],
+                                      "median_cpu_s": round(cpu[name], 4),
+                                      "first_call_incl_compile_s": round(first[name][0], 2)} for name in calls}
+    out["continuous_vs_static"] = round(wall["static"] / wall["continuous"], 3)
+    out["continuous_vs_static_cpu"] = round(cpu["static"] / cpu["continuous"], 3)
     out["varied_engine_metrics"] = _engine_metrics(small)
     return out
 
@@ -461,7 +466,8 @@ def main() -> None:
     args = parser.parse_args()
     record = {"benchmark": "rollout", "devices": str(jax.devices()[0]), "jax": jax.__version__}
     sections = {"fixed": fixed, "realistic": realistic, "sampler": sampler, "first_calls": first_calls,
-                "realistic_timing": realistic_timing, "varied": varied, "extras": extras, "decode_variants": decode_variants}
+                "realistic_timing": realistic_timing, "varied": varied, "extras": extras,
+                "decode_variants": decode_variants}
     for name in args.only.split(","):
         record[name] = sections[name](args)
     emit(record)

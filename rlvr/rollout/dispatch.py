@@ -1,12 +1,12 @@
 """The engine's device calls and the reading of their results (a mixin of `rlvr.rollout.engine.Engine`).
 
-Per `Engine.step`: `_prefill` dispatches one fixed-size chunk of every unfinished prompt (a chunk
-that ends its prompt samples the first token and arms the slot's on-device decode state; a prompt
-with one token left is armed directly, `_arm`); `_decode` dispatches `decode_steps` decode steps
-for every running sequence in one device call (`device_fns.decode`), continuing from the state the
-previous call left; `_process` then reads all but the newest call's tokens, so the host's
-bookkeeping overlaps the device's next call. A batch with a constrained (grammar) request decodes
-one token per call and waits for the tokens before it.
+Per `Engine.step`: `_prefill` dispatches one chunk of every unfinished prompt, in the smallest
+compiled shape that holds them (a chunk that ends its prompt samples the first token and arms the
+slot's on-device decode state; a prompt with one token left is armed directly, `_arm`); `_decode`
+dispatches `decode_steps` decode steps for every running sequence in one device call
+(`device_fns.decode`), continuing from the state the previous call left; `_process` then reads all
+but the newest call's tokens, so the host's bookkeeping overlaps the device's next call. A batch
+with a constrained (grammar) request decodes one token per call and waits for the tokens before it.
 """
 
 from __future__ import annotations
@@ -67,8 +67,13 @@ class Dispatch:
         table = self._sampling
         return bool(np.any((table["top_k"][slots] > 0) | (table["top_p"][slots] < 1) | (table["min_p"][slots] > 0)))
 
-    def _small_chunk(self) -> int:
-        return max(self.prefill_chunk // 4, 1)
+    def _prefill_shapes(self) -> tuple[list[int], list[int]]:
+        """The compiled prefill shapes: rows 1, 2, 4, ... up to prefill_rows, and chunks of a
+        quarter, half and all of prefill_chunk. A call takes the smallest that holds its prompts
+        (a few rows admitted into freed slots, short prompts: little padding)."""
+        rows = {1 << i for i in range(self.prefill_rows.bit_length()) if 1 << i < self.prefill_rows}
+        chunks = {max(self.prefill_chunk // 4, 1), max(self.prefill_chunk // 2, 1), self.prefill_chunk}
+        return sorted(rows | {self.prefill_rows}), sorted(chunks)
 
     def _prefill(self) -> None:
         pending = [s for s in self._running() if s.prefilled < len(s.prompt)]
@@ -76,15 +81,12 @@ class Dispatch:
         if last_token:
             self._arm(last_token)
             pending = [s for s in pending if s.prefilled < len(s.prompt)]
+        row_sizes, chunk_sizes = self._prefill_shapes()
         for start in range(0, len(pending), self.prefill_rows):
             seqs = pending[start: start + self.prefill_rows]
             longest = max(len(s.prompt) - s.prefilled for s in seqs)
-            chunk = self._small_chunk() if longest <= self._small_chunk() else self.prefill_chunk
-            if 4 * len(seqs) <= self.prefill_rows:  # a quarter full or less: one-row calls pad less
-                for seq in seqs:
-                    self._dispatch_prefill([seq], 1, chunk)
-            else:
-                self._dispatch_prefill(seqs, self.prefill_rows, chunk)
+            chunk = next((c for c in chunk_sizes if c >= longest), chunk_sizes[-1])
+            self._dispatch_prefill(seqs, next(r for r in row_sizes if r >= len(seqs)), chunk)
 
     def _dispatch_prefill(self, seqs: list[Sequence], rows: int, chunk: int, filters: bool | None = None) -> None:
         tokens, positions, segments = (np.zeros((rows, chunk), np.int32) for _ in range(3))

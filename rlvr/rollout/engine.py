@@ -18,9 +18,9 @@ Reading order: this module (the public API, state, finishing), `slots` (admissio
 sampling table: the `Slots` mixin), `dispatch` (the device calls and reading their tokens: the
 `Dispatch` mixin), `device_fns` (the jitted functions themselves).
 
-Compiled shapes are a bounded set (`warmup()` compiles them all up front): prefill [1 or
-prefill_rows, prefill_chunk/4 or prefill_chunk] and one decode program (its attention runs over a
-contiguous per-slot window gathered once per call, or loops over the pages held,
+Compiled shapes are a bounded set (`warmup()` compiles them all up front): prefill [1, 2, 4, ...
+prefill_rows, prefill_chunk/4, /2 or prefill_chunk] (`Dispatch._prefill_shapes`) and one decode
+program (its attention runs over a contiguous per-slot window gathered once per call, or loops over the pages held,
 `kernels/paged_attention/ragged.py`: `decode_attention`); each x2 when a request uses
 top-k/top-p/min-p. `metrics()` reports compile counts, the prefix-cache hit rate and host vs
 device time.
@@ -344,9 +344,12 @@ class Engine(Slots, Dispatch):
         variants for requests with top-k, top-p or min-p."""
         self._process(keep=0)
         for variant in sorted({False, filters}):
-            for rows in sorted({1, self.prefill_rows}):
-                for chunk in sorted({self._small_chunk(), self.prefill_chunk}):
-                    self._dispatch_prefill([], rows, chunk, variant)
+            row_sizes, chunk_sizes = self._prefill_shapes()
+            shapes = [(rows, chunk) for rows in row_sizes for chunk in chunk_sizes]
+            # The first call took the pool and state as created (uncommitted): once more as every
+            # later call passes them (the previous call's outputs), or its first real use compiles.
+            for rows, chunk in shapes + shapes[:1]:
+                self._dispatch_prefill([], rows, chunk, variant)
             self._dispatch_decode([None] * self.max_slots, filters=variant)
         self._process(keep=0)
 
