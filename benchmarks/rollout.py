@@ -7,7 +7,8 @@ fixed (the `bench` preset shared with the Tunix peer: 4 layers, d256, vocab 1024
   batch:   32 prompts x 64 prompt tokens -> 64 new tokens (temperature 1, eos ignored)
   groups:  8 prompts x n=4 samples (prompt pages shared by the group)
   varied:  64 requests with max_new_tokens uniform in [8, 128] on 16 slots, continuous
-           batching vs static batching (batches of 16, each waits for its longest)
+           batching (fcfs and lof admission) vs static batching (batches of 16, each waits for
+           its longest); also alone: --only varied
   naive:   `rlvr.models.generate` (one jitted scan, contiguous cache, static batch, greedy)
 realistic (the `bench_32k` preset: 6 layers, d512, GQA 8:2, tied 32,768-token vocabulary, 34.9M
 params, fp32): an RL step's rollout, 16 chat prompts x groups of 8 = 128 requests on 64 slots.
@@ -144,27 +145,33 @@ def fixed(args) -> dict:
 
 def varied(args, cfg: ModelConfig | None = None, params=None, rng=None) -> dict:
     """64 requests (32-token prompts) with max_new_tokens uniform in [8, 128] on 16 slots:
-    continuous batching (all submitted at once) vs static batching (batches of 16, each waiting
-    for its longest), calls interleaved (ABBA), medians of wall and of process CPU seconds (the
-    latter steadier on a shared machine)."""
+    continuous batching (all submitted at once; admitted in submission order, and longest
+    max_new_tokens first: schedule_policy "lof") vs static batching (batches of 16 in submission
+    order, each waiting for its longest), calls interleaved (ABBA), medians of wall and of process
+    CPU seconds (the latter steadier on a shared machine)."""
     if cfg is None:
         cfg = ModelConfig(**PRESETS["bench"])
         params, rng = _params(cfg), np.random.default_rng(0)
         rng.integers(0, 1024, (32, 64))  # the fixed section's prompts, drawn first there
     varied_new = rng.integers(8, 129, 64).tolist()
     varied_prompts = [rng.integers(0, 1024, 32).tolist() for _ in range(64)]
-    small = Engine(cfg, params, max_slots=16, max_len=192, page_size=16, decode_steps=args.decode_steps,
-                   prefill_rows=8, prefill_chunk=64)
+    opts = dict(max_slots=16, max_len=192, page_size=16, decode_steps=args.decode_steps, prefill_rows=8,
+                prefill_chunk=64)
+    small, lof = Engine(cfg, params, **opts), Engine(cfg, params, schedule_policy="lof", **opts)
     total = sum(varied_new)
 
     def continuous():
         small.generate(_requests(varied_prompts, varied_new))
 
+    def continuous_lof():
+        lof.generate(_requests(varied_prompts, varied_new))
+
     def static():
         for start in range(0, 64, 16):
             small.generate(_requests(varied_prompts[start:start + 16], varied_new[start:start + 16], prefix="s"))
 
-    calls = {"continuous": _fresh(small, continuous), "static": _fresh(small, static)}
+    calls = {"continuous": _fresh(small, continuous), "continuous_lof": _fresh(lof, continuous_lof),
+             "static": _fresh(small, static)}
     first = {name: _seconds(call) for name, call in calls.items()}
     runs = {name: [] for name in calls}
     for r in range(args.repeats):
@@ -178,6 +185,8 @@ def varied(args, cfg: ModelConfig | None = None, params=None, rng=None) -> dict:
                                       "first_call_incl_compile_s": round(first[name][0], 2)} for name in calls}
     out["continuous_vs_static"] = round(wall["static"] / wall["continuous"], 3)
     out["continuous_vs_static_cpu"] = round(cpu["static"] / cpu["continuous"], 3)
+    out["continuous_lof_vs_static"] = round(wall["static"] / wall["continuous_lof"], 3)
+    out["continuous_lof_vs_static_cpu"] = round(cpu["static"] / cpu["continuous_lof"], 3)
     out["varied_engine_metrics"] = _engine_metrics(small)
     return out
 

@@ -220,6 +220,25 @@ def test_continuous_batching_refills_freed_slots(params):
     assert engine.pages.used == engine.prefix.pages  # what is left is only the prefix cache's
 
 
+def test_longest_output_first_admits_the_largest_max_new_tokens_first(params):
+    """schedule_policy="lof" (SGLang's): requests take the slots largest max_new_tokens first
+    (equal ones in submission order); outputs equal fcfs's (greedy)."""
+    lengths = {"a": 2, "b": 9, "c": 5, "d": 9}
+    outputs = {}
+    for policy in ("fcfs", "lof"):
+        engine = Engine(CFG, params, **{**OPTS, "max_slots": 2}, schedule_policy=policy)
+        for i, (rid, n) in enumerate(lengths.items()):
+            engine.submit(_req(rid, _prompts([6], seed=i)[0], max_new_tokens=n))
+        admitted, place = [], engine._place
+        engine._place = lambda seq, *args, place=place, log=admitted: (log.append(seq.request.rid), place(seq, *args))
+        while engine.has_work():
+            outputs.update({(policy, c.rid): c.output_ids for c in engine.step()})
+        assert admitted == (["a", "b", "c", "d"] if policy == "fcfs" else ["b", "d", "c", "a"])
+    assert all(outputs[("lof", rid)] == outputs[("fcfs", rid)] for rid in lengths)
+    with pytest.raises(ValueError, match="schedule_policy"):
+        Engine(CFG, params, **OPTS, schedule_policy="lpm")
+
+
 def test_abort_pause_update_resume_tags_versions(params):
     engine = Engine(CFG, params, **OPTS)
     prompt = _prompts([9], seed=5)[0]

@@ -56,6 +56,7 @@ from rlvr.rollout.stops import StopStrings
 from rlvr.rollout.types import Completion, Request
 
 DECODE_ATTENTION = ("auto", "window", "ragged")
+SCHEDULE_POLICIES = ("fcfs", "lof")  # SGLang's names: first come first served, longest output first
 # "auto" decode attention uses the contiguous window up to this size (k + v, all layers): the
 # fixed benchmark config's 32 slots x 192 tokens is 25 MB; the realistic one's 64 x 1,536, 600 MB.
 WINDOW_AUTO_BYTES = 64 * 2**20
@@ -72,17 +73,24 @@ class Engine(Slots, Dispatch):
     densely (no gather per layer and step; costs slots x max_len per step whatever the rows
     hold); "ragged": each step loops over the pages the rows hold (work follows the lengths,
     with a gather per layer and step); "auto" (default): "window" when that window (k and v,
-    all layers) is at most WINDOW_AUTO_BYTES, else "ragged"."""
+    all layers) is at most WINDOW_AUTO_BYTES, else "ragged".
+    schedule_policy: the order waiting requests take free slots: "fcfs" (default: submission
+    order) or "lof" (longest output first: the largest max_new_tokens first, as SGLang's
+    --schedule-policy lof; long requests start early instead of running alone at the end of a
+    batch of varied lengths; with equal max_new_tokens, as RL usually asks, it is fcfs)."""
 
     def __init__(self, cfg: ModelConfig, params, tokenizer=None, *, max_slots: int = 32, max_len: int = 512,
                  page_size: int = 16, num_pages: int | None = None, decode_steps: int = 8,
                  prefill_rows: int = 4, prefill_chunk: int = 64, seed: int = 0, model_path: str = "",
                  dtype: str = "float32", kv_dtype: str | None = None, decode_attention: str = "auto",
-                 image_max_pixels: int = 28 * 28 * 1280):
+                 image_max_pixels: int = 28 * 28 * 1280, schedule_policy: str = "fcfs"):
         if max_len % page_size:
             raise ValueError(f"max_len={max_len} must be a multiple of page_size={page_size}")
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention={decode_attention!r}: use one of {DECODE_ATTENTION}")
+        if schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy={schedule_policy!r}: use one of {SCHEDULE_POLICIES}")
+        self.schedule_policy = schedule_policy
         self.cfg, self.tokenizer = cfg, tokenizer
         # Decoding runs the same layers unscanned, on per-layer weights (see unstack_layers), and a
         # tied output projection as its own [E, V] copy (the tied einsum transposes [V, E] per step).

@@ -33,6 +33,8 @@ class Slots:
         return self._running() + self.draining
 
     def _admit(self) -> None:
+        if self.schedule_policy == "lof" and len(self.waiting) > 1 and None in self.slots:
+            self.waiting = collections.deque(sorted(self.waiting, key=lambda s: -s.max_new))  # stable
         deferred = collections.deque()
         while self.waiting and None in self.slots:
             seq = self.waiting.popleft()
