@@ -85,3 +85,23 @@ def test_ui_form_submit_button_is_the_only_action_and_scores_only_its_label():
             assert _scores(family, task, wrong) == [0] * len(wrong), (task.prompt, wrong)
     probes = dict(family.audit_probes(family.task(0, level=0)))
     assert {"hack:other_button", "hack:all_labels", "hack:title"} <= set(probes)
+
+
+def test_preview_of_a_vlm_config_counts_each_image_as_the_model_sees_it(capsys):
+    """`python -m rlvr.tasks.preview --config=configs/vlm.py` renders image prompts with the VLM's vision config
+    (it failed with "needs a VLM policy"): a 224x168 screenshot is 16x12 patches of 14 px, merged 2x2 into 48
+    placeholder tokens, shown as one run with its count; the printed length is the prompt's true length."""
+    import pathlib
+    import re
+
+    from rlvr.models.tokenizer import Tokenizer
+    from rlvr.tasks import preview
+
+    configs = pathlib.Path(__file__).resolve().parent.parent / "configs"
+    assert preview.main([f"--config={configs / 'vlm.py'}", "--task=ui_table", "--count=1", "--per_level=1"]) == 0
+    shown = capsys.readouterr().out
+    header, text = re.search(r"--- ui_table level 0 #0: (\d+) tokens ---\n(.*?)\n\|", shown, re.S).groups()
+    assert "<|image_pad|>x48<|vision_end|>" in text
+    expanded = text.replace("<|image_pad|>x48", "<|image_pad|>" * 48).rstrip("\n") + "\n"
+    tokenizer = Tokenizer.from_dir(str(configs / "data" / "vlm_tokenizer"))
+    assert len(tokenizer.encode(expanded)) == int(header)
