@@ -265,7 +265,7 @@ def test_abort_pause_update_resume_tags_versions(params):
 
 def test_compilation_is_one_decode_program_and_the_prefill_shapes_paid_up_front(params):
     """`warmup()` compiles one decode program (its attention loops over the pages held, whatever
-    their number) and the prefill shapes (rows 1, 2 x chunks 4, 8, 16 here); workloads of other
+    their number) and the prefill shapes (rows 1, 2 x chunks 4, 16 here); workloads of other
     ids, seeds, prompt lengths and output lengths then compile nothing new."""
     def counts():
         return device_fns.decode._cache_size(), device_fns.prefill._cache_size()
@@ -274,7 +274,7 @@ def test_compilation_is_one_decode_program_and_the_prefill_shapes_paid_up_front(
     start = counts()
     engine.warmup()
     warm = counts()
-    assert warm[0] - start[0] <= 1 and warm[1] - start[1] <= 6
+    assert warm[0] - start[0] <= 1 and warm[1] - start[1] <= 4
 
     def workload(tag, seed):
         engine.generate([_req(f"{tag}s", _prompts([5], seed=seed)[0])])

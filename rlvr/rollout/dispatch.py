@@ -27,6 +27,7 @@ from rlvr.rollout.sequence import Sequence
 # The decode attention's page list comes in chunks of max(RAGGED_MIN_CHUNK, table / RAGGED_CHUNKS)
 # entries, looped over on device: one compiled program whatever the pages held, padded by < 1 chunk.
 RAGGED_CHUNKS, RAGGED_MIN_CHUNK = 16, 64
+PREFILL_BUCKETS_FROM = 64  # prefill_chunk from which prefill calls also have intermediate shapes
 
 
 @dataclasses.dataclass
@@ -68,12 +69,16 @@ class Dispatch:
         return bool(np.any((table["top_k"][slots] > 0) | (table["top_p"][slots] < 1) | (table["min_p"][slots] > 0)))
 
     def _prefill_shapes(self) -> tuple[list[int], list[int]]:
-        """The compiled prefill shapes: rows 1, 2, 4, ... up to prefill_rows, and chunks of a
-        quarter, half and all of prefill_chunk. A call takes the smallest that holds its prompts
-        (a few rows admitted into freed slots, short prompts: little padding)."""
-        rows = {1 << i for i in range(self.prefill_rows.bit_length()) if 1 << i < self.prefill_rows}
-        chunks = {max(self.prefill_chunk // 4, 1), max(self.prefill_chunk // 2, 1), self.prefill_chunk}
-        return sorted(rows | {self.prefill_rows}), sorted(chunks)
+        """The compiled prefill shapes: rows 1 and prefill_rows x chunks of a quarter and all of
+        prefill_chunk; with a chunk of PREFILL_BUCKETS_FROM tokens or more, also rows 2, 4, ...
+        and half chunks (their padding then costs more than the extra programs' compiles). A call
+        takes the smallest that holds its prompts (a few rows admitted into freed slots, short
+        prompts: little padding)."""
+        rows, chunks = {1, self.prefill_rows}, {max(self.prefill_chunk // 4, 1), self.prefill_chunk}
+        if self.prefill_chunk >= PREFILL_BUCKETS_FROM:
+            rows |= {1 << i for i in range(self.prefill_rows.bit_length()) if 1 << i < self.prefill_rows}
+            chunks.add(self.prefill_chunk // 2)
+        return sorted(rows), sorted(chunks)
 
     def _prefill(self) -> None:
         pending = [s for s in self._running() if s.prefilled < len(s.prompt)]

@@ -18,12 +18,13 @@ Reading order: this module (the public API, state, finishing), `slots` (admissio
 sampling table: the `Slots` mixin), `dispatch` (the device calls and reading their tokens: the
 `Dispatch` mixin), `device_fns` (the jitted functions themselves).
 
-Compiled shapes are a bounded set (`warmup()` compiles them all up front): prefill [1, 2, 4, ...
-prefill_rows, prefill_chunk/4, /2 or prefill_chunk] (`Dispatch._prefill_shapes`) and one decode
-program (its attention runs over a contiguous per-slot window gathered once per call, or loops over the pages held,
+Compiled shapes are a bounded set (`warmup()` compiles them all up front): prefill [1 or
+prefill_rows, prefill_chunk/4 or prefill_chunk], from a 64-token chunk also rows 2, 4, ... and half
+chunks (`Dispatch._prefill_shapes`), and one decode program (its attention runs over a contiguous
+per-slot window gathered once per call, or loops over the pages held,
 `kernels/paged_attention/ragged.py`: `decode_attention`); each x2 when a request uses
-top-k/top-p/min-p. `metrics()` reports compile counts, the prefix-cache hit rate and host vs
-device time.
+top-k/top-p/min-p. `metrics()` reports compile counts, the prefix-cache hit rate and host vs device
+time.
 
 Beyond plain sampling (each on only while a running request asks for it, so the plain path
 compiles without it): penalties and logit_bias (`logit_process`), constrained decoding (grammar
