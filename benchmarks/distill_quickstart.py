@@ -95,7 +95,7 @@ def one_seed(seed: int, root: str, student_overrides: dict, spec: str = "configs
             "wall_s": {"teacher": teacher["wall_s"], "rl": rl_alone["wall_s"], "distill": student["wall_s"]}}
 
 
-def plot(runs: list[dict], path: str) -> None:
+def plot(runs: list[dict], path: str, label: str = "distillation") -> None:
     """One panel per seed: held-out accuracy of RL alone and of the distilled student by step, and the
     target band (within 5 points of the teacher's accuracy); RL alone continued by the teacher's own
     run (the same student and seed) when that ran longer."""
@@ -106,8 +106,8 @@ def plot(runs: list[dict], path: str) -> None:
 
     fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.4), squeeze=False)
     for ax, r in zip(axes[0], runs, strict=True):
-        for key, label in (("rl_curve", "RL alone"), ("distill_curve", "distillation")):
-            ax.plot([e[0] for e in r[key]], [e[1] for e in r[key]], marker=".", label=label)
+        for key, name in (("rl_curve", "RL alone"), ("distill_curve", label)):
+            ax.plot([e[0] for e in r[key]], [e[1] for e in r[key]], marker=".", label=name)
         if r["teacher_curve"][-1][0] > r["rl_curve"][-1][0]:  # RL alone continued: the teacher's own run
             ax.plot([e[0] for e in r["teacher_curve"]], [e[1] for e in r["teacher_curve"]], color="C0", ls=":",
                     label="RL alone (teacher's run)")
@@ -158,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
               "distill_reached_seeds": sum(d is not None for d in distill_steps)}
     emit(record, args.out)
     if args.plot:
-        plot(runs, args.plot)
+        coef = overrides.get("rl.distill_coef", 1.0)
+        task = overrides.get("rl.distill_task_advantage", False)
+        plot(runs, args.plot, f"distillation + RL (coef {coef})" if task else "distillation")
     return 0
 
 
