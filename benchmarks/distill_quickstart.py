@@ -42,6 +42,14 @@ def _first_within(evals, target: float):
     return next((step for step, acc, *_ in evals if acc >= target - WITHIN), None)
 
 
+def _first_within_smoothed(evals, target: float, span: int = 3):
+    """The first evaluated step from which the mean of `span` consecutive evaluations is within 5 points
+    of `target` (one evaluation on 256 problems moves by about ±3 points): a less noisy crossing."""
+    after = [(step, acc) for step, acc, *_ in evals if step]
+    return next((after[i][0] for i in range(len(after) - span + 1)
+                 if sum(acc for _, acc in after[i:i + span]) / span >= target - WITHIN), None)
+
+
 def _mean_after_start(evals) -> float:
     return round(sum(acc for step, acc, *_ in evals if step) / max(sum(1 for step, *_ in evals if step), 1), 4)
 
@@ -88,7 +96,10 @@ def one_seed(seed: int, root: str, student_overrides: dict, spec: str = "configs
             # the teacher's own run is RL alone from the same student, evaluated every 10 steps
             "rl_steps_to_within_5_points_teacher_run": _first_within(teacher["evals"], target),
             "distill_steps_to_within_5_points": _first_within(student["evals"], target),
-            # mean held-out accuracy over the evaluations after step 0: less noisy than a first crossing
+            # less noisy than one crossing: the mean of 3 consecutive evaluations within 5 points, and the
+            # mean held-out accuracy over the evaluations after step 0
+            "rl_steps_to_within_5_points_mean_of_3": _first_within_smoothed(rl_alone["evals"], target),
+            "distill_steps_to_within_5_points_mean_of_3": _first_within_smoothed(student["evals"], target),
             "rl_mean_accuracy": _mean_after_start(rl_alone["evals"]),
             "distill_mean_accuracy": _mean_after_start(student["evals"]),
             "rl_curve": rl_alone["evals"], "distill_curve": student["evals"], "teacher_curve": teacher["evals"],
