@@ -15,8 +15,9 @@ evaluation every `--eval_every` (the teacher's own first steps, deterministic, e
 `--set` overrides trains a fresh student (the identical warm start) on the teacher's per-token reverse
 KL alone (rlvr.rl.distill), also `--steps` steps, evaluated as often. The record holds the curves and,
 for (2) and (3), the first evaluated step within 5 points of the target (None: never in the steps run;
-RL alone's also on the teacher's own run, which is RL alone from the same student for longer) and the
-mean held-out accuracy over the evaluations after step 0.
+RL alone's also on the teacher's own run, which is RL alone from the same student for longer), the
+first step from which three consecutive evaluations average within 5 points, and the mean held-out
+accuracy over the evaluations after step 0.
 With `--root` the runs are kept and reused (the teacher is `quickstart_seeds.py --root DIR --set
 rl.eval_every=10`'s full run of the seed), else they live in a temporary directory.
 """
