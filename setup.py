@@ -44,7 +44,7 @@ setup(
         "tensorboardX>=2.6",  # TensorBoard event files without TensorFlow
         "httpx>=0.27",
         "matplotlib>=3.8",  # the RL quickstart's learning-curve PNG
-        "pillow>=10",  # images of the VLM (rlvr.data.images); matplotlib depends on it too
+        "pillow>=10.1",  # images of the VLM (rlvr.data.images), the rendered tasks' bundled font; matplotlib needs it too
     ],
     extras_require={
         # The CPU wheel, pinned: an unpinned torch pulls a multi-GB CUDA build.

@@ -7,7 +7,8 @@ fixed (the `bench` preset shared with the Tunix peer: 4 layers, d256, vocab 1024
   batch:   32 prompts x 64 prompt tokens -> 64 new tokens (temperature 1, eos ignored)
   groups:  8 prompts x n=4 samples (prompt pages shared by the group)
   varied:  64 requests with max_new_tokens uniform in [8, 128] on 16 slots, continuous
-           batching vs static batching (batches of 16, each waits for its longest)
+           batching (fcfs and lof admission) vs static batching (batches of 16, each waits for
+           its longest); also alone: --only varied
   naive:   `rlvr.models.generate` (one jitted scan, contiguous cache, static batch, greedy)
 realistic (the `bench_32k` preset: 6 layers, d512, GQA 8:2, tied 32,768-token vocabulary, 34.9M
 params, fp32): an RL step's rollout, 16 chat prompts x groups of 8 = 128 requests on 64 slots.
@@ -83,6 +84,13 @@ def _fresh(engine, fn):
     return call
 
 
+def _seconds(fn) -> tuple[float, float]:
+    """(wall, process CPU) seconds of one call."""
+    start, start_cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - start, time.process_time() - start_cpu
+
+
 def _compile_counts() -> dict:
     return {"prefill": device_fns.prefill._cache_size(), "decode": device_fns.decode._cache_size()}
 
@@ -117,18 +125,7 @@ def fixed(args) -> dict:
     naive = tokens_per_s(lambda: jax.block_until_ready(_greedy(cfg, params, tokens, lengths, 64, -1)), 32 * 64,
                          args.repeats)
 
-    varied_new = rng.integers(8, 129, 64).tolist()
-    varied_prompts = [rng.integers(0, 1024, 32).tolist() for _ in range(64)]
-    small = Engine(cfg, params, max_slots=16, **opts)
-    total = sum(varied_new)
-    continuous = tokens_per_s(lambda: small.generate(_requests(varied_prompts, varied_new)), total, args.repeats,
-                              small)
-
-    def static():
-        for start in range(0, 64, 16):
-            small.generate(_requests(varied_prompts[start:start + 16], varied_new[start:start + 16], prefix="s"))
-
-    static_batching = tokens_per_s(static, total, args.repeats, small)
+    varied_lengths = varied(args, cfg, params, rng)
     roofline = decode_roofline(cfg, prompts, [64] * 32, 32, peaks)
     ratio = batch["tokens_per_s"] / TUNIX["sampler_tokens_per_s"]
     return {
@@ -139,12 +136,59 @@ def fixed(args) -> dict:
         "engine_vs_naive": round(batch["tokens_per_s"] / naive["tokens_per_s"], 3),
         "roofline_32x64_to_64": roofline,
         "vs_roofline": round(batch["tokens_per_s"] / roofline["tokens_per_s"], 3),
-        "varied_lengths_continuous": continuous, "varied_lengths_static": static_batching,
-        "continuous_vs_static": round(continuous["tokens_per_s"] / static_batching["tokens_per_s"], 3),
+        **varied_lengths,
         "compile_counts": compiles, "engine_metrics": metrics,
         "tunix_sampler_tokens_per_s_published": TUNIX["sampler_tokens_per_s"],
         "speedup_vs_tunix_published_raw": round(ratio, 3),
     }
+
+
+def varied(args, cfg: ModelConfig | None = None, params=None, rng=None) -> dict:
+    """64 requests (32-token prompts) with max_new_tokens uniform in [8, 128] on 16 slots:
+    continuous batching (all submitted at once; admitted in submission order, and longest
+    max_new_tokens first: schedule_policy "lof") vs static batching (batches of 16 in submission
+    order, each waiting for its longest), calls interleaved (ABBA), medians of wall and of process
+    CPU seconds (the latter steadier on a shared machine)."""
+    if cfg is None:
+        cfg = ModelConfig(**PRESETS["bench"])
+        params, rng = _params(cfg), np.random.default_rng(0)
+        rng.integers(0, 1024, (32, 64))  # the fixed section's prompts, drawn first there
+    varied_new = rng.integers(8, 129, 64).tolist()
+    varied_prompts = [rng.integers(0, 1024, 32).tolist() for _ in range(64)]
+    opts = dict(max_slots=16, max_len=192, page_size=16, decode_steps=args.decode_steps, prefill_rows=8,
+                prefill_chunk=64)
+    small, lof = Engine(cfg, params, **opts), Engine(cfg, params, schedule_policy="lof", **opts)
+    total = sum(varied_new)
+
+    def continuous():
+        small.generate(_requests(varied_prompts, varied_new))
+
+    def continuous_lof():
+        lof.generate(_requests(varied_prompts, varied_new))
+
+    def static():
+        for start in range(0, 64, 16):
+            small.generate(_requests(varied_prompts[start:start + 16], varied_new[start:start + 16], prefix="s"))
+
+    calls = {"continuous": _fresh(small, continuous), "continuous_lof": _fresh(lof, continuous_lof),
+             "static": _fresh(small, static)}
+    first = {name: _seconds(call) for name, call in calls.items()}
+    runs = {name: [] for name in calls}
+    for r in range(args.repeats):
+        for name in calls if r % 2 == 0 else reversed(list(calls)):
+            runs[name].append(_seconds(calls[name]))
+    wall = {name: statistics.median(w for w, _ in runs[name]) for name in calls}
+    cpu = {name: statistics.median(c for _, c in runs[name]) for name in calls}
+    out = {f"varied_lengths_{name}": {"tokens_per_s": round(total / wall[name], 1), "median_s": round(wall[name], 4),
+                                      "all_s": [round(w, 4) for w, _ in runs[name]],
+                                      "median_cpu_s": round(cpu[name], 4),
+                                      "first_call_incl_compile_s": round(first[name][0], 2)} for name in calls}
+    out["continuous_vs_static"] = round(wall["static"] / wall["continuous"], 3)
+    out["continuous_vs_static_cpu"] = round(cpu["static"] / cpu["continuous"], 3)
+    out["continuous_lof_vs_static"] = round(wall["static"] / wall["continuous_lof"], 3)
+    out["continuous_lof_vs_static_cpu"] = round(cpu["static"] / cpu["continuous_lof"], 3)
+    out["varied_engine_metrics"] = _engine_metrics(small)
+    return out
 
 
 def sampler(args) -> dict:
@@ -431,7 +475,8 @@ def main() -> None:
     args = parser.parse_args()
     record = {"benchmark": "rollout", "devices": str(jax.devices()[0]), "jax": jax.__version__}
     sections = {"fixed": fixed, "realistic": realistic, "sampler": sampler, "first_calls": first_calls,
-                "realistic_timing": realistic_timing, "extras": extras, "decode_variants": decode_variants}
+                "realistic_timing": realistic_timing, "varied": varied, "extras": extras,
+                "decode_variants": decode_variants}
     for name in args.only.split(","):
         record[name] = sections[name](args)
     emit(record)

@@ -202,13 +202,41 @@ def test_continuous_batching_refills_freed_slots(params):
     engine = Engine(CFG, params, **{**OPTS, "max_slots": 2})
     for i, n in enumerate([2, 30, 2, 2]):
         engine.submit(_req(f"c{i}", _prompts([5], seed=i)[0], max_new_tokens=n))
-    finished_order = []
-    while engine.has_work():
-        finished_order += [c.rid for c in engine.step()]
+    finished_order, outputs = [], {}
+    for step in range(10**4):
+        if not engine.has_work():
+            break
+        done = engine.step()
+        finished_order += [c.rid for c in done]
+        outputs.update({c.rid: c.output_ids for c in done})
+        if step == 1:  # c0's max_new ended inside the first decode call: its slot was given back at
+            # dispatch, so the second step admitted c2 without waiting a call for c0's tokens
+            assert [s.request.rid for s in engine.waiting] == ["c3"]
     # Short requests queued behind the long one finish before it: they took the freed slot.
     assert finished_order.index("c2") < finished_order.index("c1")
     assert finished_order.index("c3") < finished_order.index("c1")
+    for i, n in enumerate([2, 30, 2, 2]):  # reusing the slot while c0's call ran changed no output
+        assert outputs[f"c{i}"] == _naive_greedy(params, _prompts([5], seed=i)[0], n)
     assert engine.pages.used == engine.prefix.pages  # what is left is only the prefix cache's
+
+
+def test_longest_output_first_admits_the_largest_max_new_tokens_first(params):
+    """schedule_policy="lof" (SGLang's): requests take the slots largest max_new_tokens first
+    (equal ones in submission order); outputs equal fcfs's (greedy)."""
+    lengths = {"a": 2, "b": 9, "c": 5, "d": 9}
+    outputs = {}
+    for policy in ("fcfs", "lof"):
+        engine = Engine(CFG, params, **{**OPTS, "max_slots": 2}, schedule_policy=policy)
+        for i, (rid, n) in enumerate(lengths.items()):
+            engine.submit(_req(rid, _prompts([6], seed=i)[0], max_new_tokens=n))
+        admitted, place = [], engine._place
+        engine._place = lambda seq, *args, place=place, log=admitted: (log.append(seq.request.rid), place(seq, *args))
+        while engine.has_work():
+            outputs.update({(policy, c.rid): c.output_ids for c in engine.step()})
+        assert admitted == (["a", "b", "c", "d"] if policy == "fcfs" else ["b", "d", "c", "a"])
+    assert all(outputs[("lof", rid)] == outputs[("fcfs", rid)] for rid in lengths)
+    with pytest.raises(ValueError, match="schedule_policy"):
+        Engine(CFG, params, **OPTS, schedule_policy="lpm")
 
 
 def test_abort_pause_update_resume_tags_versions(params):
@@ -235,10 +263,10 @@ def test_abort_pause_update_resume_tags_versions(params):
     assert out.weight_version == 1
 
 
-def test_compilation_is_one_decode_program_and_four_prefill_shapes_paid_up_front(params):
+def test_compilation_is_one_decode_program_and_the_prefill_shapes_paid_up_front(params):
     """`warmup()` compiles one decode program (its attention loops over the pages held, whatever
-    their number) and at most 4 prefill shapes; workloads of other ids, seeds, prompt lengths and
-    output lengths then compile nothing new."""
+    their number) and the prefill shapes (rows 1, 2 x chunks 4, 16 here); workloads of other
+    ids, seeds, prompt lengths and output lengths then compile nothing new."""
     def counts():
         return device_fns.decode._cache_size(), device_fns.prefill._cache_size()
 

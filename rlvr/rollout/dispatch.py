@@ -1,12 +1,12 @@
 """The engine's device calls and the reading of their results (a mixin of `rlvr.rollout.engine.Engine`).
 
-Per `Engine.step`: `_prefill` dispatches one fixed-size chunk of every unfinished prompt (a chunk
-that ends its prompt samples the first token and arms the slot's on-device decode state; a prompt
-with one token left is armed directly, `_arm`); `_decode` dispatches `decode_steps` decode steps
-for every running sequence in one device call (`device_fns.decode`), continuing from the state the
-previous call left; `_process` then reads all but the newest call's tokens, so the host's
-bookkeeping overlaps the device's next call. A batch with a constrained (grammar) request decodes
-one token per call and waits for the tokens before it.
+Per `Engine.step`: `_prefill` dispatches one chunk of every unfinished prompt, in the smallest
+compiled shape that holds them (a chunk that ends its prompt samples the first token and arms the
+slot's on-device decode state; a prompt with one token left is armed directly, `_arm`); `_decode`
+dispatches `decode_steps` decode steps for every running sequence in one device call
+(`device_fns.decode`), continuing from the state the previous call left; `_process` then reads all
+but the newest call's tokens, so the host's bookkeeping overlaps the device's next call. A batch
+with a constrained (grammar) request decodes one token per call and waits for the tokens before it.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from rlvr.rollout.sequence import Sequence
 # The decode attention's page list comes in chunks of max(RAGGED_MIN_CHUNK, table / RAGGED_CHUNKS)
 # entries, looped over on device: one compiled program whatever the pages held, padded by < 1 chunk.
 RAGGED_CHUNKS, RAGGED_MIN_CHUNK = 16, 64
+PREFILL_BUCKETS_FROM = 64  # prefill_chunk from which prefill calls also have intermediate shapes
 
 
 @dataclasses.dataclass
@@ -67,8 +68,17 @@ class Dispatch:
         table = self._sampling
         return bool(np.any((table["top_k"][slots] > 0) | (table["top_p"][slots] < 1) | (table["min_p"][slots] > 0)))
 
-    def _small_chunk(self) -> int:
-        return max(self.prefill_chunk // 4, 1)
+    def _prefill_shapes(self) -> tuple[list[int], list[int]]:
+        """The compiled prefill shapes: rows 1 and prefill_rows x chunks of a quarter and all of
+        prefill_chunk; with a chunk of PREFILL_BUCKETS_FROM tokens or more, also rows 2, 4, ...
+        and half chunks (their padding then costs more than the extra programs' compiles). A call
+        takes the smallest that holds its prompts (a few rows admitted into freed slots, short
+        prompts: little padding)."""
+        rows, chunks = {1, self.prefill_rows}, {max(self.prefill_chunk // 4, 1), self.prefill_chunk}
+        if self.prefill_chunk >= PREFILL_BUCKETS_FROM:
+            rows |= {1 << i for i in range(self.prefill_rows.bit_length()) if 1 << i < self.prefill_rows}
+            chunks.add(self.prefill_chunk // 2)
+        return sorted(rows), sorted(chunks)
 
     def _prefill(self) -> None:
         pending = [s for s in self._running() if s.prefilled < len(s.prompt)]
@@ -76,15 +86,12 @@ class Dispatch:
         if last_token:
             self._arm(last_token)
             pending = [s for s in pending if s.prefilled < len(s.prompt)]
+        row_sizes, chunk_sizes = self._prefill_shapes()
         for start in range(0, len(pending), self.prefill_rows):
             seqs = pending[start: start + self.prefill_rows]
             longest = max(len(s.prompt) - s.prefilled for s in seqs)
-            chunk = self._small_chunk() if longest <= self._small_chunk() else self.prefill_chunk
-            if 4 * len(seqs) <= self.prefill_rows:  # a quarter full or less: one-row calls pad less
-                for seq in seqs:
-                    self._dispatch_prefill([seq], 1, chunk)
-            else:
-                self._dispatch_prefill(seqs, self.prefill_rows, chunk)
+            chunk = next((c for c in chunk_sizes if c >= longest), chunk_sizes[-1])
+            self._dispatch_prefill(seqs, next(r for r in row_sizes if r >= len(seqs)), chunk)
 
     def _dispatch_prefill(self, seqs: list[Sequence], rows: int, chunk: int, filters: bool | None = None) -> None:
         tokens, positions, segments = (np.zeros((rows, chunk), np.int32) for _ in range(3))
@@ -191,6 +198,9 @@ class Dispatch:
                 self._ensure_pages(seq, reach[i])
                 seq.device_tokens = min(seq.device_tokens + steps, final)
         self._dispatch_decode(seqs, reach, steps=steps)
+        for seq in seqs:  # rows this call ends (max_new_tokens): their slots take new requests next step
+            if seq is not None and seq.device_tokens == len(seq.prompt) + seq.max_new:
+                self._detach(seq)
         return True
 
     def _dispatch_decode(self, seqs: list, reach: np.ndarray | None = None, filters: bool | None = None,
@@ -201,9 +211,9 @@ class Dispatch:
         ragged = None if self.decode_window else ragged_pages(self.page_table, reach, self.page_size, chunk,
                                                               -(-entries // chunk))
         active = active_host = np.array([s is not None for s in seqs]) & self.active
-        if self._sampling_device is None:
-            self._sampling_device = jax.device_put(self._sampling)
-        table, ragged, active = jax.device_put((self.page_table, ragged, active))  # one transfer
+        if self._sampling_device is None:  # copies: on CPU, device_put may alias the host arrays we edit
+            self._sampling_device = jax.device_put({k: v.copy() for k, v in self._sampling.items()})
+        table, ragged, active = jax.device_put((self.page_table.copy(), ragged, active))  # one transfer
         filters = self._filters(np.flatnonzero(active_host)) if filters is None else filters
         mask = self._masks(seqs, self.max_slots)
         start = time.perf_counter()

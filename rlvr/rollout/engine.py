@@ -19,11 +19,12 @@ sampling table: the `Slots` mixin), `dispatch` (the device calls and reading the
 `Dispatch` mixin), `device_fns` (the jitted functions themselves).
 
 Compiled shapes are a bounded set (`warmup()` compiles them all up front): prefill [1 or
-prefill_rows, prefill_chunk/4 or prefill_chunk] and one decode program (its attention runs over a
-contiguous per-slot window gathered once per call, or loops over the pages held,
+prefill_rows, prefill_chunk/4 or prefill_chunk], from a 64-token chunk also rows 2, 4, ... and half
+chunks (`Dispatch._prefill_shapes`), and one decode program (its attention runs over a contiguous
+per-slot window gathered once per call, or loops over the pages held,
 `kernels/paged_attention/ragged.py`: `decode_attention`); each x2 when a request uses
-top-k/top-p/min-p. `metrics()` reports compile counts, the prefix-cache hit rate and host vs
-device time.
+top-k/top-p/min-p. `metrics()` reports compile counts, the prefix-cache hit rate and host vs device
+time.
 
 Beyond plain sampling (each on only while a running request asks for it, so the plain path
 compiles without it): penalties and logit_bias (`logit_process`), constrained decoding (grammar
@@ -56,6 +57,7 @@ from rlvr.rollout.stops import StopStrings
 from rlvr.rollout.types import Completion, Request
 
 DECODE_ATTENTION = ("auto", "window", "ragged")
+SCHEDULE_POLICIES = ("fcfs", "lof")  # SGLang's names: first come first served, longest output first
 # "auto" decode attention uses the contiguous window up to this size (k + v, all layers): the
 # fixed benchmark config's 32 slots x 192 tokens is 25 MB; the realistic one's 64 x 1,536, 600 MB.
 WINDOW_AUTO_BYTES = 64 * 2**20
@@ -72,17 +74,24 @@ class Engine(Slots, Dispatch):
     densely (no gather per layer and step; costs slots x max_len per step whatever the rows
     hold); "ragged": each step loops over the pages the rows hold (work follows the lengths,
     with a gather per layer and step); "auto" (default): "window" when that window (k and v,
-    all layers) is at most WINDOW_AUTO_BYTES, else "ragged"."""
+    all layers) is at most WINDOW_AUTO_BYTES, else "ragged".
+    schedule_policy: the order waiting requests take free slots: "fcfs" (default: submission
+    order) or "lof" (longest output first: the largest max_new_tokens first, as SGLang's
+    --schedule-policy lof; long requests start early instead of running alone at the end of a
+    batch of varied lengths; with equal max_new_tokens, as RL usually asks, it is fcfs)."""
 
     def __init__(self, cfg: ModelConfig, params, tokenizer=None, *, max_slots: int = 32, max_len: int = 512,
                  page_size: int = 16, num_pages: int | None = None, decode_steps: int = 8,
                  prefill_rows: int = 4, prefill_chunk: int = 64, seed: int = 0, model_path: str = "",
                  dtype: str = "float32", kv_dtype: str | None = None, decode_attention: str = "auto",
-                 image_max_pixels: int = 28 * 28 * 1280):
+                 image_max_pixels: int = 28 * 28 * 1280, schedule_policy: str = "fcfs"):
         if max_len % page_size:
             raise ValueError(f"max_len={max_len} must be a multiple of page_size={page_size}")
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention={decode_attention!r}: use one of {DECODE_ATTENTION}")
+        if schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy={schedule_policy!r}: use one of {SCHEDULE_POLICIES}")
+        self.schedule_policy = schedule_policy
         self.cfg, self.tokenizer = cfg, tokenizer
         # Decoding runs the same layers unscanned, on per-layer weights (see unstack_layers), and a
         # tied output projection as its own [E, V] copy (the tied einsum transposes [V, E] per step).
@@ -112,6 +121,7 @@ class Engine(Slots, Dispatch):
         self._sampling_device = None  # the table on device, refreshed after admissions change it
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.slots: list[Sequence | None] = [None] * max_slots
+        self.draining: list[Sequence] = []  # slot given back, last tokens not read yet (`Slots._detach`)
         self.finished: list[Completion] = []
         self.inflight: collections.deque[_Inflight] = collections.deque()
         self.weight_version, self.paused, self.model_path = 0, False, model_path
@@ -216,18 +226,18 @@ class Engine(Slots, Dispatch):
         return [results[r.rid] for r in requests]
 
     def snapshot(self, rid: str) -> Completion | None:
-        for seq in self._running():
+        for seq in self._live():
             if seq.request.rid == rid:
                 return self._completion(seq, finish=None)
         return None
 
     def abort(self, rid: str, message: str = "aborted") -> None:
-        for seq in list(self.waiting) + self._running():
+        for seq in list(self.waiting) + self._live():
             if seq.request.rid == rid:
                 self._finish(seq, {"type": "abort", "message": message, "status_code": 200})
 
     def abort_all(self, message: str = "aborted") -> None:
-        for seq in list(self.waiting) + self._running():
+        for seq in list(self.waiting) + self._live():
             self._finish(seq, {"type": "abort", "message": message, "status_code": 200})
 
     def pause(self, mode: str = "in_place") -> int:
@@ -313,11 +323,11 @@ class Engine(Slots, Dispatch):
         self.prefix.reset()
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self._running() or self.finished or self.inflight)
+        return bool(self.waiting or self._live() or self.finished or self.inflight)
 
     @property
     def num_running(self) -> int:
-        return len(self._running())
+        return len(self._live())
 
     @property
     def num_waiting(self) -> int:
@@ -343,9 +353,12 @@ class Engine(Slots, Dispatch):
         variants for requests with top-k, top-p or min-p."""
         self._process(keep=0)
         for variant in sorted({False, filters}):
-            for rows in sorted({1, self.prefill_rows}):
-                for chunk in sorted({self._small_chunk(), self.prefill_chunk}):
-                    self._dispatch_prefill([], rows, chunk, variant)
+            row_sizes, chunk_sizes = self._prefill_shapes()
+            shapes = [(rows, chunk) for rows in row_sizes for chunk in chunk_sizes]
+            # The first call took the pool and state as created (uncommitted): once more as every
+            # later call passes them (the previous call's outputs), or its first real use compiles.
+            for rows, chunk in shapes + shapes[:1]:
+                self._dispatch_prefill([], rows, chunk, variant)
             self._dispatch_decode([None] * self.max_slots, filters=variant)
         self._process(keep=0)
 

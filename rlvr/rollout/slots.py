@@ -28,7 +28,13 @@ class Slots:
     def _running(self) -> list[Sequence]:
         return [s for s in self.slots if s is not None]
 
+    def _live(self) -> list[Sequence]:
+        """Running and draining sequences: every one not finished yet."""
+        return self._running() + self.draining
+
     def _admit(self) -> None:
+        if self.schedule_policy == "lof" and len(self.waiting) > 1 and None in self.slots:
+            self.waiting = collections.deque(sorted(self.waiting, key=lambda s: -s.max_new))  # stable
         deferred = collections.deque()
         while self.waiting and None in self.slots:
             seq = self.waiting.popleft()
@@ -111,18 +117,30 @@ class Slots:
         self.page_table[seq.slot, : len(seq.pages)] = seq.pages
 
     def _release_slot(self, seq: Sequence, cache: bool) -> None:
-        """Frees a running sequence's slot and pages; with `cache`, the prefix cache keeps the KV
-        of every token but the last (all of it is written)."""
-        if seq.slot < 0 or self.slots[seq.slot] is not seq:
+        """Frees a running (or draining, `_detach`) sequence's slot and pages; with `cache`, the
+        prefix cache keeps the KV of every token but the last (all of it is written)."""
+        if seq in self.draining:
+            self.draining.remove(seq)
+        elif seq.slot >= 0 and self.slots[seq.slot] is seq:
+            self._detach(seq)
+            self.draining.remove(seq)
+        else:
             return
-        self.slots[seq.slot] = None
-        self.active[seq.slot] = False
         if cache:
             self.prefix.insert(seq.key + seq.output[:-1], seq.pages)
         self.prefix.lock(seq.nodes, -1)
         self.pages.release(seq.pages)
         self._reserved -= seq.budget
         seq.pages, seq.nodes, seq.budget = [], [], 0
+
+    def _detach(self, seq: Sequence) -> None:
+        """Gives a running sequence's slot back (the next admission may take it) while the
+        sequence keeps its pages until its last tokens are read (`draining`): the device calls
+        already dispatched still write them, and the prefix cache takes them only once the
+        output is known (`_release_slot`)."""
+        self.slots[seq.slot] = None
+        self.active[seq.slot] = False
+        self.draining.append(seq)
 
     def _sampling_row(self, slot: int, seq: Sequence) -> None:
         self._enable_extras(seq.request)

@@ -34,3 +34,8 @@ FAMILIES.update(cad_families.FAMILIES)
 from rlvr.tasks.charts import CHART_FAMILIES  # noqa: E402
 
 FAMILIES.update(CHART_FAMILIES)
+from rlvr.tasks.geometry_drawings import GEOMETRY_FAMILIES  # noqa: E402
+from rlvr.tasks.ui_screens import UI_FAMILIES  # noqa: E402
+
+FAMILIES.update(UI_FAMILIES)
+FAMILIES.update(GEOMETRY_FAMILIES)
