@@ -7,14 +7,14 @@ import io
 import numpy as np
 from PIL import Image
 
-from rlvr.tasks.charts import SIZE_PX, ChartReadingFamily
+from rlvr.tasks.charts import ChartReadingFamily, size_px
 
 
-def _bar_heights(task) -> list[int]:
+def _bar_heights(task, level: int) -> list[int]:
     """Pixel height of each bar, measured in the PNG by its colour (bars are drawn without antialiasing)."""
     data = task.messages[0]["content"][0]["image"].split(",", 1)[1]
     pixels = np.asarray(Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB")).astype(int)
-    assert pixels.shape[:2] == SIZE_PX[::-1]
+    assert pixels.shape[:2] == size_px(level)[::-1]
     heights = []
     for color in task.metadata["colors"]:
         rgb = np.array([int(color[i:i + 2], 16) for i in (1, 3, 5)])
@@ -29,7 +29,7 @@ def test_charts_show_their_values_and_score_only_the_right_reading():
         for index in range(3):
             task = family.task(index, level=level)
             values = np.array(task.metadata["values"])
-            heights = np.array(_bar_heights(task))
+            heights = np.array(_bar_heights(task, level))
             # heights proportional to values (a pixel of rounding at each end)
             slope, offset = np.polyfit(values, heights, 1) if len(set(values)) > 1 else (heights[0] / values[0], 0)
             assert abs(offset) <= 2 and np.abs(heights - slope * values - offset).max() <= 1.5, (values, heights)

@@ -184,7 +184,7 @@ def test_vlm_sft_then_rl_on_chart_tasks(tmp_path):
     """`rlvr.main.run` of configs/vlm.py:smoke: a random VLM's SFT warm start on rendered charts,
     then GRPO whose rollouts prefill the charts: the trainer scores the engine's tokens with the
     images (log-prob mismatch ~0; without them it would be O(1)) and the prompts carry the
-    expanded placeholders (87 tokens: 48 of them the chart's)."""
+    expanded placeholders (51 tokens: 12 of them the chart's)."""
     import json
 
     from rlvr import config_lib, main
@@ -196,4 +196,4 @@ def test_vlm_sft_then_rl_on_chart_tasks(tmp_path):
         assert np.isfinite(json.load(f)["final_loss"])
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         steps = [json.loads(line) for line in f if '"logprob_mismatch"' in line]
-    assert steps and all(s["logprob_mismatch"] <= 1e-5 and s["prompt_length"] == 87 for s in steps)
+    assert steps and all(s["logprob_mismatch"] <= 1e-5 and s["prompt_length"] == 51 for s in steps)
