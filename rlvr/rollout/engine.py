@@ -125,6 +125,7 @@ class Engine(Slots, Dispatch):
         self.finished: list[Completion] = []
         self.inflight: collections.deque[_Inflight] = collections.deque()
         self.weight_version, self.paused, self.model_path = 0, False, model_path
+        self.weights_epoch = 0  # weight updates so far (`update_weights`)
         self.released: set[str] = set()  # device memory given back (release_memory)
         self._host_params = None
         self._seed_rng = np.random.default_rng(seed)
@@ -295,8 +296,13 @@ class Engine(Slots, Dispatch):
 
     def update_weights(self, params, version: int) -> None:
         """New params (resharded to the current ones' shardings); in-flight sequences keep
-        their caches and continue with the new weights; tokens are tagged by version."""
+        their caches and continue with the new weights; tokens are tagged by version. The prefix
+        cache is emptied: its pages hold the old weights' KV."""
         self._process(keep=0)  # tokens of calls already dispatched belong to the old version
+        # Cached pages hold the old weights' KV: a new request must not reuse them (SGLang flushes its
+        # cache on a weight update too); sequences placed before now never insert theirs.
+        self.prefix.forget()
+        self.weights_epoch += 1
         params = jax.tree.map(jax.device_put, params, self._shardings)
         self.params = self._decode_params(params)
         self.weight_version = int(version)

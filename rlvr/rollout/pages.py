@@ -81,6 +81,13 @@ class PrefixCache:
         self.pages = 0
         self.hit_tokens = self.prompt_tokens = self.evicted = 0
 
+    def forget(self) -> None:
+        """Drops every cached page (their KV was computed with weights that are gone), releasing the
+        tree's references; running sequences keep the pages they share. Counters are kept."""
+        self.pool.release([node.page for node in self._walk()])
+        self.root = _Node((), 0, None)
+        self.pages = 0
+
     def _keys(self, tokens: list[int]):
         p = self.page_size
         return (tuple(tokens[i:i + p]) for i in range(0, len(tokens) - p + 1, p))

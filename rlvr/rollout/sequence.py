@@ -36,6 +36,7 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens taken from cached or shared pages
     device_tokens: int = 0  # upper bound of prompt + output tokens on the device
     budget: int = 0  # pages still reserved for this sequence's worst case
+    weights_epoch: int = 0  # the engine's weight updates when it was placed: older KV never enters the cache
     output: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)

@@ -53,7 +53,7 @@ class Slots:
     def _place(self, seq: Sequence, nodes: list, twin: Sequence | None, budget: int) -> None:
         slot = self.slots.index(None)
         seq.slot, self.slots[slot] = slot, seq
-        seq.budget = budget
+        seq.budget, seq.weights_epoch = budget, self.weights_epoch
         self.prefix.lock(nodes)
         seq.nodes = nodes
         seq.pages = self.pages.share([n.page for n in nodes])
@@ -68,7 +68,7 @@ class Slots:
         """True if a running prefill will soon cache more of this prompt than is cached now
         (a page more, or all of it but the last token for an identical prompt)."""
         for other in self._running():
-            if other.prefilled >= len(other.prompt):
+            if other.prefilled >= len(other.prompt) or other.weights_epoch != self.weights_epoch:
                 continue
             usable = min(_common_prefix(seq.key, other.key), len(seq.prompt) - 1)
             if other.prefilled < usable and (usable == len(seq.prompt) - 1 or usable - cached >= self.page_size):
@@ -78,7 +78,8 @@ class Slots:
     def _twin(self, seq: Sequence) -> Sequence | None:
         """A running sequence with the same prompt (and images) whose prompt (but the last token) is written."""
         for other in self._running():
-            if other.key == seq.key and other.prefilled >= len(seq.prompt) - 1:
+            if (other.key == seq.key and other.prefilled >= len(seq.prompt) - 1
+                    and other.weights_epoch == self.weights_epoch):
                 return other
         return None
 
@@ -126,7 +127,7 @@ class Slots:
             self.draining.remove(seq)
         else:
             return
-        if cache:
+        if cache and seq.weights_epoch == self.weights_epoch:  # KV of older weights is not cached
             self.prefix.insert(seq.key + seq.output[:-1], seq.pages)
         self.prefix.lock(seq.nodes, -1)
         self.pages.release(seq.pages)
