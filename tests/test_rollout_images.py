@@ -122,6 +122,36 @@ def test_image_prompts_decode_as_the_full_vlm_and_the_prefix_cache_keys_images(p
     assert other.output_ids == _naive_greedy(params, prompts[0][0], blue, 6)[1] != outs[0].output_ids
 
 
+def test_a_generated_image_placeholder_is_cut_off_and_never_reaches_the_trainer():
+    """A VLM policy that samples `<|image_pad|>` in its answer (a run at lr 1e-3 did while collapsing) crashed
+    the step: the batch builder found placeholders with no image behind them. The producer now cuts the
+    output before the first one and records the sample as a failure (not trained on)."""
+    from rlvr.rl.batching import Sample, build_batch
+    from rlvr.rl.producer import without_image_placeholders
+    from rlvr.rollout.types import Completion
+
+    image = _png(0)
+    _, grids = images_lib.preprocess([image], CFG.vision)
+    prompt = [5, VS] + [IMG] * images_lib.placeholder_count(grids[0], CFG.vision) + [VE, 6]
+    completion = Completion("r", prompt, [7, 8, IMG, 9], [-1.0, -2.0, -3.0, -4.0], [0, 0, 0, 0],
+                            {"type": "stop", "matched": 9})
+    cut, position = without_image_placeholders(completion, CFG.vision)
+    assert position == 2 and cut.output_ids == [7, 8] and cut.output_logprobs == [-1.0, -2.0]
+    assert cut.output_versions == [0, 0] and cut.finish_reason == {"type": "length", "length": 2}
+    assert without_image_placeholders(completion, None) == (completion, None)
+    assert without_image_placeholders(cut, CFG.vision) == (cut, None)
+
+    def batch(c):
+        sample = Sample(0, 0, c.prompt_ids, c.output_ids, c.output_logprobs, c.output_versions, False, {"reward": 0.0},
+                        images=[image])
+        return build_batch([sample], 64, 0, vision=CFG.vision)
+
+    with pytest.raises(ValueError, match="image placeholders"):
+        batch(completion)
+    tokens = batch(cut)["tokens"][0]
+    assert tokens[:len(prompt) + 2].tolist() == prompt + [7, 8] and IMG not in tokens[len(prompt):].tolist()
+
+
 def test_image_requests_are_checked(params):
     engine = Engine(CFG, params, **OPTS)
     with pytest.raises(ValueError, match="image_data has 2 images"):

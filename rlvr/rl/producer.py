@@ -86,6 +86,21 @@ def completion_text(tokenizer, completion) -> tuple[str, bool]:
     return tokenizer.decode(list(ids)), (completion.finish_reason or {}).get("type") != "stop"
 
 
+def without_image_placeholders(completion, vision):
+    """(`completion` cut before the first image placeholder it generated, the cut position) for a VLM
+    policy; (`completion`, None) when it generated none. An output `<|image_pad|>` has no image
+    behind it: the trainer would put image features there (and could not place M-RoPE ids), the
+    engine embedded it as text. The cut completion counts as cut off (finish `length`); the producer
+    records such a sample as a failure, so it is not trained on."""
+    if vision is None or vision.image_token_id not in completion.output_ids:
+        return completion, None
+    k = list(completion.output_ids).index(vision.image_token_id)
+    return dataclasses.replace(completion, output_ids=list(completion.output_ids[:k]),
+                               output_logprobs=list(completion.output_logprobs[:k]),
+                               output_versions=list(completion.output_versions[:k]),
+                               finish_reason={"type": "length", "length": k}), k
+
+
 def sample_seed(seed: int, task_index: int, k: int, replay: int = 0) -> int:
     entropy = [seed, task_index, k] + ([replay] if replay else [])
     return int(np.random.SeedSequence(entropy).generate_state(1)[0] % 2**31)
@@ -275,9 +290,13 @@ class Producer:
         return out
 
     def _score(self, task, completion, group: int) -> tuple[Sample, dict[str, Any] | None]:
+        completion, cut = without_image_placeholders(completion, self.vision)
         finish = completion.finish_reason or {}
         text, truncated = completion_text(self.tokenizer, completion)
-        failure = None
+        failure = None if cut is None else {
+            "task_index": task.index, "family": task.family, "rid": completion.rid,
+            "error": f"the policy generated an image placeholder (token {self.vision.image_token_id}) at output "
+                     f"position {cut}; recorded, not trained on"}
         try:
             if not self.hosts.verifies(group):  # another process verifies it: rewards arrive by `share_verdicts`
                 rewards = {}
