@@ -203,6 +203,26 @@ def test_dead_server_is_resynced_when_it_comes_back(servers, tmp_path):
     asyncio.run(scenario())
 
 
+def test_a_weight_sync_between_steps_flushes_the_prefix_cache(servers, tmp_path):
+    """An in-place weight update cannot flush SGLang's cache with the update (requests may be frozen in
+    place), so the client flushes after it: on an idle server (a synchronous step's sync) the cache is
+    gone and no later request reuses KV of the old weights (it did: `cached_tokens` after the update)."""
+    (handle,) = servers(1)
+    client = fast_client([handle])
+
+    async def scenario():
+        await client.generate(requests_for(3, prefix="a"))
+        again = await client.generate(requests_for(3, prefix="b"))
+        await client.update_weights_from_disk(str(tmp_path), 1)
+        after = await client.generate(requests_for(3, prefix="c"))
+        await client.aclose()
+        return again, after
+
+    again, after = asyncio.run(scenario())
+    assert [c.cached_tokens for c in again] == [1, 1, 1]  # the same prompts: served from the cache ...
+    assert [c.cached_tokens for c in after] == [0, 0, 0]  # ... until the weights change
+
+
 def test_update_weights_mid_rollout_pauses_updates_and_continues(servers, tmp_path):
     handles = servers(3, step_delay=0.005, tokens_per_step=1)
     client = fast_client(handles)

@@ -435,15 +435,20 @@ class SGLangClient:
     async def update_weights_from_disk(self, path: str, version: int, pause_mode: str = "in_place",
                                        abort_all_requests: bool = False) -> dict[str, Any]:
         """pause -> /update_weights_from_disk on every server -> continue. With `pause_mode="in_place"`
-        running requests continue on the new weights (their tokens carry both versions) and the
-        prefix cache is not flushed (SGLang cannot flush with paused requests); "abort" flushes.
-        Servers that are down are re-synced when they come back."""
+        running requests continue on the new weights (their tokens carry both versions); SGLang cannot
+        flush its prefix cache with requests frozen in place, so the update asks it not to and a
+        /flush_cache follows, which succeeds on a server with nothing running (a synchronous step's
+        weight sync) and is refused (400) where requests run: there the radix cache keeps pages of the
+        old weights until they are evicted. "abort" flushes with the update. Servers that are down are
+        re-synced when they come back."""
         self._weights = (path, int(version))
         body = {"model_path": path, "weight_version": str(version), "abort_all_requests": abort_all_requests,
                 "flush_cache": pause_mode != "in_place"}
         await self.pause(pause_mode)
         try:
             results = await self._broadcast("/update_weights_from_disk", body, timeout=self.update_timeout)
+            if pause_mode == "in_place":  # the cache holds the old weights' KV: drop it where nothing runs
+                await self._broadcast("/flush_cache")
         finally:
             await self.resume()
         failed = {}
