@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import functools
 import io
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -80,6 +81,22 @@ def render_bars(names: tuple, values: tuple, colors: tuple, labels: bool, grid_s
     return buffer.getvalue()
 
 
+def exact_number(answer: str) -> dict[str, Any]:
+    """The numeric verifier with no tolerance."""
+    return {"kind": "numeric", "answer": answer, "rel_tol": 0, "abs_tol": 0}
+
+
+def png_task(png: bytes, question: str, answer: str, verifier: Mapping[str, Any],
+             metadata: Mapping[str, Any]) -> Task:
+    """A task showing the `png` image (a data-URL content part) before `question` and the answer
+    instruction; the text-only `prompt` lacks the image (these tasks need a VLM and chat prompts)."""
+    text = f"{question}\n{ANSWER_INSTRUCTION}"
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    content = [{"type": "image", "image": url}, {"type": "text", "text": text}]
+    return Task(index=0, prompt=text, answer=answer, messages=({"role": "user", "content": content},),
+                verifier=dict(verifier), metadata={"modality": "image", **metadata})
+
+
 class ChartReadingFamily(Family):
     name = "chart_bars"
     domain = "multimodal"
@@ -100,13 +117,8 @@ class ChartReadingFamily(Family):
         answer = str(sum(values[i] for i in asked))
         png = render_bars(tuple(names), tuple(values), tuple(colors), labels, grid, size_px(level),
                           EASY_TOP if level == 0 else 0)
-        text = f"Read the bar chart. {question}\n{ANSWER_INSTRUCTION}"
-        image = "data:image/png;base64," + base64.b64encode(png).decode()
-        content = [{"type": "image", "image": image}, {"type": "text", "text": text}]
-        return Task(index=0, prompt=text, answer=answer, messages=({"role": "user", "content": content},),
-                    verifier={"kind": "numeric", "answer": answer, "rel_tol": 0, "abs_tol": 0},
-                    metadata={"modality": "image", "names": names, "values": values, "colors": colors,
-                              "asked": asked})
+        return png_task(png, f"Read the bar chart. {question}", answer, exact_number(answer),
+                        {"names": names, "values": values, "colors": colors, "asked": asked})
 
     def audit_probes(self, task: Task) -> list[tuple[str, str]]:
         """Wrong readings that must score 0: every value listed, the tallest bar's value (when the

@@ -15,10 +15,10 @@ from typing import Any
 
 from PIL import Image, ImageDraw, ImageFont
 
-from rlvr.tasks.base import ANSWER_INSTRUCTION, Family, Task
-from rlvr.tasks.charts import SIZE_PX, ChartReadingFamily
+from rlvr.tasks.base import Family, Task
+from rlvr.tasks.charts import SIZE_PX, ChartReadingFamily, exact_number, png_task
 
-__all__ = ["SIZE_PX", "RenderedFamily", "canvas", "font", "image_of", "image_task"]
+__all__ = ["SIZE_PX", "RenderedFamily", "canvas", "exact_number", "font", "image_of", "image_task"]
 
 
 def canvas() -> tuple[Image.Image, ImageDraw.ImageDraw]:
@@ -34,26 +34,16 @@ def font(size: int) -> ImageFont.FreeTypeFont:
 
 def image_task(image: Image.Image, question: str, answer: str, verifier: Mapping[str, Any],
                metadata: Mapping[str, Any]) -> Task:
-    """A task showing `image` (a PNG data URL) before `question` and the answer instruction; the text-only
-    `prompt` lacks the image (these tasks need a VLM and rl.prompt_format="chat")."""
+    """`image` as a PNG before `question` (rlvr.tasks.charts.png_task)."""
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-    text = f"{question}\n{ANSWER_INSTRUCTION}"
-    content = [{"type": "image", "image": url}, {"type": "text", "text": text}]
-    return Task(index=0, prompt=text, answer=answer, messages=({"role": "user", "content": content},),
-                verifier=dict(verifier), metadata={"modality": "image", **metadata})
+    return png_task(buffer.getvalue(), question, answer, verifier, metadata)
 
 
 def image_of(task: Task) -> Image.Image:
     """The RGB image a rendered task shows (decoded from its data URL)."""
     data = task.messages[0]["content"][0]["image"].split(",", 1)[1]
     return Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB")
-
-
-def exact_number(answer: str) -> dict[str, Any]:
-    """The numeric verifier with no tolerance (what the chart families use)."""
-    return {"kind": "numeric", "answer": answer, "rel_tol": 0, "abs_tol": 0}
 
 
 class RenderedFamily(Family):
