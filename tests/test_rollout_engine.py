@@ -294,8 +294,10 @@ def test_a_weight_update_drops_the_prefix_cache_and_old_kv_never_enters_it(param
 
 def test_compilation_is_one_decode_program_and_the_prefill_shapes_paid_up_front(params):
     """`warmup()` compiles one decode program (its attention loops over the pages held, whatever
-    their number) and the prefill shapes (rows 1, 2 x chunks 4, 16 here); workloads of other
-    ids, seeds, prompt lengths and output lengths then compile nothing new."""
+    their number) and the prefill shapes (rows 1, 2 x chunks 4, 16 here), once each: the page pool and
+    decode state start on the params' mesh, as every call returns them (created uncommitted, the first
+    call's program was one no later call used: 5 prefill compiles); workloads of other ids, seeds,
+    prompt lengths and output lengths then compile nothing new."""
     def counts():
         return device_fns.decode._cache_size(), device_fns.prefill._cache_size()
 

@@ -109,10 +109,10 @@ class Engine(Slots, Dispatch):
                                                               window_bytes <= WINDOW_AUTO_BYTES)
         self.pages = PagePool(num_pages or max_slots * self.pages_per_row + 1)
         self.prefix = PrefixCache(self.pages, page_size)
-        self.pool = {k: v for k, v in init_paged_cache(cfg, self.pages.capacity, page_size, self.kv_dtype).items()
-                     if k != "page_table"}
+        self.pool = self.on_mesh({k: v for k, v in init_paged_cache(cfg, self.pages.capacity, page_size,
+                                                                     self.kv_dtype).items() if k != "page_table"})
         self.page_table = np.zeros((max_slots, self.pages_per_row), np.int32)
-        self.state = device_fns.init_state(max_slots)
+        self.state = self.on_mesh(device_fns.init_state(max_slots))
         self.active = np.zeros(max_slots, bool)
         self._sampling = sampling_table(max_slots)
         if cfg.vision is not None:  # decoding after an image prompt: M-RoPE id = position + the prompt's delta
@@ -135,6 +135,15 @@ class Engine(Slots, Dispatch):
         # Set to a list to time every device call synchronously (no overlap; for calibration):
         # ("prefill", rows x chunk, s), ("decode", (rows decoding, max_slots), s), ("step", 0, host s).
         self.call_times: list[tuple[str, Any, float]] | None = None
+
+    def on_mesh(self, tree):
+        """`tree` replicated on the params' mesh, where the device functions return the page pool and
+        the decode state: created uncommitted instead, the first call would compile a program that no
+        later call (taking the previous call's outputs) uses, and the next call would compile again."""
+        sharding = jax.tree.leaves(self._shardings)[0]
+        if not isinstance(sharding, jax.sharding.NamedSharding):
+            return tree
+        return jax.device_put(tree, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
 
     def _decode_params(self, params):
         params = unstack_layers(params)
@@ -284,8 +293,8 @@ class Engine(Slots, Dispatch):
     def resume_memory(self, tags: list[str]) -> None:
         """Re-allocates what `release_memory` gave back: an empty page pool, the weights as they were."""
         if "kv_cache" in tags and "kv_cache" in self.released:
-            self.pool = {k: v for k, v in init_paged_cache(self.cfg, self.pages.capacity, self.page_size,
-                                                           self.kv_dtype).items() if k != "page_table"}
+            pool = init_paged_cache(self.cfg, self.pages.capacity, self.page_size, self.kv_dtype)
+            self.pool = self.on_mesh({k: v for k, v in pool.items() if k != "page_table"})
         if "weights" in tags and "weights" in self.released:
             host, shardings = self._host_params
             self.params, self._host_params = jax.tree.map(jax.device_put, host, shardings), None
@@ -361,9 +370,7 @@ class Engine(Slots, Dispatch):
         for variant in sorted({False, filters}):
             row_sizes, chunk_sizes = self._prefill_shapes()
             shapes = [(rows, chunk) for rows in row_sizes for chunk in chunk_sizes]
-            # The first call took the pool and state as created (uncommitted): once more as every
-            # later call passes them (the previous call's outputs), or its first real use compiles.
-            for rows, chunk in shapes + shapes[:1]:
+            for rows, chunk in shapes:
                 self._dispatch_prefill([], rows, chunk, variant)
             self._dispatch_decode([None] * self.max_slots, filters=variant)
         self._process(keep=0)

@@ -154,7 +154,7 @@ class Slots:
         table, slots, vocab = self._sampling, self.max_slots, self.cfg.vocab_size
         if request.sampling.penalized and "frequency_penalty" not in table:
             table.update(penalty_arrays(slots, vocab))
-            self.state = {**self.state, "counts": jnp.zeros((slots, vocab), jnp.int32)}
+            self.state = {**self.state, "counts": self.on_mesh(jnp.zeros((slots, vocab), jnp.int32))}
         width = table["logprob_ids"].shape[1] if "logprob_ids" in table else 0
         if len(request.token_ids_logprob) > width:
             ids = np.zeros((slots, 1 << (len(request.token_ids_logprob) - 1).bit_length()), np.int32)
