@@ -32,18 +32,23 @@ def _is_axes(x) -> bool:
     return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
 
 
+@functools.lru_cache(maxsize=32)
+def _boxed_shapes(cfg: ModelConfig) -> Any:
+    """The boxed params' shapes: one trace of the model's init per config (a run asks for its shapes
+    and axes a dozen times; each trace of a VLM's init costs ~0.3 s). Callers get fresh trees."""
+    return jax.eval_shape(functools.partial(init_boxed, cfg), jax.random.key(0))
+
+
 def logical_axes(cfg: ModelConfig) -> Any:
     """Pytree (same structure as params) of logical axis-name tuples."""
-    boxed = jax.eval_shape(functools.partial(init_boxed, cfg), jax.random.key(0))
     return jax.tree.map(
-        lambda p: tuple(p.names), boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned)
+        lambda p: tuple(p.names), _boxed_shapes(cfg), is_leaf=lambda x: isinstance(x, nn.Partitioned)
     )
 
 
 def abstract_params(cfg: ModelConfig) -> Any:
     """Pytree of jax.ShapeDtypeStruct: the parameters' shapes without allocating them."""
-    boxed = jax.eval_shape(functools.partial(init_boxed, cfg), jax.random.key(0))
-    return nn.unbox(boxed)
+    return nn.unbox(_boxed_shapes(cfg))
 
 
 def param_shardings(cfg: ModelConfig, mesh: Mesh, rules: sharding.Rules = sharding.LOGICAL_AXIS_RULES):
