@@ -61,7 +61,11 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     if unknown:
         raise ValueError(f"configs/vlm.py: unknown variant(s) {sorted(unknown)}; use smoke")
     if "smoke" in variants:
-        c.rl.prompts_per_step, c.rl.group_size, c.rl.eval_examples = 4, 2, 1
+        # one decoder and one ViT layer (a chart is one attention window: windowed = full here), and
+        # evaluation batches of the rollout's 4 prompts: each compile is paid once (tests' time)
+        c.model.num_layers = 1
+        c.model.vision = dict(c.model.vision, num_layers=1, full_attention_layers=(0,))
+        c.rl.prompts_per_step, c.rl.group_size, c.rl.eval_examples = 4, 2, 4
         c.rl.sft_steps, c.rl.sft_demos, c.rl.sft_batch_size = 2, 8, 8
         c.rl.engine.max_slots = 8
         c.train.num_steps, c.checkpoint.every_steps = 2, 2
