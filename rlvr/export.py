@@ -16,13 +16,21 @@ or a QLoRA base: dequantised, as the adapter was trained on it) an HF export of 
 DIR/base (`peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base),
 DIR)`; SGLang: `--enable-lora --lora-paths name=DIR`).
 
+A VLM run (Qwen2.5-VL layout) exports as `Qwen2_5_VLForConditionalGeneration` with a
+preprocessor_config.json set to our image preprocessing (rlvr.models.vlm_hf.processor_config).
+
 `--verify` (needs the `hf` extra) reloads DIR with transformers (and peft) and checks, on a few chat
 prompts, that its chat template renders the same ids as the run's and that its greedy generation
-equals the embedded engine's, token for token.
+equals the embedded engine's, token for token; for a VLM also that transformers' logits, with the
+export's own image processor, on a chat prompt with two images are within 1e-4 of ours.
 """
 
 from __future__ import annotations
 
+import base64
+import dataclasses
+import io
+import json
 import os
 import sys
 from typing import Any
@@ -35,6 +43,8 @@ VERIFY_PROMPTS = (
     [{"role": "user", "content": "Solve for x: 3x + 4 = 19"}],
     [{"role": "user", "content": "Write one sentence about the sea."}],
 )
+
+IMAGE_LOGITS_ATOL = 1e-4  # float32: transformers and ours differ by summation order only
 
 
 def export(workdir: str, out: str, step: int | None = None) -> api.Model:
@@ -82,7 +92,11 @@ def load_transformers(out: str, base_dir: str | None = None):
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir or out, dtype=torch.float32)
+    auto = transformers.AutoModelForCausalLM
+    with open(os.path.join(base_dir or out, "config.json")) as f:
+        if json.load(f).get("vision_config"):  # a VLM (Qwen2.5-VL): the image-text-to-text class
+            auto = transformers.AutoModelForImageTextToText
+    model = auto.from_pretrained(base_dir or out, dtype=torch.float32)
     if base_dir is not None:
         import peft
 
@@ -121,6 +135,62 @@ def verify(model: api.Model, out: str, prompts=VERIFY_PROMPTS, max_new_tokens: i
             "same_tokens": [list(e) for e in engine_out] == hf_out, "engine": engine_out, "transformers": hf_out}
 
 
+def verify_image_logits(model: api.Model, out: str, seed: int = 0) -> dict[str, Any]:
+    """Logits of transformers on the VLM export `out` (its model and its image processor, from
+    preprocessor_config.json) vs ours (rlvr.data.images preprocessing, the VLM's forward) on a chat
+    prompt with two images and text. Returns {"max_abs_diff", "max_abs_logit", "image_effect"}:
+    image_effect is how far our logits move when the images are replaced by black ones (a gap well
+    below it shows the images are read the same way, not merely ignored on both sides)."""
+    import numpy as np
+    import torch
+    import transformers
+    from PIL import Image
+
+    from rlvr.data import images as images_lib
+
+    vcfg = model.cfg.vision
+    rng = np.random.default_rng(seed)
+    pictures = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in ((84, 112), (56, 56))]
+    urls = [_data_url(p) for p in pictures]
+    content = [{"type": "image_url", "image_url": {"url": urls[0]}}, {"type": "text", "text": "Which bar is taller,"},
+               {"type": "image_url", "image_url": {"url": urls[1]}}, {"type": "text", "text": "or this one?"}]
+    ids, sources = images_lib.chat_prompt_ids(model.tokenizer, [{"role": "user", "content": content}], vcfg)
+    patches, grids = images_lib.preprocess(sources, vcfg)
+    black, _ = images_lib.preprocess([_data_url(Image.new("RGB", p.size)) for p in pictures], vcfg)
+    ours, ours_black = (_vlm_logits(model, ids, p, grids) for p in (patches, black))
+    _, theirs = load_transformers(out)
+    inputs = transformers.AutoImageProcessor.from_pretrained(out)(images=pictures, return_tensors="pt")
+    tokens = torch.tensor([ids])
+    with torch.no_grad():
+        ref = theirs(input_ids=tokens, attention_mask=torch.ones_like(tokens), pixel_values=inputs["pixel_values"],
+                     image_grid_thw=inputs["image_grid_thw"],
+                     mm_token_type_ids=(tokens == vcfg.image_token_id).long()).logits[0].float().numpy()
+    return {"max_abs_diff": float(np.abs(ours - ref).max()), "max_abs_logit": float(np.abs(ref).max()),
+            "image_effect": float(np.abs(ours - ours_black).max())}
+
+
+def _data_url(picture) -> str:
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _vlm_logits(model: api.Model, ids: list[int], patches, grids):
+    """Our float32 logits [T, V] of one VLM prompt."""
+    import jax
+    import numpy as np
+
+    from rlvr.models import vision
+    from rlvr.models.transformer import forward
+
+    tokens, segments = np.asarray([ids], np.int32), np.ones((1, len(ids)), np.int32)
+    inputs = vision.image_inputs(model.cfg.vision, [patches], [grids], tokens, segments)
+    cfg = dataclasses.replace(model.cfg, dtype="float32")
+    params = jax.tree.map(lambda x: x.astype("float32"), model.params)
+    logits = jax.jit(lambda p, i: forward(cfg, p, tokens, np.arange(len(ids))[None], segments, images=i)[0])
+    return np.asarray(logits(params, inputs)[0])
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -152,6 +222,13 @@ def main(argv: list[str] | None = None) -> int:
         if not (report["same_prompt_ids"] and report["same_tokens"]):
             print(f"engine: {report['engine']}\ntransformers: {report['transformers']}", file=sys.stderr)
             return 1
+        if model.cfg.vision is not None:
+            logits = verify_image_logits(model, args.out)
+            print(f"verify: logits on a chat prompt with 2 images (transformers with the export's image processor "
+                  f"vs ours): max|dlogit|={logits['max_abs_diff']:.2e} (max|logit|={logits['max_abs_logit']:.2f}, "
+                  f"the images move ours by {logits['image_effect']:.2e}; tolerance {IMAGE_LOGITS_ATOL:.0e})")
+            if not logits["max_abs_diff"] <= IMAGE_LOGITS_ATOL:
+                return 1
     return 0
 
 

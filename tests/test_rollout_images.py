@@ -163,13 +163,15 @@ def test_image_requests_are_checked(params):
 
 
 def test_openai_image_url_parts_and_sglang_image_data_reach_the_engine(params):
-    """The `openai` SDK's chat request with an `image_url` part (a base64 PNG data URL) and SGLang's
-    `/generate` with `image_data` give the tokens the engine gives that chat prompt and image
+    """The `openai` SDK's chat request with an `image_url` part (a base64 PNG data URL), SGLang's
+    `/generate` with `image_data` (a data URL, raw base64, a batch's per-prompt entries) and rlvr's
+    SGLang client (rl.backend='sglang') give the tokens the engine gives that chat prompt and image
     directly; a text-only server refuses image parts with a 400 naming them."""
     import httpx
     import openai
 
     from rlvr.models.tokenizer import Tokenizer
+    from rlvr.rollout.client import SGLangClient
     from rlvr.rollout.driver import EngineDriver
     from rlvr.rollout.server import serve
 
@@ -196,6 +198,21 @@ def test_openai_image_url_parts_and_sglang_image_data_reach_the_engine(params):
         assert out["output_ids"] == direct.output_ids
         bad = httpx.post(server.url + "/generate", json={**body, "image_data": [image, image]}, timeout=60)
         assert bad.status_code == 400 and "image_data has 2 images" in bad.json()["error"]["message"]
+        # SGLang's other shapes (GenerateReqInput): raw base64 (sglang.lang sends that), and a batch with one
+        # entry per prompt, a bare string or a list of that prompt's images
+        raw = httpx.post(server.url + "/generate", json={**body, "image_data": image.split(",", 1)[1]}, timeout=120)
+        assert raw.json()["output_ids"] == direct.output_ids
+        batch = httpx.post(server.url + "/generate", json={**body, "input_ids": [chat, direct.prompt_ids],
+                                                            "image_data": [image, [image]]}, timeout=120).json()
+        assert [o["output_ids"] for o in batch] == [direct.output_ids] * 2
+        # rl.backend='sglang': rlvr's SGLang client sends a VLM rollout request (expanded placeholders, as the
+        # producer lays them out) with its image as image_data, and gets the engine's tokens and log-probs
+        client = SGLangClient([server.url], timeout=120)
+        sent = client.payload(_req("c", direct.prompt_ids, image, ignore_eos=True), "c")
+        assert sent["image_data"] == [image]
+        got = client.generate_sync([_req("c", direct.prompt_ids, image, ignore_eos=True)])[0]
+        assert got.output_ids == direct.output_ids
+        np.testing.assert_allclose(got.output_logprobs, direct.output_logprobs, atol=1e-5)
     finally:
         server.stop()
         driver.close()
@@ -210,20 +227,51 @@ def test_openai_image_url_parts_and_sglang_image_data_reach_the_engine(params):
         _parse_chat(text_only, {"messages": [{"role": "user", "content": content}], "max_tokens": 2})
 
 
-def test_vlm_sft_then_rl_on_chart_tasks(tmp_path):
+@pytest.fixture(scope="module")
+def vlm_run(tmp_path_factory):
+    """A workdir of `rlvr.main.run` of configs/vlm.py:smoke (SFT warm start, then one GRPO step)."""
+    from rlvr import config_lib, main
+
+    workdir = str(tmp_path_factory.mktemp("vlm") / "run")
+    config = config_lib.load_config("configs/vlm.py:smoke", {"train.num_steps": 1, "rl.sft_steps": 1})
+    return workdir, main.run(config, workdir)
+
+
+def test_vlm_sft_then_rl_on_chart_tasks(vlm_run):
     """`rlvr.main.run` of configs/vlm.py:smoke: a random VLM's SFT warm start on rendered charts,
     then GRPO whose rollouts prefill the charts: the trainer scores the engine's tokens with the
     images (log-prob mismatch ~0; without them it would be O(1)) and the prompts carry the
     expanded placeholders (51 tokens: 12 of them the chart's)."""
     import json
 
-    from rlvr import config_lib, main
-
-    config = config_lib.load_config("configs/vlm.py:smoke", {"train.num_steps": 1, "rl.sft_steps": 1})
-    summary = main.run(config, str(tmp_path / "run"))
+    workdir, summary = vlm_run
     assert summary["job"] == "rl" and summary["final_step"] == 1
-    with open(tmp_path / "run" / "sft" / "summary.json") as f:
+    assert os.path.isdir(os.path.join(workdir, "checkpoints", "1"))
+    with open(os.path.join(workdir, "sft", "summary.json")) as f:
         assert np.isfinite(json.load(f)["final_loss"])
-    with open(tmp_path / "run" / "metrics.jsonl") as f:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
         steps = [json.loads(line) for line in f if '"logprob_mismatch"' in line]
     assert steps and all(s["logprob_mismatch"] <= 1e-5 and s["prompt_length"] == 51 for s in steps)
+
+
+@pytest.mark.hf
+def test_a_trained_vlm_exports_to_transformers(vlm_run, tmp_path, capsys):
+    """`python -m rlvr.export VLM_WORKDIR --out DIR --verify` writes a Qwen2.5-VL directory that
+    transformers loads (with its image processor) and passes: chat-template ids and greedy tokens equal,
+    logits on a prompt with two images within 1e-4 of ours, where the images move them by far more.
+    The same check on the export with one vision weight changed fails."""
+    import re
+
+    from safetensors.numpy import load_file, save_file
+
+    from rlvr import api, export
+
+    out = str(tmp_path / "hf")
+    assert export.main([vlm_run[0], f"--out={out}", "--verify"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "2 images" in x)
+    gap, effect = (float(v) for v in re.search(r"max\|dlogit\|=(\S+) .*move ours by (\S+);", line).groups())
+    assert gap <= 1e-4 and effect > 100 * max(gap, 1e-6)
+    weights = load_file(os.path.join(out, "model.safetensors"))
+    weights["visual.merger.mlp.2.bias"] = weights["visual.merger.mlp.2.bias"] + 1.0
+    save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    assert export.verify_image_logits(export.merged(api.load_trained(vlm_run[0])), out)["max_abs_diff"] > 1e-3

@@ -306,7 +306,10 @@ def config_to_hf(cfg: ModelConfig, extra: Mapping[str, Any] | None = None) -> di
     if cfg.vision is not None:
         from rlvr.models import vlm_hf
 
-        return vlm_hf.config_to_hf(cfg) | dict(extra or {})
+        out = vlm_hf.config_to_hf(cfg) | dict(extra or {})
+        # the special ids in the decoder's config too (else transformers takes Qwen's 151645 as the eos)
+        out["text_config"] |= {k: v for k, v in (extra or {}).items() if k.endswith("_token_id")}
+        return out
     _check_exportable(cfg)
     out: dict[str, Any] = {
         "architectures": [ARCHITECTURES[cfg.family]], "model_type": cfg.family,
@@ -507,8 +510,8 @@ def export_hf_checkpoint(
     chat_template: str | None = None,
 ) -> None:
     """Writes a HF-layout checkpoint: config.json, weights, generation_config.json (the tokenizer's
-    special ids: the end-of-turn token stops generation) and the tokenizer files of `tokenizer_dir`,
-    with `chat_template` (when given) as its chat template."""
+    special ids: the end-of-turn token stops generation), a VLM's preprocessor_config.json and the
+    tokenizer files of `tokenizer_dir`, with `chat_template` (when given) as its chat template."""
     os.makedirs(out_dir, exist_ok=True)
     for name in TOKENIZER_FILES if tokenizer_dir else ():
         src = os.path.join(tokenizer_dir, name)
@@ -521,4 +524,9 @@ def export_hf_checkpoint(
         json.dump(config_to_hf(cfg, {**ids, **(extra_config or {})}), f, indent=2)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump(ids, f, indent=2)
+    if cfg.vision is not None:  # a VLM: its image processor's settings (`AutoProcessor`, SGLang)
+        from rlvr.models import vlm_hf
+
+        with open(os.path.join(out_dir, "preprocessor_config.json"), "w") as f:
+            json.dump(vlm_hf.processor_config(cfg.vision), f, indent=2)
     write_safetensors(to_hf_tensors(cfg, params), out_dir, max_shard_bytes)

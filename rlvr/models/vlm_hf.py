@@ -110,6 +110,21 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
             "vision_end_token_id": vcfg.vision_end_token_id, "dtype": cfg.param_dtype}
 
 
+def processor_config(vcfg: VisionConfig) -> dict[str, Any]:
+    """`preprocessor_config.json` of an export: the Qwen2-VL image processor set to what
+    `rlvr.data.images.preprocess` does (CLIP mean/std, bicubic resize to multiples of the merged patch
+    within MIN_PIXELS..MAX_PIXELS), so transformers' and SGLang's processors give the patches we trained on."""
+    from rlvr.data import images
+
+    return {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+            "do_convert_rgb": True, "do_resize": True, "do_rescale": True, "do_normalize": True,
+            "rescale_factor": 1 / 255, "resample": 3, "image_mean": list(images.CLIP_MEAN),
+            "image_std": list(images.CLIP_STD), "min_pixels": images.MIN_PIXELS, "max_pixels": images.MAX_PIXELS,
+            "size": {"shortest_edge": images.MIN_PIXELS, "longest_edge": images.MAX_PIXELS},
+            "patch_size": vcfg.patch_size, "temporal_patch_size": vcfg.temporal_patch_size,
+            "merge_size": vcfg.spatial_merge_size}
+
+
 def load_vlm_params(cfg: ModelConfig, path: str, mesh: Mesh, rules: sharding.Rules) -> Params:
     """The VLM's params (`cfg` from `config_from_hf`) from a checkpoint directory, each shard read into place."""
     files = hf.weight_files(path)
