@@ -10,8 +10,10 @@ NumPy array right after the call and counts the trials in which the JAX array (o
 result) then holds the new values; then again with `block_until_ready()` before the overwrite. Prints
 one JSON line. Measured with JAX 0.10.2 on CPU (8 fake devices): an aligned buffer is zero-copied
 (aliased for good: every trial, even after block_until_ready), an unaligned large one is copied in the
-background (some trials, none after block_until_ready), jnp.asarray without a dtype copies, and a
-zero-copied array donated to a jitted call is never written in place. Hence the rule in this repo: a host
+background (some trials, none after block_until_ready), jnp.asarray(x) and jnp.array(x) copy (a large
+buffer in the background too) while jnp.asarray(x, x.dtype) is device_put, and a
+zero-copied array donated to a jitted call is never written in place (nor is the read-only NumPy view
+np.asarray gives of a JAX array, when that array is donated). Hence the rule in this repo: a host
 array the host edits again is handed to JAX as a NumPy copy (`x.copy()`), as rlvr.rollout.dispatch does.
 """
 
@@ -85,6 +87,19 @@ def donated_in_place(trials: int) -> int:
     return hits
 
 
+def view_changed_by_donation(trials: int) -> int:
+    """Trials in which np.asarray of a JAX array (a read-only view of its buffer on CPU) changed when
+    the array was then donated to a jitted call."""
+    step = jax.jit(lambda x: x + 1.0, donate_argnums=0)
+    hits = 0
+    for _ in range(trials):
+        array = jnp.zeros((4096,), jnp.float32) + 0.0
+        view = np.asarray(array)
+        step(array).block_until_ready()
+        hits += bool(view[0] != 0)
+    return hits
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trials", type=int, default=100)
@@ -104,7 +119,8 @@ def main() -> None:
           "machine": f"{platform.machine()} {os.cpu_count()} CPUs", "jax": jax.__version__,
           "devices": jax.device_count(), "command": " ".join(["benchmarks/host_aliasing_probe.py", *sys.argv[1:]]),
           "changed_after_overwrite": changes, "donation_wrote_numpy_buffer": donated_in_place(args.trials),
-          "donation_trials": args.trials}, args.out)
+          "numpy_view_changed_by_donation": view_changed_by_donation(args.trials), "donation_trials": args.trials},
+         args.out)
 
 
 if __name__ == "__main__":
