@@ -63,12 +63,24 @@ def run_seed(seed: int, spec: str, overrides: dict | None, root: str = "", prefi
     return summary
 
 
+# overrides that change the SFT warm start (rlvr.trainers.rl.warm_start): its data, model, start and
+# optimizer; of the optimizer only the peak learning rate is RL's alone (SFT's is rl.sft_learning_rate)
+WARM_START_KEYS = ("rl.sft", "rl.task", "rl.prompt_format", "rl.env", "rl.min_digits", "rl.max_digits", "rl.seq_len",
+                   "model.", "init.", "tokenizer.", "data.", "optimizer.", "mesh.", "train.micro_batches",
+                   "train.logprob_chunk_size")
+
+
+def changes_warm_start(key: str) -> bool:
+    """Whether overriding `key` changes the SFT warm start (then a run makes its own)."""
+    return key.startswith(WARM_START_KEYS) and key != "optimizer.learning_rate"
+
+
 def _share_warm_start(root: str, seed: int, overrides: dict | None, workdir: str, spec: str) -> None:
     """One SFT warm start per seed under `root`: copied into a run's workdir before it starts, and
-    from the first run that made it. The warm start depends on the seed and the rl.sft_* settings
-    only (from a random init it trains every weight, a LoRA run's too), so runs whose overrides
-    leave those alone share it bit for bit."""
-    if not root or any(k.startswith(("rl.sft", "model.", "init.", "tokenizer.")) for k in overrides or {}):
+    from the first run that made it. The warm start depends on the seed and the settings
+    `changes_warm_start` names (from a random init it trains every weight, a LoRA run's too), so runs
+    whose overrides leave those alone share it bit for bit."""
+    if not root or any(changes_warm_start(k) for k in overrides or {}):
         return
     shared = os.path.join(os.path.dirname(run_dir(root, seed, None, spec)), f"sft_s{seed}")
     if spec != "configs/quickstart.py":  # another config (or variant): its own warm start
