@@ -100,7 +100,24 @@ def one_seed(seed: int, spec: str = "configs/quickstart.py", overrides: dict | N
             "heldout_value_accuracy_before": summary["heldout_value_accuracy_before"],
             "heldout_value_accuracy_after": summary["heldout_value_accuracy_after"],
             "final_reward_mean_last10": summary["final_reward_mean_last10"], "wall_s": round(wall, 1),
-            "heldout_curve": summary.get("evals", [])}
+            "heldout_curve": summary.get("evals", []), **step_figures(run_dir(root, seed, overrides, spec) if root else "")}
+
+
+def step_figures(workdir: str) -> dict:
+    """From a kept run's metrics.jsonl: the largest trainer/engine log-prob mismatch over its steps,
+    and the first and last 10 steps' mean reward, token entropy and share of zero-variance groups
+    (no GRPO signal); {} without a kept workdir."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not workdir or not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        steps = [r for r in map(json.loads, f) if "logprob_mismatch" in r]
+    out = {"logprob_mismatch_max": max(r["logprob_mismatch"] for r in steps)}
+    for key in ("reward", "entropy", "zero_variance_groups"):
+        if all(key in r for r in steps):
+            out[f"{key}_first10_last10"] = [round(sum(r[key] for r in part) / len(part), 4)
+                                            for part in (steps[:10], steps[-10:])]
+    return out
 
 
 def _override(item: str) -> tuple[str, object]:
