@@ -237,9 +237,10 @@ class Dispatch:
         return powers + [self.pages_per_row]
 
     def _window_pages(self, reach: np.ndarray) -> int:
-        """The smallest window bucket holding positions 0..reach of every row."""
+        """The smallest window bucket holding positions 0..reach of every row (a reach of max_len,
+        a token past the row's capacity, is never written)."""
         needed = -(-(int(reach.max()) + 1) // self.page_size)
-        return next(b for b in self.window_buckets() if b >= needed)
+        return next((b for b in self.window_buckets() if b >= needed), self.pages_per_row)
 
     def _time_call(self, kind: str, size: Any, start: float, output: jax.Array) -> None:
         if self.call_times is not None:
