@@ -220,6 +220,40 @@ def test_continuous_batching_refills_freed_slots(params):
     assert engine.pages.used == engine.prefix.pages  # what is left is only the prefix cache's
 
 
+def _aligned(x):
+    """A copy of `x` starting at a 64-byte boundary: JAX on CPU zero-copies such a buffer (device_put
+    then aliases it for good), so a test sees aliasing every time, not by the allocator's chance."""
+    raw = np.empty(x.nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    out = raw[start:start + x.nbytes].view(x.dtype).reshape(x.shape)
+    out[...] = x
+    return out
+
+
+def test_device_calls_get_copies_of_the_tables_the_host_keeps_editing(params, monkeypatch):
+    """On CPU, jax.device_put of a 64-byte-aligned NumPy array aliases it (a large unaligned one is
+    copied in the background): the page and sampling tables a decode call is handed must be copies,
+    or the host's edits (a freed slot taking a new request, pages allocated) change calls already
+    dispatched. The host tables are aligned here, so a missing copy fails every time."""
+    engine = Engine(CFG, params, **{**OPTS, "max_slots": 2})
+    engine.page_table = _aligned(engine.page_table)
+    engine._sampling = {k: _aligned(v) for k, v in engine._sampling.items()}
+    handed, decode = [], device_fns.decode
+
+    def spy(*args):  # decode(cfg, steps, filters, params, pool, table, ragged, state, active, sampling, ...)
+        handed.append([(x, np.array(x)) for x in (args[5], *args[9].values())])
+        return decode(*args)
+    monkeypatch.setattr(device_fns, "decode", spy)
+    for i, n in enumerate([2, 30, 2, 2]):
+        engine.submit(_req(f"c{i}", _prompts([5], seed=i)[0], max_new_tokens=n))
+    while engine.has_work():
+        engine.step()
+    assert len(handed) > 4
+    for arrays in handed:
+        for device, at_call in arrays:
+            np.testing.assert_array_equal(np.asarray(device), at_call)
+
+
 def test_longest_output_first_admits_the_largest_max_new_tokens_first(params):
     """schedule_policy="lof" (SGLang's): requests take the slots largest max_new_tokens first
     (equal ones in submission order); outputs equal fcfs's (greedy)."""

@@ -211,7 +211,9 @@ class Dispatch:
         ragged = None if self.decode_window else ragged_pages(self.page_table, reach, self.page_size, chunk,
                                                               -(-entries // chunk))
         active = active_host = np.array([s is not None for s in seqs]) & self.active
-        if self._sampling_device is None:  # copies: on CPU, device_put may alias the host arrays we edit
+        # NumPy copies: on CPU, device_put aliases an aligned host array and copies a large one in the
+        # background (benchmarks/results/host_aliasing_probe.json), and the host edits these tables.
+        if self._sampling_device is None:
             self._sampling_device = jax.device_put({k: v.copy() for k, v in self._sampling.items()})
         table = self.page_table[:, :self._window_pages(reach)] if self.decode_window else self.page_table
         table, ragged, active = jax.device_put((table.copy(), ragged, active))  # one transfer
