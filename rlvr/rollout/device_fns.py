@@ -10,7 +10,8 @@ call N+1 before it reads call N's tokens, and never syncs inside a call. Compile
 grow with `steps` (one loop body).
 
 Shapes per engine are few and fixed: prefill [rows, chunk] (two row counts x two chunk sizes),
-decode [slots] x `steps` with the ragged page list padded to a power-of-two bucket. Params are
+decode [slots] x `steps` with the ragged page list padded to a power-of-two bucket, or a window
+of one of two lengths (`Dispatch.window_buckets`). Params are
 an argument (not a closure): a weight update swaps arrays without recompiling. The page pool
 and the decode state are donated and updated in place.
 """

@@ -228,15 +228,13 @@ class Dispatch:
         self.inflight.append(_Inflight("decode", seqs, toks, logprobs, emitted, self.weight_version, more))
 
     def window_buckets(self) -> list[int]:
-        """The page counts a decode call's window may have (one decode program each): the powers
-        of two from a quarter of a row's pages, and the row's pages. A window attends over all of
-        its columns each step, so it is cut to the smallest bucket that holds what the call's rows
-        may reach (the fixed benchmark's 64 + 64 tokens: 8 of 12 pages, a third less KV read)."""
-        if not self.decode_window:
-            return [self.pages_per_row]
-        low = -(-self.pages_per_row // 4)
-        powers = [1 << k for k in range(self.pages_per_row.bit_length()) if low <= 1 << k < self.pages_per_row]
-        return powers + [self.pages_per_row]
+        """The page counts a decode call's window may have (one decode program each): the smallest
+        power of two from half a row's pages, and the row's pages. A window attends over all of its
+        columns each step, so it is cut to the smaller one when that holds what the call's rows may
+        reach (the fixed benchmark's 64 + 64 tokens: 8 of 12 pages, a third less KV read). Two
+        lengths, not more: each is a decode program to compile."""
+        half = 1 << (-(-self.pages_per_row // 2) - 1).bit_length()
+        return [half, self.pages_per_row] if self.decode_window and half < self.pages_per_row else [self.pages_per_row]
 
     def _window_pages(self, reach: np.ndarray) -> int:
         """The smallest window bucket holding positions 0..reach of every row (a reach of max_len,

@@ -21,7 +21,7 @@ sampling table: the `Slots` mixin), `dispatch` (the device calls and reading the
 Compiled shapes are a bounded set (`warmup()` compiles them all up front): prefill [1 or
 prefill_rows, prefill_chunk/4 or prefill_chunk], from a 64-token chunk also rows 2, 4, ... and half
 chunks (`Dispatch._prefill_shapes`), and the decode programs: its attention runs over a contiguous
-per-slot window gathered once per call, cut to what the call's rows reach (up to three window
+per-slot window gathered once per call, cut to what the call's rows reach (one of two window
 lengths, `Dispatch.window_buckets`), or loops over the pages held (one program,
 `kernels/paged_attention/ragged.py`): `decode_attention`; each x2 when a request uses
 top-k/top-p/min-p. `metrics()` reports compile counts, the prefix-cache hit rate and host vs device
