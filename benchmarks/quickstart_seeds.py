@@ -63,12 +63,24 @@ def run_seed(seed: int, spec: str, overrides: dict | None, root: str = "", prefi
     return summary
 
 
+# overrides that change the SFT warm start (rlvr.trainers.rl.warm_start): its data, model, start and
+# optimizer; of the optimizer only the peak learning rate is RL's alone (SFT's is rl.sft_learning_rate)
+WARM_START_KEYS = ("rl.sft", "rl.task", "rl.prompt_format", "rl.env", "rl.min_digits", "rl.max_digits", "rl.seq_len",
+                   "model.", "init.", "tokenizer.", "data.", "optimizer.", "mesh.", "train.micro_batches",
+                   "train.logprob_chunk_size")
+
+
+def changes_warm_start(key: str) -> bool:
+    """Whether overriding `key` changes the SFT warm start (then a run makes its own)."""
+    return key.startswith(WARM_START_KEYS) and key != "optimizer.learning_rate"
+
+
 def _share_warm_start(root: str, seed: int, overrides: dict | None, workdir: str, spec: str) -> None:
     """One SFT warm start per seed under `root`: copied into a run's workdir before it starts, and
-    from the first run that made it. The warm start depends on the seed and the rl.sft_* settings
-    only (from a random init it trains every weight, a LoRA run's too), so runs whose overrides
-    leave those alone share it bit for bit."""
-    if not root or any(k.startswith(("rl.sft", "model.", "init.", "tokenizer.")) for k in overrides or {}):
+    from the first run that made it. The warm start depends on the seed and the settings
+    `changes_warm_start` names (from a random init it trains every weight, a LoRA run's too), so runs
+    whose overrides leave those alone share it bit for bit."""
+    if not root or any(changes_warm_start(k) for k in overrides or {}):
         return
     shared = os.path.join(os.path.dirname(run_dir(root, seed, None, spec)), f"sft_s{seed}")
     if spec != "configs/quickstart.py":  # another config (or variant): its own warm start
@@ -88,7 +100,24 @@ def one_seed(seed: int, spec: str = "configs/quickstart.py", overrides: dict | N
             "heldout_value_accuracy_before": summary["heldout_value_accuracy_before"],
             "heldout_value_accuracy_after": summary["heldout_value_accuracy_after"],
             "final_reward_mean_last10": summary["final_reward_mean_last10"], "wall_s": round(wall, 1),
-            "heldout_curve": summary.get("evals", [])}
+            "heldout_curve": summary.get("evals", []), **step_figures(run_dir(root, seed, overrides, spec) if root else "")}
+
+
+def step_figures(workdir: str) -> dict:
+    """From a kept run's metrics.jsonl: the largest trainer/engine log-prob mismatch over its steps,
+    and the first and last 10 steps' mean reward, token entropy and share of zero-variance groups
+    (no GRPO signal); {} without a kept workdir."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not workdir or not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        steps = [r for r in map(json.loads, f) if "logprob_mismatch" in r]
+    out = {"logprob_mismatch_max": max(r["logprob_mismatch"] for r in steps)}
+    for key in ("reward", "entropy", "zero_variance_groups"):
+        if all(key in r for r in steps):
+            out[f"{key}_first10_last10"] = [round(sum(r[key] for r in part) / len(part), 4)
+                                            for part in (steps[:10], steps[-10:])]
+    return out
 
 
 def _override(item: str) -> tuple[str, object]:

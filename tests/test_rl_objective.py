@@ -701,6 +701,18 @@ def test_a_batch_of_failures_trains_on_nothing():
     assert metrics["samples"] == 0.0 and metrics["failures"] == 48.0 and math.isnan(metrics["reward"])
 
 
+def test_rollout_metrics_count_the_groups_without_signal():
+    """zero_variance_groups: the share of groups whose rewards are all equal (all solved, all failed:
+    zero GRPO advantage), here 2 of 3 (hand-counted); a mixed group is not one."""
+    from rlvr.trainers.rl import rollout_metrics
+
+    def group(g, rewards):
+        return [Sample(g, g, [1], [2], [0.0], [0], False, {"reward": r, "correct": r}) for r in rewards]
+    batch = ScoredBatch(0, group(0, [1.0, 1.0]) + group(1, [0.0, 1.0, 0.0]) + group(2, [0.0, 0.0]), 0, {}, [])
+    metrics = rollout_metrics(batch, 0)
+    assert metrics["zero_variance_groups"] == pytest.approx(2 / 3) and metrics["pass_at_group"] == pytest.approx(2 / 3)
+
+
 def _global_norm(tree):
     return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
 

@@ -326,12 +326,12 @@ def test_a_weight_update_drops_the_prefix_cache_and_old_kv_never_enters_it(param
     assert np.max(np.abs(np.subtract(old.output_logprobs, reference.output_logprobs))) > 1e-3  # stale KV shows
 
 
-def test_compilation_is_one_decode_program_and_the_prefill_shapes_paid_up_front(params):
-    """`warmup()` compiles one decode program (its attention loops over the pages held, whatever
-    their number) and the prefill shapes (rows 1, 2 x chunks 4, 16 here), once each: the page pool and
-    decode state start on the params' mesh, as every call returns them (created uncommitted, the first
-    call's program was one no later call used: 5 prefill compiles); workloads of other ids, seeds,
-    prompt lengths and output lengths then compile nothing new."""
+def test_compilation_is_bounded_and_paid_up_front(params):
+    """`warmup()` compiles the decode programs (one per window length, `window_buckets`: 8
+    and 16 pages here) and the prefill shapes (rows 1, 2 x chunks 4, 16 here), once each: the page pool
+    and decode state start on the params' mesh, as every call returns them (created uncommitted, the
+    first call's program was one no later call used: 5 prefill compiles); workloads of other ids,
+    seeds, prompt lengths and output lengths then compile nothing new."""
     def counts():
         return device_fns.decode._cache_size(), device_fns.prefill._cache_size()
 
@@ -339,7 +339,8 @@ def test_compilation_is_one_decode_program_and_the_prefill_shapes_paid_up_front(
     start = counts()
     engine.warmup()
     warm = counts()
-    assert warm[0] - start[0] <= 1 and warm[1] - start[1] <= 4
+    assert engine.window_buckets() == [8, 16]
+    assert warm[0] - start[0] <= 2 and warm[1] - start[1] <= 4
 
     def workload(tag, seed):
         engine.generate([_req(f"{tag}s", _prompts([5], seed=seed)[0])])

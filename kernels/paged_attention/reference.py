@@ -57,17 +57,20 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
 
 
 def contiguous_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, sliding_window: int = 0,
-                         softcap: float = 0.0, scale: float | None = None) -> jax.Array:
+                         softcap: float = 0.0, scale: float | None = None, keys_last: bool = False) -> jax.Array:
     """The same attention over each row's keys laid out head-major in position order, k/v
     [B, KVH, S, D] (a gathered page view, or the rollout engine's per-slot decode window, which
     needs no gather at all). Head-major makes both products plain batched matmuls (CPU XLA runs
-    the [B, S, KVH, D] einsum several times slower)."""
+    the [B, S, KVH, D] einsum several times slower). `keys_last`: k is [B, KVH, D, S] (the engine's
+    decode window), so q·k is a plain [G, D] x [D, S] product (XLA:CPU runs the transposed
+    [S, D] operand ~2x slower)."""
     b, nq, h, d = q.shape
-    kvh, s = k.shape[1], k.shape[2]
+    kvh, s = k.shape[1], k.shape[3] if keys_last else k.shape[2]
     g = h // kvh
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     qg = (q.astype(jnp.float32) * scale).reshape(b, nq, kvh, g, d).transpose(0, 2, 3, 1, 4)
-    logits = jnp.matmul(qg.reshape(b, kvh, g * nq, d), jnp.swapaxes(k.astype(jnp.float32), 2, 3))
+    keys = k.astype(jnp.float32) if keys_last else jnp.swapaxes(k.astype(jnp.float32), 2, 3)
+    logits = jnp.matmul(qg.reshape(b, kvh, g * nq, d), keys)
     logits = logits.reshape(b, kvh, g, nq, s)
     if softcap:
         logits = softcap * jnp.tanh(logits / softcap)

@@ -321,22 +321,23 @@ def _paged_decode(cfg: ModelConfig, q, pool, read_idx, columns, layer_id, ragged
 
 def _window_decode(cfg: ModelConfig, q, k, v, pool, columns, layer_id):
     """Decode attention over the slots' contiguous KV window (`pool["window_k"/"window_v"]`: per
-    layer [B, KVH, S, D], each row's pages in position order, gathered once per multi-step decode
-    call by `rlvr.rollout.device_fns.decode`): the new token's k/v go in at its position (idle
-    rows' out-of-range column is dropped), then dense attention over the row, with no gather.
-    One array per layer, so each is updated in place (a stacked [L, ...] one was copied)."""
+    layer keys [B, KVH, D, S] and values [B, KVH, S, D], each row's pages in position order,
+    gathered once per multi-step decode call by `rlvr.rollout.device_fns.decode`): the new token's
+    k/v go in at its position (idle rows' out-of-range column is dropped), then dense attention
+    over the row, with no gather. One array per layer, so each is updated in place (a stacked
+    [L, ...] one was copied)."""
     from rlvr.kernels.paged_attention import contiguous_attention
 
     rows, pos = jnp.arange(q.shape[0]), columns[:, 0]
     window = {}
     for name, new in (("window_k", k), ("window_v", v)):
         layers = list(pool[name])
-        layers[layer_id] = layers[layer_id].at[rows, :, pos].set(new[:, 0].astype(layers[layer_id].dtype),
-                                                                 mode="drop")
+        at = layers[layer_id].at[rows, :, :, pos] if name == "window_k" else layers[layer_id].at[rows, :, pos]
+        layers[layer_id] = at.set(new[:, 0].astype(layers[layer_id].dtype), mode="drop")
         window[name] = tuple(layers)
-    lengths = jnp.where(pos < window["window_k"][layer_id].shape[2], pos + 1, 0)
+    lengths = jnp.where(pos < window["window_v"][layer_id].shape[2], pos + 1, 0)
     out = contiguous_attention(q, window["window_k"][layer_id], window["window_v"][layer_id], lengths,
-                               sliding_window=cfg.sliding_window)
+                               sliding_window=cfg.sliding_window, keys_last=True)
     return out.astype(q.dtype), window
 
 

@@ -10,7 +10,8 @@ call N+1 before it reads call N's tokens, and never syncs inside a call. Compile
 grow with `steps` (one loop body).
 
 Shapes per engine are few and fixed: prefill [rows, chunk] (two row counts x two chunk sizes),
-decode [slots] x `steps` with the ragged page list padded to a power-of-two bucket. Params are
+decode [slots] x `steps` with the ragged page list padded to a power-of-two bucket, or a window
+of one of two lengths (`Dispatch.window_buckets`). Params are
 an argument (not a closure): a weight update swaps arrays without recompiling. The page pool
 and the decode state are donated and updated in place.
 """
@@ -45,14 +46,16 @@ def _cache(pool, page_table, ragged=None):
     return cache
 
 
-def _window(pages, page_table):
+def _window(pages, page_table, keys_last=False):
     """Each slot's pages in position order, head-major, one array per layer: [L, N, P, KVH, D] ->
-    L x [S, KVH, R·P, D]. One gather of whole pages (rows of a [N, P·KVH·D] view) per layer and
-    decode call, so the steps attend without gathering (see `decode`)."""
+    L x [S, KVH, R·P, D] (`keys_last`: L x [S, KVH, D, R·P], the keys' layout, see
+    `transformer._window_decode`). One gather of whole pages (rows of a [N, P·KVH·D] view) per
+    layer and decode call, so the steps attend without gathering (see `decode`)."""
     layers, num_pages, _, kvh, dim = pages.shape
     slots = page_table.shape[0]
+    order = (0, 2, 3, 1) if keys_last else (0, 2, 1, 3)
     return tuple(jnp.take(pages[i].reshape(num_pages, -1), page_table.reshape(-1), axis=0)
-                 .reshape(slots, -1, kvh, dim).transpose(0, 2, 1, 3) for i in range(layers))
+                 .reshape(slots, -1, kvh, dim).transpose(order) for i in range(layers))
 
 
 def _mask_stops(logits, sampling, count):
@@ -168,7 +171,7 @@ def decode(cfg: ModelConfig, steps: int, filters: bool, params, pool, page_table
         return (i + 1, pool, jnp.where(done, token, nxt), pos + (~done).astype(jnp.int32), count,
                 done | _finished(nxt, count, sampling), toks, logprobs, counts, extras)
 
-    kv = dict(pool) if ragged is not None else {**pool, "window_k": _window(pool["k"], page_table),
+    kv = dict(pool) if ragged is not None else {**pool, "window_k": _window(pool["k"], page_table, True),
                                                  "window_v": _window(pool["v"], page_table)}
     carry = (jnp.int32(0), kv, state["token"], state["position"], state["count"], state["done"] | ~active,
              jnp.zeros((slots, steps), jnp.int32), jnp.zeros((slots, steps), jnp.float32), state.get("counts"),

@@ -215,7 +215,8 @@ class Dispatch:
         # background (benchmarks/results/host_aliasing_probe.json), and the host edits these tables.
         if self._sampling_device is None:
             self._sampling_device = jax.device_put({k: v.copy() for k, v in self._sampling.items()})
-        table, ragged, active = jax.device_put((self.page_table.copy(), ragged, active))  # one transfer
+        table = self.page_table[:, :self._window_pages(reach)] if self.decode_window else self.page_table
+        table, ragged, active = jax.device_put((table.copy(), ragged, active))  # one transfer
         filters = self._filters(np.flatnonzero(active_host)) if filters is None else filters
         mask = self._masks(seqs, self.max_slots)
         start = time.perf_counter()
@@ -225,6 +226,21 @@ class Dispatch:
         self._times["decode_calls"] += 1
         self._time_call("decode", (int(active_host.sum()), self.max_slots), start, emitted)
         self.inflight.append(_Inflight("decode", seqs, toks, logprobs, emitted, self.weight_version, more))
+
+    def window_buckets(self) -> list[int]:
+        """The page counts a decode call's window may have (one decode program each): the smallest
+        power of two from half a row's pages, and the row's pages. A window attends over all of its
+        columns each step, so it is cut to the smaller one when that holds what the call's rows may
+        reach (the fixed benchmark's 64 + 64 tokens: 8 of 12 pages, a third less KV read). Two
+        lengths, not more: each is a decode program to compile."""
+        half = 1 << (-(-self.pages_per_row // 2) - 1).bit_length()
+        return [half, self.pages_per_row] if self.decode_window and half < self.pages_per_row else [self.pages_per_row]
+
+    def _window_pages(self, reach: np.ndarray) -> int:
+        """The smallest window bucket holding positions 0..reach of every row (a reach of max_len,
+        a token past the row's capacity, is never written)."""
+        needed = -(-(int(reach.max()) + 1) // self.page_size)
+        return next((b for b in self.window_buckets() if b >= needed), self.pages_per_row)
 
     def _time_call(self, kind: str, size: Any, start: float, output: jax.Array) -> None:
         if self.call_times is not None:

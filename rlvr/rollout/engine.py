@@ -20,9 +20,10 @@ sampling table: the `Slots` mixin), `dispatch` (the device calls and reading the
 
 Compiled shapes are a bounded set (`warmup()` compiles them all up front): prefill [1 or
 prefill_rows, prefill_chunk/4 or prefill_chunk], from a 64-token chunk also rows 2, 4, ... and half
-chunks (`Dispatch._prefill_shapes`), and one decode program (its attention runs over a contiguous
-per-slot window gathered once per call, or loops over the pages held,
-`kernels/paged_attention/ragged.py`: `decode_attention`); each x2 when a request uses
+chunks (`Dispatch._prefill_shapes`), and the decode programs: its attention runs over a contiguous
+per-slot window gathered once per call, cut to what the call's rows reach (one of two window
+lengths, `Dispatch.window_buckets`), or loops over the pages held (one program,
+`kernels/paged_attention/ragged.py`): `decode_attention`; each x2 when a request uses
 top-k/top-p/min-p. `metrics()` reports compile counts, the prefix-cache hit rate and host vs device
 time.
 
@@ -372,7 +373,9 @@ class Engine(Slots, Dispatch):
             shapes = [(rows, chunk) for rows in row_sizes for chunk in chunk_sizes]
             for rows, chunk in shapes:
                 self._dispatch_prefill([], rows, chunk, variant)
-            self._dispatch_decode([None] * self.max_slots, filters=variant)
+            for pages in self.window_buckets():
+                reach = np.full(self.max_slots, pages * self.page_size - 1) if self.decode_window else None
+                self._dispatch_decode([None] * self.max_slots, reach, filters=variant)
         self._process(keep=0)
 
     def _eos_id(self) -> int | None:
