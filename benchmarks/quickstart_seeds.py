@@ -100,7 +100,8 @@ def one_seed(seed: int, spec: str = "configs/quickstart.py", overrides: dict | N
             "heldout_value_accuracy_before": summary["heldout_value_accuracy_before"],
             "heldout_value_accuracy_after": summary["heldout_value_accuracy_after"],
             "final_reward_mean_last10": summary["final_reward_mean_last10"], "wall_s": round(wall, 1),
-            "heldout_curve": summary.get("evals", []), **step_figures(run_dir(root, seed, overrides, spec) if root else "")}
+            "heldout_curve": summary.get("evals", []),
+            **step_figures(run_dir(root, seed, overrides, spec) if root else "")}
 
 
 def step_figures(workdir: str) -> dict:

@@ -24,9 +24,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import emit  # noqa: E402
+from rlvr.kernels.chunked_logprob.reference import RAW_POLICY  # noqa: E402
 
 from rlvr import api  # noqa: E402
-from rlvr.kernels.chunked_logprob.reference import RAW_POLICY  # noqa: E402
 from rlvr.models.vision import batch_images  # noqa: E402
 from rlvr.rl.batching import Sample, build_batch  # noqa: E402
 from rlvr.rl.producer import prompt_ids, task_images  # noqa: E402
