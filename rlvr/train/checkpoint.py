@@ -8,6 +8,7 @@ sees finalised checkpoints.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -18,9 +19,23 @@ import orbax.checkpoint as ocp
 # compiled program per shape: ~0.3 s each on a CPU, 14 s for the first save of a tiny VLM's state
 # (then cached). Slices under 1 MiB gain nothing from it: those arrays are written from one replica.
 REPLICA_PARALLEL_MIN_BYTES = 1 << 20
-ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
-    min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_BYTES,
-    array_metadata_store=ocp.type_handlers.get_type_handler(jax.Array)._array_metadata_store), override=True)
+
+
+def _register_array_handler() -> None:
+    """Replace orbax's jax.Array handler by one with the replica-parallel floor above, without the
+    warning orbax logs on every override (it would land on stderr of every command)."""
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)
+    try:
+        ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
+            min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_BYTES,
+            array_metadata_store=ocp.type_handlers.get_type_handler(jax.Array)._array_metadata_store), override=True)
+    finally:
+        absl_logger.setLevel(level)
+
+
+_register_array_handler()
 
 
 class Checkpointer:
