@@ -27,9 +27,7 @@ export's own image processor, on a chat prompt with two images are within 1e-4 o
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import io
 import json
 import os
 import sys
@@ -170,9 +168,10 @@ def verify_image_logits(model: api.Model, out: str, seed: int = 0) -> dict[str, 
 
 
 def _data_url(picture) -> str:
-    buffer = io.BytesIO()
-    picture.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    from rlvr.tasks.charts import png_data_url
+    from rlvr.tasks.rendering import png_bytes
+
+    return png_data_url(png_bytes(picture))
 
 
 def _vlm_logits(model: api.Model, ids: list[int], patches, grids):

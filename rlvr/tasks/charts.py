@@ -86,13 +86,17 @@ def exact_number(answer: str) -> dict[str, Any]:
     return {"kind": "numeric", "answer": answer, "rel_tol": 0, "abs_tol": 0}
 
 
+def png_data_url(png: bytes) -> str:
+    """PNG bytes as the data URL an image content part carries."""
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
 def png_task(png: bytes, question: str, answer: str, verifier: Mapping[str, Any],
              metadata: Mapping[str, Any]) -> Task:
     """A task showing the `png` image (a data-URL content part) before `question` and the answer
     instruction; the text-only `prompt` lacks the image (these tasks need a VLM and chat prompts)."""
     text = f"{question}\n{ANSWER_INSTRUCTION}"
-    url = "data:image/png;base64," + base64.b64encode(png).decode()
-    content = [{"type": "image", "image": url}, {"type": "text", "text": text}]
+    content = [{"type": "image", "image": png_data_url(png)}, {"type": "text", "text": text}]
     return Task(index=0, prompt=text, answer=answer, messages=({"role": "user", "content": content},),
                 verifier=dict(verifier), metadata={"modality": "image", **metadata})
 

@@ -18,7 +18,7 @@ from PIL import Image, ImageDraw, ImageFont
 from rlvr.tasks.base import Family, Task
 from rlvr.tasks.charts import SIZE_PX, ChartReadingFamily, exact_number, png_task
 
-__all__ = ["SIZE_PX", "RenderedFamily", "canvas", "exact_number", "font", "image_of", "image_task"]
+__all__ = ["SIZE_PX", "RenderedFamily", "canvas", "exact_number", "font", "image_of", "image_task", "png_bytes"]
 
 
 def canvas() -> tuple[Image.Image, ImageDraw.ImageDraw]:
@@ -35,9 +35,14 @@ def font(size: int) -> ImageFont.FreeTypeFont:
 def image_task(image: Image.Image, question: str, answer: str, verifier: Mapping[str, Any],
                metadata: Mapping[str, Any]) -> Task:
     """`image` as a PNG before `question` (rlvr.tasks.charts.png_task)."""
+    return png_task(png_bytes(image), question, answer, verifier, metadata)
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    """`image` encoded as PNG."""
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
-    return png_task(buffer.getvalue(), question, answer, verifier, metadata)
+    return buffer.getvalue()
 
 
 def image_of(task: Task) -> Image.Image:
