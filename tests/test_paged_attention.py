@@ -80,7 +80,7 @@ def test_matches_dense_reference(data, page_size, kv_heads, group, head_dim, bat
     layer = int(rng.integers(0, layers))
     q = rng.standard_normal((batch, queries, kv_heads * group, head_dim)).astype(np.float32)
     pool_k, pool_v = (k, v) if layered else (k[0], v[0])
-    ragged = ragged_pages(table, lengths, page_size, chunk=3, chunks=batch * pages_per_row // 3 + 2)  # padded
+    ragged = ragged_pages(table, lengths, page_size, block_pages=2, blocks_per_chunk=2)  # several chunks, padded
     outs = _all(q, pool_k, pool_v, table, lengths, np.int32(layer), ragged, window=window, softcap=softcap,
                 layered=layered)
     want = dense_reference(q, k[layer], v[layer], table, lengths, window, softcap)

@@ -24,9 +24,6 @@ from rlvr.rollout import device_fns
 from rlvr.rollout import extras as extras_lib
 from rlvr.rollout.sequence import Sequence
 
-# The decode attention's page list comes in chunks of max(RAGGED_MIN_CHUNK, table / RAGGED_CHUNKS)
-# entries, looped over on device: one compiled program whatever the pages held, padded by < 1 chunk.
-RAGGED_CHUNKS, RAGGED_MIN_CHUNK = 16, 64
 PREFILL_BUCKETS_FROM = 64  # prefill_chunk from which prefill calls also have intermediate shapes
 
 
@@ -206,10 +203,7 @@ class Dispatch:
     def _dispatch_decode(self, seqs: list, reach: np.ndarray | None = None, filters: bool | None = None,
                          steps: int | None = None) -> None:
         reach = np.zeros(self.max_slots, np.int64) if reach is None else reach
-        entries = self.max_slots * self.pages_per_row
-        chunk = max(RAGGED_MIN_CHUNK, -(-entries // RAGGED_CHUNKS))
-        ragged = None if self.decode_window else ragged_pages(self.page_table, reach, self.page_size, chunk,
-                                                              -(-entries // chunk))
+        ragged = None if self.decode_window else ragged_pages(self.page_table, reach, self.page_size)
         active = active_host = np.array([s is not None for s in seqs]) & self.active
         # NumPy copies: on CPU, device_put aliases an aligned host array and copies a large one in the
         # background (benchmarks/results/host_aliasing_probe.json), and the host edits these tables.
