@@ -163,7 +163,7 @@ class Engine(Slots, Dispatch):
         image = None
         if request.image_data:
             ids, image = images_lib.prepare(self.decode_cfg, self.params, request.input_ids, request.image_data,
-                                            self.image_max_pixels)
+                                            self.image_max_pixels, self.weights_epoch)
             request = dataclasses.replace(request, input_ids=ids)
         if len(request.input_ids) >= self.max_len:
             raise ValueError(f"request {request.rid}: prompt of {len(request.input_ids)} tokens does not fit "
