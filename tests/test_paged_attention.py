@@ -88,6 +88,31 @@ def test_matches_dense_reference(data, page_size, kv_heads, group, head_dim, bat
         np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
 
 
+def test_ragged_reads_a_shared_prefix_once_for_its_rows():
+    """Rows 0-8 hold the same first three pages (a group's prompt; more rows than one shared block
+    serves): the ragged builder lists those blocks once for several rows, and the attention still
+    equals the dense reference for every row (different lengths, an idle row, a sliding window)."""
+    rng = np.random.default_rng(0)
+    page_size, kv_heads, group, head_dim, width, pages = 2, 2, 2, 8, 6, 80
+    table = rng.integers(1, pages, (11, width)).astype(np.int32)
+    table[1:9, :3] = table[0, :3]
+    lengths = np.array([7, 5, 12, 3, 6, 11, 9, 6, 2, 0, 12], np.int32)
+    for row in range(11):
+        table[row, -(-int(lengths[row]) // page_size):] = 0
+    shape = (2, pages, page_size, kv_heads, head_dim)
+    k, v = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+    k[:, 0], v[:, 0] = 1e4, 1e4
+    q = rng.standard_normal((11, kv_heads * group, head_dim)).astype(np.float32)
+    for block_pages, most in ((1, 8), (3, 7)):  # 3 pages: rows 3 and 8 hold fewer of the block's pages
+        ragged = ragged_pages(table, lengths, page_size, block_pages=block_pages, blocks_per_chunk=2)
+        assert (np.asarray(ragged.shared_rows) < 11).sum(axis=-1).max() == most
+        for window in (0, 4):
+            got = paged_attention(q, k, v, table, lengths, layer=1, implementation="ragged", ragged=ragged,
+                                  sliding_window=window)
+            want = dense_reference(q[:, None], k[1], v[1], table, lengths, window)[:, 0]
+            np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+
+
 def test_single_query_bfloat16_traced_layer():
     """q [B, H, D] in bfloat16, the layer index traced (as in a scan over layers)."""
     rng = np.random.default_rng(1)

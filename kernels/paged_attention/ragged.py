@@ -15,8 +15,11 @@ of the keys in their stored [tokens, KVH·D] layout against the row's queries la
 block-diagonally ([KVH·D, H]: each query head sees its own kv head's columns; this spends KVH x
 the score and value FLOPs, small against the weights at decode, to avoid transposing the keys,
 which costs more than the whole product on XLA:CPU), and per block the softmax partials (max,
-exp-sum, exp-weighted values) written to the block's slot. After the loop each row folds its
-blocks' partials (`RaggedPages.table`). Rows of length 0 (idle) output zeros.
+exp-sum, exp-weighted values) written to the block's slot. A block that several rows hold (the
+same pages at the same positions: a group's shared prompt, kept once by the prefix cache) is in a
+second list, read once for up to SHARERS rows, whose queries side by side make its products
+SHARERS x wider (a second loop). After the loops each row folds its blocks' partials
+(`RaggedPages.table`). Rows of length 0 (idle) output zeros.
 
 The caller builds the list on the host (`ragged_pages`) once per decode call, covering every page a
 row can write during the call; the per-step `lengths` mask what is not written yet.
@@ -33,17 +36,24 @@ import numpy as np
 from rlvr.kernels.paged_attention.reference import MASK_VALUE
 
 BLOCK_TOKENS, BLOCKS_PER_CHUNK = 128, 16  # defaults: ~128 tokens a block, 16 blocks (2k tokens) a loop step
+SHARERS, SHARED_PER_CHUNK = 8, 4  # rows a shared block serves at once (a group of 8 samples), shared blocks a step
 
 
 class RaggedPages(NamedTuple):
     """The rows' pages as blocks, [C chunks, M blocks, K pages]; only the first `count` chunks hold
     blocks (the attention loops over those: the shape, hence the compiled program, is fixed while
-    the work follows the pages held)."""
+    the work follows the pages held). A block that several rows hold (the same pages at the same
+    positions: a prompt shared by a group of samples) is read once for up to SHARERS of them
+    (`shared_*`); the others serve one row each."""
     pages: jax.Array  # [C, M, K] int32 page ids (past a row's pages, and in padding blocks: page 0)
-    rows: jax.Array  # [C, M] int32 row of each block (padding blocks: 0, fully masked by `starts`)
+    rows: jax.Array  # [C, M, 1] int32 row of each block (padding blocks: B, an idle row)
     starts: jax.Array  # [C, M] int32 position of the block's first token in its row (padding: 2**30)
-    table: jax.Array  # [B, blocks a row can have] int32 flat block index (unused: C·M, an empty block)
     count: jax.Array  # [] int32 chunks in use
+    shared_pages: jax.Array  # [C', M', K] as `pages`, for blocks held by several rows
+    shared_rows: jax.Array  # [C', M', SHARERS] their rows (unused: B)
+    shared_starts: jax.Array  # [C', M']
+    shared_count: jax.Array  # [] int32
+    table: jax.Array  # [B, blocks a row can have] int32 slot of each (row, block)'s partials (unused: the last, empty)
 
 
 def ragged_pages(page_table: np.ndarray, tokens: np.ndarray, page_size: int, block_pages: int | None = None,
@@ -54,25 +64,46 @@ def ragged_pages(page_table: np.ndarray, tokens: np.ndarray, page_size: int, blo
     batch, width = page_table.shape
     block_pages = block_pages or max(1, BLOCK_TOKENS // page_size)
     per_row = -(-width // block_pages)
-    chunks = -(-batch * per_row // blocks_per_chunk)
-    size = chunks * blocks_per_chunk
     held = np.minimum(-(-np.asarray(tokens, np.int64) // page_size), width)
-    blocks = -(-held // block_pages)
-    total = int(blocks.sum())
-    row = np.repeat(np.arange(batch), blocks)
-    index = np.arange(total) - np.repeat(np.cumsum(blocks) - blocks, blocks)  # block index within its row
-    rows, starts = np.zeros(size, np.int32), np.full(size, 2**30, np.int32)
-    rows[:total], starts[:total] = row, index * block_pages * page_size
     padded = np.zeros((batch, per_row * block_pages), np.int32)
-    padded[:, :width] = page_table
-    columns = index[:, None] * block_pages + np.arange(block_pages)
-    pages = np.zeros((size, block_pages), np.int32)
-    pages[:total] = np.where(columns < held[row][:, None], padded[row[:, None], columns], 0)
-    table = np.full((batch, per_row), size, np.int32)
-    table[row, index] = np.arange(total)
-    return RaggedPages(pages.reshape(chunks, blocks_per_chunk, block_pages),
-                       rows.reshape(chunks, blocks_per_chunk), starts.reshape(chunks, blocks_per_chunk), table,
-                       np.int32(-(-total // blocks_per_chunk)))
+    padded[:, :width] = np.where(np.arange(width) < held[:, None], page_table, 0)
+    blocks = padded.reshape(batch, per_row, block_pages)
+    holders: dict[tuple, list[int]] = {}  # (block index, its pages) -> the rows holding it
+    for row in range(batch):
+        for index in range(-(-int(held[row]) // block_pages)):
+            holders.setdefault((index, *blocks[row, index].tolist()), []).append(row)
+    shared_size = max(1, batch * per_row // SHARERS)  # shared entries beyond it go one row at a time
+    single, shared = [], []
+    for key, rows in holders.items():
+        for at in range(0, len(rows), SHARERS):
+            part = rows[at:at + SHARERS]
+            if len(part) > 1 and len(shared) < shared_size:
+                shared.append((key, part))
+            else:
+                single.extend((key, [row]) for row in part)
+    table = np.full((batch, per_row), 0, np.int32)
+    one = _entries(single, batch, per_row * batch, blocks_per_chunk, 1, block_pages, page_size, table, 0)
+    offset = one[0].size // block_pages
+    many = _entries(shared, batch, shared_size, SHARED_PER_CHUNK, SHARERS, block_pages, page_size, table, offset)
+    empty = offset + many[1].size
+    table[:] = np.where(table == 0, empty, table - 1)  # slots were stored + 1 (0: unused)
+    return RaggedPages(*one, *many, table)
+
+
+def _entries(entries, batch, capacity, per_chunk, sharers, block_pages, page_size, table, offset):
+    """(pages [C, M, K], rows [C, M, sharers], starts [C, M], count) of `entries` ((block index,
+    *pages), rows) padded to `capacity`, recording in `table` each (row, block)'s partials slot
+    + 1: `offset` + entry · sharers + the row's place among the entry's rows."""
+    chunks = -(-capacity // per_chunk)
+    size = chunks * per_chunk
+    pages, rows = np.zeros((size, block_pages), np.int32), np.full((size, sharers), batch, np.int32)
+    starts = np.full(size, 2**30, np.int32)
+    for e, (key, holders) in enumerate(entries):
+        pages[e], starts[e] = key[1:], key[0] * block_pages * page_size
+        rows[e, :len(holders)] = holders
+        table[holders, key[0]] = offset + e * sharers + np.arange(len(holders)) + 1
+    return (pages.reshape(chunks, per_chunk, block_pages), rows.reshape(chunks, per_chunk, sharers),
+            starts.reshape(chunks, per_chunk), np.int32(-(-len(entries) // per_chunk)))
 
 
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, ragged: RaggedPages,
@@ -85,25 +116,29 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
     kvh = k_pages.shape[3]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    eye = jnp.eye(kvh, dtype=jnp.float32)
     qg = (q.astype(jnp.float32) * scale).reshape(b, kvh, h // kvh, d)
-    diagonal = jnp.einsum("bkgd,kj->bkdjg", qg, eye).reshape(b, kvh * d, h)  # row b's queries, block-diagonal
-    lengths = lengths.astype(jnp.int32)
-    chunks, per_chunk = ragged.rows.shape
+    diagonal = jnp.einsum("bkgd,kj->bkdjg", qg, jnp.eye(kvh, dtype=jnp.float32)).reshape(b, kvh * d, h)
+    diagonal = jnp.concatenate([diagonal, jnp.zeros((1, kvh * d, h), jnp.float32)])  # + row b: padding
+    lengths = jnp.concatenate([lengths.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
     options = dict(sliding_window=sliding_window, softcap=softcap)
-
-    def chunk(c, parts):  # the softmax partials of chunk c's blocks, into their slots
-        rows = ragged.rows[c]
-        peak, total, out = _block_partials(diagonal[rows], k_pages, v_pages, layer, ragged.pages[c],
-                                           ragged.starts[c], lengths[rows], **options)
-        at = c * per_chunk
-        return tuple(jax.lax.dynamic_update_slice(part, new, (at,) + (0,) * (new.ndim - 1))
-                     for part, new in zip(parts, (peak, total, out), strict=True))
-
-    size = chunks * per_chunk + 1  # + the empty block that unused table entries point at
+    ragged = RaggedPages(*(jnp.asarray(x) for x in ragged))
+    lists = ((ragged.pages, ragged.rows, ragged.starts, ragged.count),
+             (ragged.shared_pages, ragged.shared_rows, ragged.shared_starts, ragged.shared_count))
+    size = sum(rows.size for _, rows, _, _ in lists) + 1  # + the empty slot unused table entries point at
     parts = (jnp.full((size, h), MASK_VALUE, jnp.float32), jnp.zeros((size, h), jnp.float32),
              jnp.zeros((size, h, d), jnp.float32))
-    peak, total, out = (part[ragged.table] for part in jax.lax.fori_loop(0, ragged.count, chunk, parts))
+    offset = 0
+    for pages, rows, starts, count in lists:  # each block's softmax partials into its rows' slots
+        def chunk(c, parts, pages=pages, rows=rows, starts=starts, offset=offset):
+            new = _block_partials(diagonal[rows[c]], k_pages, v_pages, layer, pages[c], starts[c],
+                                  lengths[rows[c]], **options)
+            at = offset + c * rows[c].size
+            return tuple(jax.lax.dynamic_update_slice(part, x, (at,) + (0,) * (x.ndim - 1))
+                         for part, x in zip(parts, new, strict=True))
+
+        parts = jax.lax.fori_loop(0, count, chunk, parts)
+        offset += rows.size
+    peak, total, out = (part[ragged.table] for part in parts)
     top = jnp.max(peak, axis=1, keepdims=True)  # [B, blocks, H]: fold each row's blocks
     weight = jnp.exp(peak - top)
     total = jnp.sum(total * weight, axis=1)
@@ -113,26 +148,31 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 
 def _block_partials(diagonal, k_pages, v_pages, layer, pages, starts, length, *, sliding_window, softcap):
-    """Per block (K pages of one row; M blocks): the max score, the sum of exp(score - max) and the
-    exp-weighted values [M, H, D], for the block's row's queries `diagonal` [M, KVH·D, H] (scaled,
-    block-diagonal). Pages are read from the whole pool [L, N, ...] as rows of its flat view."""
+    """Per block (K pages; M blocks) and each of its S rows: the max score, the sum of
+    exp(score - max) and the exp-weighted values, flat [M·S, H(, D)], for the rows' queries
+    `diagonal` [M, S, KVH·D, H] (scaled, block-diagonal) and lengths [M, S]. Pages are read from the
+    whole pool [L, N, ...] as rows of its flat view, once for the block's S rows."""
     layers, num_pages, page_size, kvh, d = k_pages.shape
     m, k = pages.shape
-    tokens, h = k * page_size, diagonal.shape[-1]
+    sharers, h = diagonal.shape[1], diagonal.shape[-1]
+    tokens = k * page_size
     flat = (layer * num_pages + pages).reshape(-1)
     keys, values = (jnp.take(pool.reshape(layers * num_pages, -1), flat, axis=0, mode="clip")
                     .reshape(m, tokens, kvh * d).astype(jnp.float32) for pool in (k_pages, v_pages))
-    scores = jnp.matmul(keys, diagonal)  # [M, T, H]
+    queries = diagonal.transpose(0, 2, 1, 3).reshape(m, kvh * d, sharers * h)
+    scores = jnp.matmul(keys, queries).reshape(m, tokens, sharers, h)
     if softcap:
         scores = softcap * jnp.tanh(scores / softcap)
-    kv_pos = starts[:, None] + jnp.arange(tokens, dtype=jnp.int32)
-    visible = kv_pos < length[:, None]
+    kv_pos = (starts[:, None] + jnp.arange(tokens, dtype=jnp.int32))[:, :, None]
+    visible = kv_pos < length[:, None, :]  # [M, T, S]
     if sliding_window:
-        visible &= (length[:, None] - 1 - kv_pos) < sliding_window
-    visible = visible[:, :, None]
+        visible &= (length[:, None, :] - 1 - kv_pos) < sliding_window
+    visible = visible[..., None]
     scores = jnp.where(visible, scores, MASK_VALUE)
-    peak = jnp.max(scores, axis=1)  # [M, H]
+    peak = jnp.max(scores, axis=1)  # [M, S, H]
     weights = jnp.where(visible, jnp.exp(scores - peak[:, None]), 0.0)
-    out = jnp.einsum("mth,mtc->mhc", weights, values).reshape(m, kvh, h // kvh, kvh, d)
-    out = jnp.einsum("mkgjd,kj->mkgd", out, jnp.eye(kvh, dtype=jnp.float32)).reshape(m, h, d)
-    return peak, jnp.sum(weights, axis=1), out
+    out = jnp.einsum("mth,mtc->mhc", weights.reshape(m, tokens, sharers * h), values)
+    out = jnp.einsum("mskgjd,kj->mskgd", out.reshape(m, sharers, kvh, h // kvh, kvh, d),
+                     jnp.eye(kvh, dtype=jnp.float32))
+    flat_rows = m * sharers
+    return peak.reshape(flat_rows, h), jnp.sum(weights, axis=1).reshape(flat_rows, h), out.reshape(flat_rows, h, d)
