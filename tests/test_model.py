@@ -65,13 +65,15 @@ def test_fused_projections_equal_the_separate_ones():
     from rlvr.models.transformer import fuse_projections, unstack_layers
 
     cfg = ModelConfig(**SMALL, qkv_bias=True, scan_layers=False)
-    params = unstack_layers(_params(dataclasses.replace(cfg, scan_layers=True)))
-    params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(3), x.shape, x.dtype), params)
+    rng = np.random.default_rng(3)  # random weights and non-zero biases, drawn by NumPy (no init program)
+    shapes = params_lib.abstract_params(dataclasses.replace(cfg, scan_layers=True))
+    params = unstack_layers(jax.tree.map(lambda x: jnp.asarray(rng.normal(0, 0.1, x.shape), x.dtype), shapes))
     fused = fuse_projections(params)
     assert set(fused["layers_0"]["self_attn"]) == {"qkv_proj", "q_norm", "k_norm", "o_proj"}
     assert set(fused["layers_1"]["mlp"]) == {"gate_up_proj", "down_proj"}
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 9)))
-    np.testing.assert_allclose(forward(cfg, fused, tokens)[0], forward(cfg, params, tokens)[0], atol=1e-5)
+    tokens = jnp.asarray(rng.integers(0, 97, (2, 9)))
+    run = jax.jit(forward, static_argnums=0)
+    np.testing.assert_allclose(run(cfg, fused, tokens)[0], run(cfg, params, tokens)[0], atol=1e-5)
     adapted = {**params, "layers_0": {**params["layers_0"], "self_attn": {
         **params["layers_0"]["self_attn"], "q_proj": {**params["layers_0"]["self_attn"]["q_proj"],
                                                       "lora_a": jnp.zeros((64, 2))}}}}

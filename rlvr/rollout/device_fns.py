@@ -10,7 +10,7 @@ call N+1 before it reads call N's tokens, and never syncs inside a call. Compile
 grow with `steps` (one loop body).
 
 Shapes per engine are few and fixed: prefill [rows, chunk] (two row counts x two chunk sizes),
-decode [slots] x `steps` (a call the host cuts short passes a traced `limit`, not a new shape) with
+decode [slots] x `steps` (a grammar's one-step call passes a traced `limit`, not a new shape) with
 the ragged page list padded to a power-of-two bucket, or a window of one of three lengths
 (`Dispatch.window_buckets`). Each call draws its steps' random numbers before its loop. Params are
 an argument (not a closure): a weight update swaps arrays without recompiling. The page pool
@@ -132,8 +132,8 @@ def prefill(cfg: ModelConfig, filters: bool, params, pool, page_table, tokens, p
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 10), donate_argnums=(4, 7))
 def decode(cfg: ModelConfig, steps: int, filters: bool, params, pool, page_table, ragged, state, active, sampling,
            top: int = 0, mask=None, limit=None):
-    """Up to `steps` decode steps for every slot [S] (fewer with `limit`, a traced step count: the
-    same program serves calls the host cuts short); rows not `active` are treated as done. A
+    """Up to `steps` decode steps for every slot [S] (at most `limit`, a traced step count, when
+    given: the same program serves a grammar's one-step calls); rows not `active` are treated as done. A
     row stops (and writes nothing more) after a stop token (past min_new_tokens) or at
     max_new_tokens; the loop ends when all rows have. Returns the pool, the new state, the
     sampled tokens and log-probs [S, steps], how many tokens each row emitted, and the extra

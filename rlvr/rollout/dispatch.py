@@ -184,10 +184,10 @@ class Dispatch:
 
     def _decode(self) -> bool:
         """Dispatches the next decode call; with a constrained sequence running, the call is one
-        step and waits for the tokens before it (each mask follows from the token before). While
-        requests wait for a slot, the call ends when the first row's max_new_tokens does, so the
-        freed slot takes a request at once instead of idling to the end of the call (the host
-        knows the budgets; the same program runs, `device_fns.decode`'s `limit`)."""
+        step and waits for the tokens before it (each mask follows from the token before; the same
+        program runs, with `device_fns.decode`'s traced `limit`). Calls are not cut short to
+        refill a slot sooner: on the varied benchmark that made 1.6x the decode calls and 2.3x the
+        prefill calls, and continuous batching slower (benchmarks/results/rollout_fixed.json)."""
         steps = self.decode_steps
         if self._constrained():
             self._process(keep=0)
@@ -195,9 +195,6 @@ class Dispatch:
         seqs = [s if s is not None and self.active[s.slot] else None for s in self.slots]
         if not any(seqs):
             return False
-        left = [len(s.prompt) + s.max_new - s.device_tokens for s in seqs if s is not None]
-        if self.waiting and any(n > 0 for n in left):
-            steps = min(steps, *(n for n in left if n > 0))
         reach = np.zeros(self.max_slots, np.int64)  # tokens whose KV this call may write, per row
         for i, seq in enumerate(seqs):
             if seq is not None:
