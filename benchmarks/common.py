@@ -96,28 +96,18 @@ def decode_roofline(cfg: ModelConfig, prompts: list[list[int]], output_lengths: 
             "decode_compute_s": round(compute_s, 4), "decode_memory_s": round(memory_s, 4)}
 
 
-CHATML_TEMPLATE = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
-                   "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-
-
 def chat_bpe_tokenizer(directory: str, vocab_size: int = 32768, corpus_mb: int = 12) -> str:
-    """A byte-level BPE tokenizer of `vocab_size` ids with ChatML specials and template, trained
-    with `tokenizers` on the Python standard library's sources (offline, ~1 min; kept in
-    `directory` and reused). Returns the directory (tokenizer.json + tokenizer_config.json)."""
+    """A byte-level BPE tokenizer of `vocab_size` ids with ChatML specials and template
+    (`rlvr.models.tokenizer.train_bpe`), trained on the Python standard library's sources (offline,
+    ~1 min; kept in `directory` and reused). Returns the directory (tokenizer.json + config)."""
     import glob
     import os
     import sysconfig
 
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from rlvr.models.tokenizer import train_bpe
 
     if os.path.exists(os.path.join(directory, "tokenizer.json")):
         return directory
-    split = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-             r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
     texts, size = [], 0
     for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True)):
         if size > corpus_mb * 2**20 or "site-packages" in path:
@@ -125,11 +115,5 @@ def chat_bpe_tokenizer(directory: str, vocab_size: int = 32768, corpus_mb: int =
         with open(path, encoding="utf-8", errors="ignore") as f:
             texts.append(f.read())
         size += len(texts[-1])
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    os.makedirs(directory, exist_ok=True)
-    tok.save(os.path.join(directory, "tokenizer.json"))
-    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML_TEMPLATE}, f)
+    train_bpe(texts, vocab_size).save(directory)
     return directory

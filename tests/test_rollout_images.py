@@ -122,6 +122,28 @@ def test_image_prompts_decode_as_the_full_vlm_and_the_prefix_cache_keys_images(p
     assert other.output_ids == _naive_greedy(params, prompts[0][0], blue, 6)[1] != outs[0].output_ids
 
 
+def test_images_are_read_by_the_weights_that_prefill_them(params):
+    """A weight update between submit and prefill (async RL: requests queue while the trainer
+    pushes weights) must not leave the image encoded by the old vision tower beside text read by
+    the new decoder: the outputs equal a naive full VLM forward under the new weights. The update
+    compiles nothing new (uncommitted construction params used to key every program anew)."""
+    engine = Engine(CFG, params, **OPTS)
+    prompt, image = _prompt(5, 4), _png(2)
+    engine.generate([_req("warm", prompt, image)])
+    compiles = {k: v for k, v in engine.metrics().items() if k.startswith("compiles")}
+    engine.submit(_req("queued", prompt, image))
+    new = dict(params, visual=jax.tree.map(lambda x: -x, params["visual"]))
+    engine.update_weights(new, 1)
+    out = None
+    while engine.waiting or engine.num_running:
+        for completion in engine.step():
+            out = completion
+    ids, tokens, logprobs = _naive_greedy(new, prompt, image, 6)
+    assert out.prompt_ids == ids and out.output_ids == tokens
+    np.testing.assert_allclose(out.output_logprobs, logprobs, atol=1e-5)
+    assert {k: v for k, v in engine.metrics().items() if k.startswith("compiles")} == compiles
+
+
 def test_a_generated_image_placeholder_is_cut_off_and_never_reaches_the_trainer():
     """A VLM policy that samples `<|image_pad|>` in its answer (a run at lr 1e-3 did while collapsing) crashed
     the step: the batch builder found placeholders with no image behind them. The producer now cuts the

@@ -142,6 +142,8 @@ class Dispatch:
             if seq.image is None:
                 rope[i, :n] = np.arange(seq.prefilled, end)[:, None]
                 continue
+            if seq.image.epoch != self.weights_epoch:  # weights changed since its images were encoded
+                seq.image = seq.image.encoded(self.decode_cfg, self.params, self.weights_epoch)
             rope[i, :n], index[i, :n] = seq.image.chunk(seq.prefilled, end)
             is_image[i, :n] = np.asarray(seq.prompt[seq.prefilled:end]) == self.cfg.vision.image_token_id
         width = self.cfg.hidden_size

@@ -100,7 +100,10 @@ class Engine(Slots, Dispatch):
                                               tie_word_embeddings=False)
         self.kv_dtype = kv_dtype or dtype
         self._shardings = jax.tree.map(lambda x: x.sharding, params)
-        self.params = self._decode_params(params)
+        # Committed to their devices as `update_weights` commits new ones: uncommitted params (a
+        # notebook's jnp arrays) would key every compiled program differently from the updated ones,
+        # so the first weight update would recompile them all.
+        self.params = self._decode_params(jax.tree.map(jax.device_put, params, self._shardings))
         self.max_slots, self.max_len, self.page_size = max_slots, max_len, page_size
         self.decode_steps, self.prefill_rows, self.prefill_chunk = decode_steps, prefill_rows, prefill_chunk
         self.pages_per_row = max_len // page_size
@@ -163,7 +166,7 @@ class Engine(Slots, Dispatch):
         image = None
         if request.image_data:
             ids, image = images_lib.prepare(self.decode_cfg, self.params, request.input_ids, request.image_data,
-                                            self.image_max_pixels)
+                                            self.image_max_pixels, self.weights_epoch)
             request = dataclasses.replace(request, input_ids=ids)
         if len(request.input_ids) >= self.max_len:
             raise ValueError(f"request {request.rid}: prompt of {len(request.input_ids)} tokens does not fit "

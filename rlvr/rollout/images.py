@@ -7,7 +7,10 @@ prompt's single `<|image_pad|>` per image is expanded to one per merged patch (a
 and SGLang do; prompts already expanded are kept), the vision tower runs (`device_fns.encode_images`)
 and the result is a `PromptImages`:
   * `features` [capacity, E] on device: row i is the decoder input of the i-th placeholder; the
-    prefill writes them in place of the placeholders' token embeddings, chunk by chunk;
+    prefill writes them in place of the placeholders' token embeddings, chunk by chunk. They belong
+    to the weights of `epoch` (the engine's `weights_epoch` at encoding): a weight update between
+    submit and prefill makes the engine re-encode them (`encoded`) from the kept `encoder_inputs`,
+    so an image is always read by the same weights as the text around it;
   * `rope` [T, 3] the prompt's M-RoPE ids and `delta`: decoding uses position + delta (text after
     the image), exactly as `rlvr.models.vision.mrope_positions` defines them;
   * `keys`: the prompt as the prefix cache sees it: each placeholder of image j is replaced by a
@@ -38,6 +41,15 @@ class PromptImages:
     feature_index: np.ndarray  # [T] the placeholder's row of `features` (0 for text tokens)
     patches: np.ndarray  # [n, patch_dim] (prompt log-probs rerun the full VLM)
     grids: list[tuple[int, int, int]]
+    encoder_inputs: tuple  # the vision tower's inputs (NumPy): `features` again under new weights
+    epoch: int  # the engine's weights_epoch `features` were encoded under
+
+    def encoded(self, cfg: ModelConfig, params, epoch: int) -> PromptImages:
+        """The same images with `features` encoded by `params` (the weights of `epoch`)."""
+        from rlvr.rollout import device_fns
+
+        features = device_fns.encode_images(cfg, params["visual"], *(jnp.asarray(a) for a in self.encoder_inputs))[0]
+        return dataclasses.replace(self, features=features, epoch=epoch)
 
     def extended(self, output: list[int]) -> PromptImages:
         """The same images for the prompt followed by `output` (a retracted sequence)."""
@@ -88,12 +100,12 @@ def expand_prompt(input_ids: list[int], grids: list[tuple[int, int, int]], vcfg:
     return out
 
 
-def prepare(cfg: ModelConfig, params, input_ids: list[int], image_data: list[Any], max_pixels: int
+def prepare(cfg: ModelConfig, params, input_ids: list[int], image_data: list[Any], max_pixels: int, epoch: int
             ) -> tuple[list[int], PromptImages]:
-    """(expanded input_ids, `PromptImages`) of one request (`params`: the engine's decode params)."""
+    """(expanded input_ids, `PromptImages`) of one request (`params`: the engine's decode params,
+    those of weights `epoch`)."""
     from rlvr.data.images import preprocess
     from rlvr.models.vision import image_inputs, mrope_positions
-    from rlvr.rollout import device_fns
 
     if cfg.vision is None:
         raise ValueError("request has image_data but the served model has no vision encoder (model.vision).")
@@ -106,7 +118,6 @@ def prepare(cfg: ModelConfig, params, input_ids: list[int], image_data: list[Any
     capacity = (1 << (units - 1).bit_length()) * vcfg.merge_unit  # a few compiled shapes
     inputs = image_inputs(vcfg, [patches], [grids], tokens, np.ones_like(tokens), capacity)
     rope = inputs.rope_positions
-    features = device_fns.encode_images(cfg, params["visual"], *(jnp.asarray(a) for a in inputs[:4]))[0]
     is_image = tokens[0] == vcfg.image_token_id
     keys, start = list(ids), 0
     for grid in grids:
@@ -115,7 +126,9 @@ def prepare(cfg: ModelConfig, params, input_ids: list[int], image_data: list[Any
                             image_key(patches[start:start + count], grid))
         start += count
     feature_index = np.where(is_image, np.cumsum(is_image) - 1, 0).astype(np.int32)
-    return ids, PromptImages(features, rope[0], int(deltas[0]), keys, feature_index, patches, list(grids))
+    images = PromptImages(None, rope[0], int(deltas[0]), keys, feature_index, patches, list(grids),
+                          tuple(np.asarray(a) for a in inputs[:4]), epoch)
+    return ids, images.encoded(cfg, params, epoch)
 
 
 def _replace_run(keys: list[int], image: int, n: int, key: int) -> list[int]:

@@ -201,18 +201,16 @@ def rollout_metrics(batch: ScoredBatch, version: int) -> dict[str, float]:
         out[f"reward/{key}" if key != "reward" else "reward"] = float(np.mean(
             [s.rewards[key] for s in samples if key in s.rewards]))
     correct = np.array([passed(s.rewards) for s in samples], np.float32)
-    by_group: dict[int, list[float]] = {}
-    for c, s in zip(correct, samples, strict=True):  # groups cut by the scheduler are smaller
-        by_group.setdefault(s.group, []).append(c)
+    groups: dict[int, list[int]] = {}  # sample indices per group (groups cut by the scheduler are smaller)
+    for i, s in enumerate(samples):
+        groups.setdefault(s.group, []).append(i)
     out["pass_rate"] = float(correct.mean())
     for f in sorted({s.family for s in samples} - {""}):  # families present in this batch
         out[f"pass_rate/{f}"] = float(np.mean([c for c, s in zip(correct, samples, strict=True) if s.family == f]))
-    out["pass_at_group"] = float(np.mean([max(g) for g in by_group.values()]))
+    out["pass_at_group"] = float(np.mean([correct[g].max() for g in groups.values()]))
     # groups whose samples all got the same reward: GRPO/RLOO give them zero advantage, no signal
-    rewards_by_group: dict[int, list[float]] = {}
-    for s in samples:
-        rewards_by_group.setdefault(s.group, []).append(s.rewards.get("reward", 0.0))
-    out["zero_variance_groups"] = float(np.mean([np.ptp(r) == 0 for r in rewards_by_group.values()]))
+    out["zero_variance_groups"] = float(np.mean([np.ptp([samples[i].rewards.get("reward", 0.0) for i in g]) == 0
+                                                 for g in groups.values()]))
     out["samples"] = float(len(samples))
     out["response_length"] = float(np.mean([len(s.output_ids) for s in samples]))
     out["prompt_length"] = float(np.mean([len(s.prompt_ids) for s in samples]))
