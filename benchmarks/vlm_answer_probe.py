@@ -8,7 +8,9 @@ holding sft/ and checkpoints/. For each: greedy accuracy (the argmax over the an
 held-out evaluation's greedy decoding picks, given the format tokens), the mean probability of the
 right value, how many greedy answers RL changed, how many distinct answer distributions the 128
 charts give (a collapsed encoder gives a few), the median top-1/top-2 log-prob margin, and how often
-each value is the greedy answer (a drift of the answer prior shows there). Prints one JSON line.
+each value is the greedy answer (a drift of the answer prior shows there), and RL's gain in greedy
+accuracy and in the probability of the right value with its paired standard error (points; the
+same charts before and after). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -62,6 +64,13 @@ def figures(lp: np.ndarray, answers: np.ndarray) -> dict:
             "greedy_value_counts": np.bincount(lp.argmax(1), minlength=len(VALUES)).tolist()}
 
 
+def paired_gain(before: np.ndarray, after: np.ndarray) -> list[float]:
+    """[gain, standard error] in points of a per-chart score (0/1 or a probability) on the same charts:
+    the SE of the mean per-chart difference, so chart-to-chart spread common to both cancels."""
+    diff = 100 * (np.asarray(after, float) - np.asarray(before, float))
+    return [round(float(diff.mean()), 2), round(float(diff.std(ddof=1) / np.sqrt(len(diff))), 2)]
+
+
 def probe(workdir: str) -> dict:
     config = api.load_run_config(workdir)
     tokenizer = api.build_tokenizer(config)
@@ -69,8 +78,11 @@ def probe(workdir: str) -> dict:
     answers = np.array([VALUES.index(t.answer) for t in held])
     sft, rl = (value_logprobs(api.load_trained(d), tokenizer, held, config.rl.seq_len)
                for d in (os.path.join(workdir, "sft"), workdir))
+    rows = np.arange(len(answers))
     return {"run": workdir, "seed": config.seed, "charts": len(held), "sft": figures(sft, answers),
             "rl": figures(rl, answers), "greedy_answers_changed": int(np.sum(sft.argmax(1) != rl.argmax(1))),
+            "greedy_gain_se": paired_gain(sft.argmax(1) == answers, rl.argmax(1) == answers),
+            "p_correct_gain_se": paired_gain(np.exp(sft[rows, answers]), np.exp(rl[rows, answers])),
             "mean_abs_logprob_change": round(float(np.abs(rl - sft).mean()), 3)}
 
 

@@ -8,30 +8,43 @@ Runs `configs/vlm.py` (a random-init Qwen2.5-VL-layout VLM: SFT on rendered char
 the rollout engine prefilling each chart) once per seed through `benchmarks/quickstart_seeds.py`
 and writes its JSON line (per seed: held-out greedy accuracy before RL = after SFT, after RL, the
 gain in points, wall time; the mean and minimum gain; date, machine, command) to
-`benchmarks/results/vlm_learning.json`.
+`benchmarks/results/vlm_learning.json`. Each seed's `probe` (benchmarks/vlm_answer_probe.py on its
+warm start and RL checkpoint, the same held-out charts): the gain in greedy accuracy and in the mean
+probability of the right value (the expected accuracy of a sampled answer), each with its paired
+standard error in points. Without --root the workdirs are temporary.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import quickstart_seeds  # noqa: E402
+import vlm_answer_probe  # noqa: E402
+
+CONFIG = "configs/vlm.py"
 
 
 def main(argv: list[str]) -> int:
-    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "vlm_learning.json")
-    flags = list(argv)
-    if not any(f.startswith("--out") for f in flags):
-        flags.append(f"--out={out}")
-    code = quickstart_seeds.main(["--config=configs/vlm.py", *flags])
-    path = next(f.split("=", 1)[1] for f in flags if f.startswith("--out="))
-    with open(path) as f:
-        record = json.load(f)
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                      "vlm_learning.json"))
+    parser.add_argument("--root", default="")
+    known, rest = parser.parse_known_args(argv)
+    with tempfile.TemporaryDirectory(prefix="vlm_learning_") as scratch:
+        root = known.root or scratch  # kept workdirs: the probe reads each run's warm start and RL checkpoint
+        code = quickstart_seeds.main([f"--config={CONFIG}", f"--out={known.out}", f"--root={root}", *rest])
+        with open(known.out) as f:
+            record = json.load(f)
+        for run in record["runs"]:  # the answer probe: paired gains with their standard errors
+            probe = vlm_answer_probe.probe(quickstart_seeds.run_dir(root, run["seed"], record["overrides"], CONFIG))
+            run.update(probe={k: v for k, v in probe.items() if k not in ("run", "seed")})
     record.update(benchmark="vlm_learning", command=" ".join([".venv/bin/python benchmarks/vlm_learning.py", *argv]))
-    with open(path, "w") as f:
+    with open(known.out, "w") as f:
         json.dump(record, f, indent=1)
     return code
 

@@ -37,3 +37,12 @@ def test_step_figures_read_a_kept_run(tmp_path):
     assert figures == {"logprob_mismatch_max": 1e-7, "reward_first10_last10": [0.0, 1.0],
                        "entropy_first10_last10": [0.5, 0.5], "zero_variance_groups_first10_last10": [0.0, 0.25]}
     assert quickstart_seeds.step_figures("") == {}
+
+
+def test_paired_gain_is_the_mean_difference_with_its_standard_error():
+    """RL's gain on the same charts (benchmarks/vlm_answer_probe.py): 1 of 4 charts turns right ->
+    +25 points; per-chart differences (100, 0, 0, 0) have sample std 50, so SE 50 / sqrt(4) = 25."""
+    import vlm_answer_probe
+
+    assert vlm_answer_probe.paired_gain([0, 1, 0, 1], [1, 1, 0, 1]) == [25.0, 25.0]
+    assert vlm_answer_probe.paired_gain([0.2, 0.5], [0.3, 0.6]) == [10.0, 0.0]

@@ -1,5 +1,7 @@
 """Model invariances that need no reference implementation, and the notebook API."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,6 +56,28 @@ def test_remat_changes_memory_not_results(policy):
     g1, g2 = jax.grad(loss(cfg))(params), jax.grad(loss(remat))(params)
     for x, y in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
         np.testing.assert_allclose(x, y, atol=1e-6)
+
+
+def test_fused_projections_equal_the_separate_ones():
+    """The rollout engine's tree (`fuse_projections`: q/k/v and gate/up concatenated) gives the
+    separate projections' logits, biases included (qkv_bias); a group holding more than a kernel
+    and bias (a LoRA adapter) stays separate."""
+    from rlvr.models.transformer import fuse_projections, unstack_layers
+
+    cfg = ModelConfig(**SMALL, qkv_bias=True, scan_layers=False)
+    rng = np.random.default_rng(3)  # random weights and non-zero biases, drawn by NumPy (no init program)
+    shapes = params_lib.abstract_params(dataclasses.replace(cfg, scan_layers=True))
+    params = unstack_layers(jax.tree.map(lambda x: jnp.asarray(rng.normal(0, 0.1, x.shape), x.dtype), shapes))
+    fused = fuse_projections(params)
+    assert set(fused["layers_0"]["self_attn"]) == {"qkv_proj", "q_norm", "k_norm", "o_proj"}
+    assert set(fused["layers_1"]["mlp"]) == {"gate_up_proj", "down_proj"}
+    tokens = jnp.asarray(rng.integers(0, 97, (2, 9)))
+    run = jax.jit(forward, static_argnums=0)
+    np.testing.assert_allclose(run(cfg, fused, tokens)[0], run(cfg, params, tokens)[0], atol=1e-5)
+    adapted = {**params, "layers_0": {**params["layers_0"], "self_attn": {
+        **params["layers_0"]["self_attn"], "q_proj": {**params["layers_0"]["self_attn"]["q_proj"],
+                                                      "lora_a": jnp.zeros((64, 2))}}}}
+    assert {"q_proj", "k_proj", "v_proj"} <= set(fuse_projections(adapted)["layers_0"]["self_attn"])
 
 
 def test_bf16_compute_tracks_fp32():

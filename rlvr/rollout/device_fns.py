@@ -10,8 +10,9 @@ call N+1 before it reads call N's tokens, and never syncs inside a call. Compile
 grow with `steps` (one loop body).
 
 Shapes per engine are few and fixed: prefill [rows, chunk] (two row counts x two chunk sizes),
-decode [slots] x `steps` with the ragged page list padded to a power-of-two bucket, or a window
-of one of two lengths (`Dispatch.window_buckets`). Params are
+decode [slots] x `steps` (a grammar's one-step call passes a traced `limit`, not a new shape) with
+the ragged page list padded to a power-of-two bucket, or a window of one of three lengths
+(`Dispatch.window_buckets`). Each call draws its steps' random numbers before its loop. Params are
 an argument (not a closure): a weight update swaps arrays without recompiling. The page pool
 and the decode state are donated and updated in place.
 """
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 from rlvr.models.config import ModelConfig
 from rlvr.models.transformer import Transformer, forward, forward_last
 from rlvr.rollout.logit_process import count_tokens, extra_logprobs, process, reset_counts
-from rlvr.rollout.sampling import policy_logprob, sample_tokens
+from rlvr.rollout.sampling import policy_logprob, sample_tokens, uniforms
 
 
 def init_state(slots: int, vocab: int | None = None) -> dict[str, jax.Array]:
@@ -66,18 +67,19 @@ def _mask_stops(logits, sampling, count):
     return logits.at[jnp.arange(logits.shape[0])[:, None], ids].set(-jnp.inf, mode="drop")
 
 
-def _sample(logits, sampling, count, positions, filters, counts=None, mask=None):
+def _sample(logits, sampling, count, positions, filters, counts=None, mask=None, u=None):
     """(tokens, their log-probs under the distribution sampled from: temperature, top-k, top-p,
     min-p; see rlvr.rollout.sampling). Stop tokens forbidden by min_new_tokens are outside that
     distribution too (the trainer does not model min_new_tokens: RL requests leave it at 0).
     Penalties (`counts`), a grammar `mask` and logit_bias (`logit_process`) change the logits drawn
     from, not the log-probs reported: those stay the policy's (`sampling.policy_logprob`), which is
     what the trainer scores. Greedy rows (temperature 0, which RL never samples with) report the
-    policy's log-prob at temperature 1, as SGLang and OpenAI do."""
+    policy's log-prob at temperature 1, as SGLang and OpenAI do. `u`: the rows' uniforms, if drawn
+    already (`sample_tokens`)."""
     processed = process(logits, sampling, counts, mask)
     args = (sampling["temperature"], sampling["top_k"], sampling["top_p"], sampling["min_p"])
     token, logprob = sample_tokens(_mask_stops(processed, sampling, count), *args, sampling["seed"], positions,
-                                   filters)
+                                   filters, u)
     if processed is not logits:
         logprob = policy_logprob(logits, token, *args, filters)
     greedy = args[0] <= 0.0
@@ -129,8 +131,9 @@ def prefill(cfg: ModelConfig, filters: bool, params, pool, page_table, tokens, p
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 10), donate_argnums=(4, 7))
 def decode(cfg: ModelConfig, steps: int, filters: bool, params, pool, page_table, ragged, state, active, sampling,
-           top: int = 0, mask=None):
-    """Up to `steps` decode steps for every slot [S]; rows not `active` are treated as done. A
+           top: int = 0, mask=None, limit=None):
+    """Up to `steps` decode steps for every slot [S] (at most `limit`, a traced step count, when
+    given: the same program serves a grammar's one-step calls); rows not `active` are treated as done. A
     row stops (and writes nothing more) after a stop token (past min_new_tokens) or at
     max_new_tokens; the loop ends when all rows have. Returns the pool, the new state, the
     sampled tokens and log-probs [S, steps], how many tokens each row emitted, and the extra
@@ -140,7 +143,7 @@ def decode(cfg: ModelConfig, steps: int, filters: bool, params, pool, page_table
     that its steps attend over densely (no gather per layer and step; the engine's choice for
     small slots x max_len, see `Engine`). The pool is written in both cases.
     `filters`: see `sampling.sample_tokens`. `mask` (packed grammar masks, see `logit_process`)
-    holds for one token: the host passes steps=1 with it. Penalties run when the state has counts."""
+    holds for one token: the host passes limit=1 with it. Penalties run when the state has counts."""
     slots = state["token"].shape[0]
     start = jnp.where(active, state["count"], 0)
     empty = {}
@@ -151,7 +154,7 @@ def decode(cfg: ModelConfig, steps: int, filters: bool, params, pool, page_table
 
     def cond(carry):
         i, done = carry[0], carry[5]
-        return (i < steps) & ~jnp.all(done)
+        return (i < (steps if limit is None else limit)) & ~jnp.all(done)
 
     def body(carry):
         i, pool, token, pos, count, done, toks, logprobs, counts, extras = carry
@@ -159,7 +162,8 @@ def decode(cfg: ModelConfig, steps: int, filters: bool, params, pool, page_table
         rope = (pos + sampling["rope_delta"])[:, None] if "rope_delta" in sampling else None  # M-RoPE after images
         logits, cache = forward(cfg, params, token[:, None], pos[:, None], segment,
                                 _cache(pool, page_table, ragged), rope_positions=rope)
-        nxt, logprob = _sample(logits[:, 0], sampling, count, pos + 1, filters, counts, mask)
+        u = jax.lax.dynamic_index_in_dim(draws, i, axis=1, keepdims=False)
+        nxt, logprob = _sample(logits[:, 0], sampling, count, pos + 1, filters, counts, mask, u)
         counts = count_tokens(counts, nxt, ~done)
         extras = {k: jax.lax.dynamic_update_slice(extras[k], v[:, None], (0, i, *([0] * (v.ndim - 1))))
                   for k, v in extra_logprobs(logits[:, 0], sampling["temperature"], top,
@@ -171,6 +175,10 @@ def decode(cfg: ModelConfig, steps: int, filters: bool, params, pool, page_table
         return (i + 1, pool, jnp.where(done, token, nxt), pos + (~done).astype(jnp.int32), count,
                 done | _finished(nxt, count, sampling), toks, logprobs, counts, extras)
 
+    # every step's uniforms at once (a row that runs advances one position per step; the draws of
+    # rows that are done are never used): one batched draw instead of one per step
+    ahead = state["position"][:, None] + 1 + jnp.arange(steps, dtype=jnp.int32)[None]
+    draws = uniforms(jnp.repeat(sampling["seed"], steps), ahead.reshape(-1)).reshape(slots, steps)
     kv = dict(pool) if ragged is not None else {**pool, "window_k": _window(pool["k"], page_table, True),
                                                  "window_v": _window(pool["v"], page_table)}
     carry = (jnp.int32(0), kv, state["token"], state["position"], state["count"], state["done"] | ~active,

@@ -181,7 +181,10 @@ class Dispatch:
 
     def _decode(self) -> bool:
         """Dispatches the next decode call; with a constrained sequence running, the call is one
-        step and waits for the tokens before it (each mask follows from the token before)."""
+        step and waits for the tokens before it (each mask follows from the token before; the same
+        program runs, with `device_fns.decode`'s traced `limit`). Calls are not cut short to
+        refill a slot sooner: on the varied benchmark that made 1.6x the decode calls and 2.3x the
+        prefill calls, and continuous batching slower (benchmarks/results/rollout_fixed.json)."""
         steps = self.decode_steps
         if self._constrained():
             self._process(keep=0)
@@ -216,21 +219,25 @@ class Dispatch:
         filters = self._filters(np.flatnonzero(active_host)) if filters is None else filters
         mask = self._masks(seqs, self.max_slots)
         start = time.perf_counter()
+        limit = jnp.int32(1 if mask is not None else steps or self.decode_steps)
         self.pool, self.state, toks, logprobs, emitted, more = device_fns.decode(
-            self.decode_cfg, 1 if mask is not None else steps or self.decode_steps, filters, self.params, self.pool,
-            table, ragged, self.state, active, self._sampling_device, self._top(seqs), mask)
+            self.decode_cfg, self.decode_steps, filters, self.params, self.pool, table, ragged, self.state, active,
+            self._sampling_device, self._top(seqs), mask, limit)
         self._times["decode_calls"] += 1
         self._time_call("decode", (int(active_host.sum()), self.max_slots), start, emitted)
         self.inflight.append(_Inflight("decode", seqs, toks, logprobs, emitted, self.weight_version, more))
 
     def window_buckets(self) -> list[int]:
         """The page counts a decode call's window may have (one decode program each): the smallest
-        power of two from half a row's pages, and the row's pages. A window attends over all of its
-        columns each step, so it is cut to the smaller one when that holds what the call's rows may
-        reach (the fixed benchmark's 64 + 64 tokens: 8 of 12 pages, a third less KV read). Two
-        lengths, not more: each is a decode program to compile."""
-        half = 1 << (-(-self.pages_per_row // 2) - 1).bit_length()
-        return [half, self.pages_per_row] if self.decode_window and half < self.pages_per_row else [self.pages_per_row]
+        powers of two from a quarter and from half a row's pages, and the row's pages. A window
+        attends over all of its columns each step, so it is cut to the smallest one that holds what
+        the call's rows may reach (the fixed benchmark's 64 + 64 tokens: 8 of 12 pages, a third less
+        KV read; varied lengths, where a batch refilled with short outputs often fits a quarter).
+        Three lengths, not more: each is a decode program, compiled by `warmup`."""
+        if not self.decode_window:
+            return [self.pages_per_row]
+        cuts = {1 << (-(-self.pages_per_row // part) - 1).bit_length() for part in (4, 2)}
+        return sorted({c for c in cuts if c < self.pages_per_row} | {self.pages_per_row})
 
     def _window_pages(self, reach: np.ndarray) -> int:
         """The smallest window bucket holding positions 0..reach of every row (a reach of max_len,

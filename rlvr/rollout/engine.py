@@ -21,7 +21,7 @@ sampling table: the `Slots` mixin), `dispatch` (the device calls and reading the
 Compiled shapes are a bounded set (`warmup()` compiles them all up front): prefill [1 or
 prefill_rows, prefill_chunk/4 or prefill_chunk], from a 64-token chunk also rows 2, 4, ... and half
 chunks (`Dispatch._prefill_shapes`), and the decode programs: its attention runs over a contiguous
-per-slot window gathered once per call, cut to what the call's rows reach (one of two window
+per-slot window gathered once per call, cut to what the call's rows reach (one of three window
 lengths, `Dispatch.window_buckets`), or loops over the pages held (one program,
 `kernels/paged_attention/ragged.py`): `decode_attention`; each x2 when a request uses
 top-k/top-p/min-p. `metrics()` reports compile counts, the prefix-cache hit rate and host vs device
@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlvr.models.config import ModelConfig
-from rlvr.models.transformer import init_paged_cache, unstack_layers
+from rlvr.models.transformer import fuse_projections, init_paged_cache, unstack_layers
 from rlvr.rollout import device_fns
 from rlvr.rollout import extras as extras_lib
 from rlvr.rollout import images as images_lib
@@ -154,7 +154,8 @@ class Engine(Slots, Dispatch):
         if self.cfg.tie_word_embeddings:
             params["lm_head"] = {"kernel": params["embed_tokens"].T}
         dtype = jnp.dtype(self.decode_cfg.param_dtype)
-        return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+        return fuse_projections(jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+                                             else x, params))
 
     # --- public API ----------------------------------------------------------------------
 

@@ -101,13 +101,15 @@ def _candidate_path(logp, top_k, top_p, min_p, u, filtered):
 
 def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
                   min_p: jax.Array, seeds: jax.Array, positions: jax.Array,
-                  filters: bool = True) -> tuple[jax.Array, jax.Array]:
+                  filters: bool = True, u: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(tokens [B] int32, their log-probs [B] float32 under the distribution sampled from; 0 for
     greedy rows) from logits [B, V] (entries of -inf are never drawn). `filters=False` (static)
     compiles without the top-k/top-p/min-p paths: only for batches whose rows all have top_k=-1,
-    top_p=1, min_p=0 (half the compile time of the decode step)."""
+    top_p=1, min_p=0 (half the compile time of the decode step). `u`: the rows' uniforms
+    `uniforms(seeds, positions)` when drawn already (a multi-step decode call draws all its steps'
+    at once, before its loop)."""
     logp = jax.nn.log_softmax(_scaled(logits, temperature), axis=-1)
-    u = uniforms(seeds, positions)
+    u = uniforms(seeds, positions) if u is None else u
     token = inverse_cdf(jnp.exp(logp), u)
     logprob = jnp.take_along_axis(logp, token[:, None], -1)[:, 0]
     if filters:
