@@ -38,6 +38,7 @@ device functions after the section ran; `first_call_incl_compile_s` is the first
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -297,16 +298,16 @@ def realistic_timing(args) -> dict:
     cfg = ModelConfig(**(json.loads(args.model_json) if args.model_json else PRESETS["bench_32k"]))
     params = _params(cfg)
     prompts, max_new = chat_workload(args.chat_prompts)
-    engine = Engine(cfg, params, max_slots=SLOTS, max_len=1536, page_size=16, decode_steps=args.decode_steps,
-                    prefill_rows=4, prefill_chunk=256)
+    engine = Engine(cfg, params, max_slots=args.slots, max_len=1536, page_size=16, decode_steps=args.decode_steps,
+                    prefill_rows=4, prefill_chunk=256, dtype=args.dtype)
     groups, outputs = range(args.chat_prompts), {}
 
     def continuous():
         outputs["continuous"] = engine.generate(_chat_requests(prompts, max_new, groups, "c"))
         return sum(len(c.output_ids) for c in outputs["continuous"])
 
-    def static():  # batches of SLOTS requests, each waiting for its longest
-        per_batch, outs = SLOTS // GROUP, []
+    def static():  # batches of `--slots` requests, each waiting for its longest
+        per_batch, outs = args.slots // GROUP, []
         for start in range(0, args.chat_prompts, per_batch):
             chunk = range(start, min(start + per_batch, args.chat_prompts))
             outs += engine.generate(_chat_requests(prompts, max_new, chunk, "s"))
@@ -329,7 +330,8 @@ def realistic_timing(args) -> dict:
     finish = [c.finish_reason["type"] for c in outs]
     return {
         "workload": f"{args.chat_prompts} chat prompts (shared {SYSTEM_LEN}-token system prompt, 100-1000 tokens) "
-                    f"x group {GROUP} on {SLOTS} slots, max_new_tokens uniform [128, 512], temperature 1",
+                    f"x group {GROUP} on {args.slots} slots, max_new_tokens uniform [128, 512], temperature 1, "
+                    f"{args.dtype} weights and KV pages",
         "prompt_tokens_mean": round(statistics.mean(len(p) for p in prompts), 1),
         "output_lengths": [len(c.output_ids) for c in outs],
         "finish_reasons": {k: finish.count(k) for k in sorted(set(finish))},
@@ -342,22 +344,32 @@ def realistic_timing(args) -> dict:
 
 
 def realistic(args) -> dict:
-    """`realistic_timing` with the roofline of the same model and workload, measured before and
-    after the timed calls (best of the two)."""
+    """`realistic_timing` with the roofline of the same model, workload and batch (`--slots` rows),
+    measured before and after the timed calls (best of the two). With `--dtype bfloat16` the
+    roofline is the bf16 one (bf16 1024^3 matmul peak, bf16 weight and KV bytes) and the fp32
+    roofline of the same batch is reported beside it (`roofline_fp32`, `vs_roofline_fp32`)."""
     cfg = ModelConfig(**PRESETS["bench_32k"])
-    peaks = [machine_peaks()]
+    dtypes = sorted({"float32", args.dtype})
+    peaks = [{dtype: machine_peaks(dtype) for dtype in dtypes}]
     result = realistic_timing(args)
-    peaks.append(machine_peaks())
-    best = {k: max(p[k] for p in peaks) for k in peaks[0]}
+    peaks.append({dtype: machine_peaks(dtype) for dtype in dtypes})
+    best = {dtype: {k: max(p[dtype][k] for p in peaks) for k in peaks[0][dtype]} for dtype in dtypes}
     prompts, _ = chat_workload(args.chat_prompts)
     lengths = result.pop("output_lengths")
-    roofline = decode_roofline(cfg, [p for p in prompts for _ in range(GROUP)], lengths, SLOTS, best)
+    rows = [p for p in prompts for _ in range(GROUP)]
+    rooflines = {dtype: decode_roofline(dataclasses.replace(cfg, param_dtype=dtype), rows, lengths, args.slots,
+                                        best[dtype], kv_dtype=dtype) for dtype in dtypes}
+    measured = result["continuous" if "continuous" in result else "static"]["tokens_per_s"]
     result.update({
-        "model": "bench_32k preset (6 layers, d512, GQA 8:2, tied vocab 32768, 34.9M params, fp32)",
+        "model": f"bench_32k preset (6 layers, d512, GQA 8:2, tied vocab 32768, 34.9M params, {args.dtype})",
         "output_tokens_mean": round(statistics.mean(lengths), 1),
-        "machine_peaks_best": {k: round(v, 1) for k, v in best.items()},
-        "roofline": roofline, "vs_roofline": round(result["continuous"]["tokens_per_s"] / roofline["tokens_per_s"], 3)})
-    if "static" in result:
+        "machine_peaks_best": {k: round(v, 1) for k, v in best[args.dtype].items()},
+        "roofline": rooflines[args.dtype], "vs_roofline": round(measured / rooflines[args.dtype]["tokens_per_s"], 3)})
+    if args.dtype != "float32":
+        result.update({"machine_peaks_best_fp32": {k: round(v, 1) for k, v in best["float32"].items()},
+                       "roofline_fp32": rooflines["float32"],
+                       "vs_roofline_fp32": round(measured / rooflines["float32"]["tokens_per_s"], 3)})
+    if "static" in result and "continuous" in result:
         result["continuous_vs_static"] = round(result["continuous"]["tokens_per_s"] / result["static"]["tokens_per_s"],
                                                3)
     return result
@@ -471,6 +483,8 @@ def main() -> None:
     parser.add_argument("--decode_steps", type=int, default=16)
     parser.add_argument("--chat_prompts", type=int, default=16, help="realistic: prompts (x groups of 8)")
     parser.add_argument("--modes", default="continuous,static", help="realistic: timed calls")
+    parser.add_argument("--slots", type=int, default=SLOTS, help="realistic: engine slots (rows decoded at once)")
+    parser.add_argument("--dtype", default="float32", help="realistic: rollout weights and KV pages (or bfloat16)")
     parser.add_argument("--model_json", default="", help="realistic_timing: the model's ModelConfig fields")
     args = parser.parse_args()
     record = {"benchmark": "rollout", "devices": str(jax.devices()[0]), "jax": jax.__version__}

@@ -114,19 +114,22 @@ def test_ragged_reads_a_shared_prefix_once_for_its_rows():
 
 
 def test_single_query_bfloat16_traced_layer():
-    """q [B, H, D] in bfloat16, the layer index traced (as in a scan over layers)."""
+    """q [B, H, D] in bfloat16, the layer index traced (as in a scan over layers); the ragged
+    path's products take bf16 inputs from bf16 pages (float32 accumulation)."""
     rng = np.random.default_rng(1)
     k = rng.standard_normal((2, 9, 4, 2, 16)).astype(np.float32)
     v = rng.standard_normal((2, 9, 4, 2, 16)).astype(np.float32)
     table = np.array([[3, 1, 0], [5, 6, 7]], np.int32)
     lengths = np.array([6, 12], np.int32)
     q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    ragged = ragged_pages(table, lengths, 4)
 
     @jax.jit
     def run(q, k, v):
         def layer_out(_, layer):
-            return None, [paged_attention(q, k, v, table, lengths, layer=layer, implementation=impl, interpret=True)
-                          for impl in ("pallas", "xla")]
+            return None, [paged_attention(q, k, v, table, lengths, layer=layer, implementation=impl, interpret=True,
+                                          ragged=ragged if impl == "ragged" else None)
+                          for impl in ("pallas", "xla", "ragged")]
         return jax.lax.scan(layer_out, None, jnp.arange(2))[1]
 
     outs = run(jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16))

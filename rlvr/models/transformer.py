@@ -391,9 +391,9 @@ class Attention(nn.Module):
             _, read_idx, columns, _ = kv_index
             offset = layer_id * (pool["k"].shape[1] * pool["k"].shape[2])
             rows = jnp.arange(x.shape[0])[:, None]
-            k = pool["k"].reshape(-1, kvh, d)[offset + read_idx].at[rows, columns].set(new_kv[0], mode="drop")
-            v = pool["v"].reshape(-1, kvh, d)[offset + read_idx].at[rows, columns].set(new_kv[1], mode="drop")
-            k, v = k.astype(q.dtype), v.astype(q.dtype)
+            k, v = (from_bits(as_bits(pool[name].reshape(-1, kvh, d))[offset + read_idx]
+                              .at[rows, columns].set(as_bits(kv), mode="drop"), kv.dtype).astype(q.dtype)
+                    for name, kv in zip(("k", "v"), new_kv, strict=True))
         if isinstance(mask, SegmentInfo):
             out = segment_attention(cfg, q, k, v, mask, warn=not self.is_initializing())
         else:
@@ -564,18 +564,32 @@ class Transformer(nn.Module):
         return self.logits(x), values, cache
 
 
+def as_bits(x: jax.Array) -> jax.Array:
+    """16-bit floats as uint16 (a free bitcast), other dtypes unchanged: XLA:CPU gathers and
+    scatters bf16 by converting the whole operand to f32 and back (a whole KV pool per layer and
+    step, ~10x the decode time), integers it moves as they are."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if jnp.dtype(x.dtype).itemsize == 2 else x
+
+
+def from_bits(x: jax.Array, dtype) -> jax.Array:
+    """Inverse of `as_bits` for an array of `dtype`."""
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+
+
 def _scatter_layer(pages, layer: int, write_idx, new):
     """pages [L, N, P, KVH, D] with layer `layer`'s new [B, T, KVH, D] written at write_idx [B, T]."""
     shape = pages.shape
-    flat = pages.reshape(shape[0], shape[1] * shape[2], *shape[3:])
-    return flat.at[layer, write_idx].set(new.astype(pages.dtype), mode="drop").reshape(shape)
+    flat = as_bits(pages.reshape(shape[0], shape[1] * shape[2], *shape[3:]))
+    out = flat.at[layer, write_idx].set(as_bits(new.astype(pages.dtype)), mode="drop")
+    return from_bits(out, pages.dtype).reshape(shape)
 
 
 def _scatter_pages(pages, write_idx, new):
     """pages [L, N, P, KVH, D] with new [L, B, T, KVH, D] written at flat slots write_idx [B, T]."""
     shape = pages.shape
-    flat = pages.reshape(shape[0], shape[1] * shape[2], *shape[3:])
-    return flat.at[:, write_idx].set(new, mode="drop").reshape(shape)
+    flat = as_bits(pages.reshape(shape[0], shape[1] * shape[2], *shape[3:]))
+    out = flat.at[:, write_idx].set(as_bits(new.astype(pages.dtype)), mode="drop")
+    return from_bits(out, pages.dtype).reshape(shape)
 
 
 def paged_indices(cache: Cache, positions, segment_ids, sliding_window: int = 0):

@@ -108,9 +108,12 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     top_p=1, min_p=0 (half the compile time of the decode step). `u`: the rows' uniforms
     `uniforms(seeds, positions)` when drawn already (a multi-step decode call draws all its steps'
     at once, before its loop)."""
-    logp = jax.nn.log_softmax(_scaled(logits, temperature), axis=-1)
+    shifted = _scaled(logits, temperature)
+    shifted = shifted - jnp.max(shifted, axis=-1, keepdims=True)
+    weights = jnp.exp(shifted)  # one exp over the vocabulary: the CDF's weights and the normaliser
+    logp = shifted - jnp.log(jnp.sum(weights, axis=-1, keepdims=True))  # = jax.nn.log_softmax's
     u = uniforms(seeds, positions) if u is None else u
-    token = inverse_cdf(jnp.exp(logp), u)
+    token = inverse_cdf(weights, u)
     logprob = jnp.take_along_axis(logp, token[:, None], -1)[:, 0]
     if filters:
         filtered = (top_k > 0) | (top_p < 1.0) | (min_p > 0.0)
