@@ -18,6 +18,8 @@ params, fp32): an RL step's rollout, 16 chat prompts x groups of 8 = 128 request
   (the varied stopping of real RL; eos is a stop token too, rarely drawn by a random model);
   temperature 1, top_p 1. Continuous batching runs all 128 at once; static batching runs the
   groups in two batches of 64, each waiting for its longest. Timed calls run in ABBA order.
+  `--slots N` runs it on N slots (the roofline for a batch of N); `--dtype bfloat16` runs the
+  engine in bf16 (weights and KV pages) against the bf16 roofline, the fp32 one reported beside.
 
 decode_variants: the sampler workload under each decode attention x decode_steps, interleaved.
 
