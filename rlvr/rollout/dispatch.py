@@ -3,8 +3,9 @@
 Per `Engine.step`: `_prefill` dispatches one chunk of every unfinished prompt, in the smallest
 compiled shape that holds them (a chunk that ends its prompt samples the first token and arms the
 slot's on-device decode state; a prompt with one token left is armed directly, `_arm`); `_decode`
-dispatches `decode_steps` decode steps for every running sequence in one device call (fewer when
-that lets waiting requests take freed slots sooner: `_refill_steps`) (`device_fns.decode`), continuing from the state the previous call left; `_process` then reads all
+dispatches `decode_steps` decode steps for every running sequence in one device call
+(`device_fns.decode`; fewer when that lets waiting requests take freed slots sooner,
+`_refill_steps`), continuing from the state the previous call left; `_process` then reads all
 but the newest call's tokens, so the host's bookkeeping overlaps the device's next call. A batch
 with a constrained (grammar) request decodes one token per call and waits for the tokens before it.
 """
