@@ -8,7 +8,10 @@ fixed (the `bench` preset shared with the Tunix peer: 4 layers, d256, vocab 1024
   groups:  8 prompts x n=4 samples (prompt pages shared by the group)
   varied:  64 requests with max_new_tokens uniform in [8, 128] on 16 slots, continuous
            batching (fcfs and lof admission) vs static batching (batches of 16, each waits for
-           its longest); also alone: --only varied
+           its longest); also alone: --only varied. Each mode's counts (decode and prefill calls,
+           decode loop steps, row-steps computed/used, window pages x steps) and the step bounds
+           (static's steps over those of a slot refilled every step) are reported beside the ratios.
+  varied_many: the same with 256 requests on the 16 slots (--only varied_many)
   naive:   `rlvr.models.generate` (one jitted scan, contiguous cache, static batch, greedy)
 realistic (the `bench_32k` preset: 6 layers, d512, GQA 8:2, tied 32,768-token vocabulary, 34.9M
 params, fp32): an RL step's rollout, 16 chat prompts x groups of 8 = 128 requests on 64 slots.
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import heapq
 import json
 import math
 import statistics
@@ -151,45 +155,103 @@ def varied(args, cfg: ModelConfig | None = None, params=None, rng=None) -> dict:
     continuous batching (all submitted at once; admitted in submission order, and longest
     max_new_tokens first: schedule_policy "lof") vs static batching (batches of 16 in submission
     order, each waiting for its longest), calls interleaved (ABBA), medians of wall and of process
-    CPU seconds (the latter steadier on a shared machine)."""
+    CPU seconds (the latter steadier on a shared machine). See `_varied_run` for the counts and
+    step bounds reported beside the ratios."""
     if cfg is None:
         cfg = ModelConfig(**PRESETS["bench"])
         params, rng = _params(cfg), np.random.default_rng(0)
         rng.integers(0, 1024, (32, 64))  # the fixed section's prompts, drawn first there
     varied_new = rng.integers(8, 129, 64).tolist()
     varied_prompts = [rng.integers(0, 1024, 32).tolist() for _ in range(64)]
+    return _varied_run(args, cfg, params, varied_prompts, varied_new)
+
+
+def varied_many(args) -> dict:
+    """`varied` with 256 requests on the same 16 slots (16 rollouts per slot, as an RL step of
+    32 prompts x 8 samples on a small engine; distinct prompts, so prefill work equals `varied`'s
+    per request): the step bound of continuous batching over static grows with requests per slot
+    (a slot's lost steps are only at the end), see `_varied_run`."""
+    cfg = ModelConfig(**PRESETS["bench"])
+    params, rng = _params(cfg), np.random.default_rng(1)
+    new = rng.integers(8, 129, 256).tolist()
+    return _varied_run(args, cfg, params, [rng.integers(0, 1024, 32).tolist() for _ in range(256)], new)
+
+
+def static_steps(max_new: list[int], slots: int) -> int:
+    """Decode steps of static batching: each batch of `slots` runs until its longest request ends
+    (a request of m tokens takes m - 1 decode steps: the prefill samples its first)."""
+    return sum(max(max_new[i:i + slots]) - 1 for i in range(0, len(max_new), slots))
+
+
+def refill_steps(max_new: list[int], slots: int, order: str) -> int:
+    """Decode steps of continuous batching if a freed slot were refilled before the very next
+    step (the best any admission at call boundaries can do), requests taken in submission order
+    ("fcfs") or largest max_new first ("lof"): a lower bound of the engine's steps, so
+    static_steps / refill_steps bounds the continuous-over-static ratio at equal cost per step."""
+    order_new = sorted(max_new, reverse=True) if order == "lof" else max_new
+    free = [0] * slots
+    for m in order_new:
+        heapq.heapreplace(free, free[0] + m - 1)
+    return max(free)
+
+
+def _counts(engine, call) -> dict:
+    """What one call of `call` does on `engine` (deltas of `Engine.metrics`)."""
+    keys = ("decode_calls", "prefill_calls", "decode_loop_steps", "decode_row_steps_paid", "decode_row_steps_used",
+            "decode_window_page_steps")
+    before = engine.metrics()
+    call()
+    after = engine.metrics()
+    return {k: after[k] - before[k] for k in keys}
+
+
+def _varied_run(args, cfg: ModelConfig, params, prompts: list[list[int]], max_new: list[int]) -> dict:
+    """Continuous (fcfs, lof) vs static batching of `prompts` on 16 slots (see `varied`), timed
+    interleaved, with each mode's counts from one untimed call (decode and prefill calls, decode
+    loop steps, row-steps computed and used, window pages x steps) and the step bounds
+    (`static_steps`, `refill_steps`) beside the ratios."""
     opts = dict(max_slots=16, max_len=192, page_size=16, decode_steps=args.decode_steps, prefill_rows=8,
                 prefill_chunk=64)
     small, lof = Engine(cfg, params, **opts), Engine(cfg, params, schedule_policy="lof", **opts)
-    total = sum(varied_new)
+    total, count = sum(max_new), len(max_new)
 
     def continuous():
-        small.generate(_requests(varied_prompts, varied_new))
+        small.generate(_requests(prompts, max_new))
 
     def continuous_lof():
-        lof.generate(_requests(varied_prompts, varied_new))
+        lof.generate(_requests(prompts, max_new))
 
     def static():
-        for start in range(0, 64, 16):
-            small.generate(_requests(varied_prompts[start:start + 16], varied_new[start:start + 16], prefix="s"))
+        for start in range(0, count, 16):
+            small.generate(_requests(prompts[start:start + 16], max_new[start:start + 16], prefix="s"))
 
     calls = {"continuous": _fresh(small, continuous), "continuous_lof": _fresh(lof, continuous_lof),
              "static": _fresh(small, static)}
     first = {name: _seconds(call) for name, call in calls.items()}
+    counts = {name: _counts(small if name != "continuous_lof" else lof, call) for name, call in calls.items()}
     runs = {name: [] for name in calls}
     for r in range(args.repeats):
         for name in calls if r % 2 == 0 else reversed(list(calls)):
             runs[name].append(_seconds(calls[name]))
     wall = {name: statistics.median(w for w, _ in runs[name]) for name in calls}
     cpu = {name: statistics.median(c for _, c in runs[name]) for name in calls}
-    out = {f"varied_lengths_{name}": {"tokens_per_s": round(total / wall[name], 1), "median_s": round(wall[name], 4),
-                                      "all_s": [round(w, 4) for w, _ in runs[name]],
-                                      "median_cpu_s": round(cpu[name], 4),
-                                      "first_call_incl_compile_s": round(first[name][0], 2)} for name in calls}
+    out = {"workload": f"{count} requests, 32-token prompts, max_new_tokens uniform in [8, 128] on 16 slots, "
+                       f"decode_steps {args.decode_steps}",
+           **{f"varied_lengths_{name}": {"tokens_per_s": round(total / wall[name], 1), "median_s": round(wall[name], 4),
+                                         "all_s": [round(w, 4) for w, _ in runs[name]],
+                                         "median_cpu_s": round(cpu[name], 4),
+                                         "first_call_incl_compile_s": round(first[name][0], 2),
+                                         "counts": counts[name]} for name in calls}}
     out["continuous_vs_static"] = round(wall["static"] / wall["continuous"], 3)
     out["continuous_vs_static_cpu"] = round(cpu["static"] / cpu["continuous"], 3)
     out["continuous_lof_vs_static"] = round(wall["static"] / wall["continuous_lof"], 3)
     out["continuous_lof_vs_static_cpu"] = round(cpu["static"] / cpu["continuous_lof"], 3)
+    steps = {"static": static_steps(max_new, 16), "fcfs": refill_steps(max_new, 16, "fcfs"),
+             "lof": refill_steps(max_new, 16, "lof")}
+    out["step_bounds"] = {"static_steps": steps["static"], "fcfs_refill_every_step_steps": steps["fcfs"],
+                          "lof_refill_every_step_steps": steps["lof"],
+                          "fcfs_max_vs_static": round(steps["static"] / steps["fcfs"], 3),
+                          "lof_max_vs_static": round(steps["static"] / steps["lof"], 3)}
     out["varied_engine_metrics"] = _engine_metrics(small)
     return out
 
@@ -491,7 +553,7 @@ def main() -> None:
     args = parser.parse_args()
     record = {"benchmark": "rollout", "devices": str(jax.devices()[0]), "jax": jax.__version__}
     sections = {"fixed": fixed, "realistic": realistic, "sampler": sampler, "first_calls": first_calls,
-                "realistic_timing": realistic_timing, "varied": varied, "extras": extras,
+                "realistic_timing": realistic_timing, "varied": varied, "varied_many": varied_many, "extras": extras,
                 "decode_variants": decode_variants}
     for name in args.only.split(","):
         record[name] = sections[name](args)

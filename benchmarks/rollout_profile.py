@@ -8,7 +8,8 @@ engine's device functions wrapped to keep a copy of the first prefill's and the 
 arguments; each is then re-run `--calls` times under `jax.profiler` (fresh copies: the pool and
 state are donated) and XLA:CPU's per-op events (thunks; a `ynn_fusion` is a YNNPACK matmul or
 reduction) are summed by what the compiled HLO's op names say they are: each projection's matmul,
-attention, sampling, norms, the decode window's gather. Ops run one after another on this 2-core
+attention, sampling, norms, the decode window's gather (a while loop's or conditional's own event spans its
+body's ops and is not counted again). Ops run one after another on this 2-core
 box (their sum is about the wall time), so the shares are the call's time.
 
 Also, interleaved in the same process: the decode call with its window cut to the pages its rows
@@ -45,7 +46,10 @@ from rlvr.models.config import PRESETS, ModelConfig  # noqa: E402
 from rlvr.rollout import device_fns  # noqa: E402
 from rlvr.rollout.engine import Engine  # noqa: E402
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+# the engine's fused projections first (`transformer.fuse_projections`: "qkv_proj" holds "v_proj")
+PROJECTIONS = ("qkv_proj", "gate_up_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+               "lm_head")
+CONTAINERS = ("while", "cond", "conditional", "call")  # thunks whose time is their body's ops, counted already
 
 
 def _category(op_name: str) -> str:
@@ -114,7 +118,8 @@ def _profile(fn, args, calls: int) -> dict:
             if line.name == "python":
                 continue
             for event in line.events:
-                if "Execute" in event.name or "Await" in event.name or event.name.startswith("end:"):
+                if "Execute" in event.name or "Await" in event.name or event.name.startswith("end:") \
+                        or event.name.split(".")[0] in CONTAINERS:
                     continue
                 per_category[_category(ops.get(event.name, event.name))] += event.duration_ns / 1e6 / calls
     total = sum(per_category.values())

@@ -167,7 +167,7 @@ def test_server_killed_mid_traffic_loses_and_duplicates_nothing(tmp_path):
 def _answer(log_: log.AppendLog, rid: str, prompt, text: str, t: float, endpoint="/v1/completions", **extra):
     request = {"messages": prompt} if endpoint.endswith("chat/completions") else {"prompt": prompt}
     log_.append({"id": rid, "time": t, "response_id": rid, "index": 0, "endpoint": endpoint, "request": request,
-                 "text": text, "model_version": "0", "finish_reason": {"type": "stop"}, **extra})
+                 "text": text, "model_version": "0", "finish_reason": {"type": "stop"}} | extra)
 
 
 def test_build_turns_feedback_into_sft_dpo_rl_with_time_split(tmp_path):
@@ -206,6 +206,23 @@ def test_build_turns_feedback_into_sft_dpo_rl_with_time_split(tmp_path):
     tasks = family.split_tasks()
     assert [t.prompt for t in tasks] == ["2+2=", "3+3="]
     assert family.score(tasks[0], "4", False)["correct"] == 1.0 and family.score(tasks[0], "5", False)["reward"] == 0
+
+
+def test_feedback_on_a_reused_response_id_goes_to_the_answer_it_followed(tmp_path):
+    """A client's own `rid` on two requests names two answers: each feedback record belongs to the latest
+    answer recorded before it, not to both."""
+    root, out = str(tmp_path / "t"), str(tmp_path / "data")
+    traffic, feedback = log.AppendLog(root, capture.TRAFFIC), log.AppendLog(root, capture.FEEDBACK)
+    _answer(traffic, "x1", "2+2=", "5", 1.0, response_id="mine")
+    _answer(traffic, "x2", "2+2=", "4", 3.0, response_id="mine")
+    feedback.append({"time": 2.0, "response_id": "mine", "index": 0, "correction": "4"})
+    feedback.append({"time": 4.0, "response_id": "mine", "index": 0, "outcome": {"passed": True}})
+    card = build_lib.build(root, out, build_lib.BuildSettings(heldout_fraction=0.0))
+    dpo = [json.loads(x) for x in open(os.path.join(out, "train", "dpo.jsonl"))]
+    rl = [json.loads(x) for x in open(os.path.join(out, "train", "rl.jsonl"))]
+    assert [(r["chosen"], r["rejected"]) for r in dpo] == [("4", "5")]  # the correction of "5" only
+    assert [r["verifier"]["answer"] for r in rl] == ["4"]  # "passed" is the second answer's
+    assert card["with_feedback"] == 2
 
 
 # --- 5. the gate ----------------------------------------------------------------------------------------

@@ -308,7 +308,7 @@ process read only its rows' records."""
 
 
 def _heldout_records_read(config) -> int:
-    """Records one process encodes for the held-out loss (its stream read to the end of the epoch)."""
+    """Records one process encodes for the held-out loss (its stream read to the end of the epoch: each once)."""
     import functools
 
     from rlvr.data.chat import encode_record
@@ -318,9 +318,10 @@ def _heldout_records_read(config) -> int:
     d, tokenizer = config.data, api.build_tokenizer(config)
     records = load_records(d, "eval")[: config.train.eval_examples]
     stream = TokenStream(records, functools.partial(encode_record, tokenizer), d.batch_size, d.seq_len,
-                         tokenizer.pad_id, 0, d.pack, shuffle=False)
+                         tokenizer.pad_id, 0, d.pack, shuffle=False, one_epoch=True)
     while not stream.exhausted():
         next(stream)
+    assert stream.records_read == len(records)
     return stream.records_read
 
 

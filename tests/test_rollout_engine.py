@@ -1,6 +1,8 @@
 """The embedded engine against independent references: a naive full-forward loop, the
 trainer's log-probs, itself alone vs batched; stop conditions, abort, pause/update/resume."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ from rlvr.models.config import ModelConfig
 from rlvr.models.tokenizer import byte_level_tokenizer
 from rlvr.models.transformer import forward
 from rlvr.rollout import device_fns
+from rlvr.rollout.dispatch import Dispatch
 from rlvr.rollout.engine import Engine
 from rlvr.rollout.types import Request, SamplingParams
 
@@ -218,6 +221,25 @@ def test_continuous_batching_refills_freed_slots(params):
     for i, n in enumerate([2, 30, 2, 2]):  # reusing the slot while c0's call ran changed no output
         assert outputs[f"c{i}"] == _naive_greedy(params, _prompts([5], seed=i)[0], n)
     assert engine.pages.used == engine.prefix.pages  # what is left is only the prefix cache's
+    # Hand-counted: c1 (30 tokens: the prefill's first + 29 decode steps) runs in every decode call,
+    # so the loops ran 29 steps, each computing both slots; rows emitted all tokens but the prefills'.
+    metrics = engine.metrics()
+    assert metrics["decode_loop_steps"] == 29 and metrics["decode_row_steps_paid"] == 2 * 29
+    assert metrics["decode_row_steps_used"] == sum(len(o) for o in outputs.values()) - 4
+    assert 4 * 29 <= metrics["decode_window_page_steps"] <= 8 * 29  # windows of 4 or 8 pages (c1 reaches 35 tokens)
+
+
+def test_a_decode_call_is_cut_short_when_waiting_requests_would_use_the_freed_steps():
+    """Hand-computed: 4 slots, 8-step calls, rows with 2, 3, 20, 20 tokens left. Two waiting
+    requests: ending at step 3 frees 2 slots for 5 steps (10 row-steps >= 2 steps x 4 slots): cut.
+    One waiting: the best is step 2 (1 x 6 = 6 row-steps < 8): the call runs its 8 steps."""
+    def row(left):
+        return types.SimpleNamespace(prompt=[0] * 5, max_new=left + 10, device_tokens=15)
+    rows = [row(2), None, row(3), row(20), row(20)]
+    engine = types.SimpleNamespace(max_slots=4, waiting=[object(), object()])
+    assert Dispatch._refill_steps(engine, rows, 8) == 3
+    engine.waiting = [object()]
+    assert Dispatch._refill_steps(engine, rows, 8) == 8
 
 
 def _aligned(x):

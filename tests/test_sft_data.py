@@ -120,6 +120,18 @@ def test_every_record_is_seen_once_per_epoch():
     assert seen[:10] != seen[10:]  # reshuffled per epoch
 
 
+def test_an_evaluation_stream_counts_every_record_once():
+    """Held-out loss: rows stop at the epoch's end (padding after), so no record is weighed twice."""
+    records = [{"prompt": f"q{i}", "completion": "a" * (i + 1)} for i in range(5)]
+    stream = TokenStream(records, lambda r: encode_record(TOK, r), 2, 64, TOK.pad_id, seed=0, shuffle=False,
+                         one_epoch=True)
+    target_tokens = 0
+    while not stream.exhausted():
+        target_tokens += int(next(stream)["loss_mask"].sum())
+    assert stream.records_read == len(records)
+    assert target_tokens == sum(int(np.sum(encode_record(TOK, r)[1])) for r in records)
+
+
 def test_tfds_data_source_without_tensorflow(tmp_path):
     import tensorflow_datasets as tfds
 

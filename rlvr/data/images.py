@@ -245,8 +245,9 @@ class ImageTokenStream(TokenStream):
     (rlvr.models.vision.ImageInputs; `capacity` patches per row, 0 = the batch's most)."""
 
     def __init__(self, source, encode, batch_size: int, seq_len: int, pad_id: int, seed: int,
-                 vision: VisionConfig, capacity: int = 0, pack: bool = True, shuffle: bool = True):
-        super().__init__(source, encode, batch_size, seq_len, pad_id, seed, pack, shuffle)
+                 vision: VisionConfig, capacity: int = 0, pack: bool = True, shuffle: bool = True,
+                 one_epoch: bool = False):
+        super().__init__(source, encode, batch_size, seq_len, pad_id, seed, pack, shuffle, one_epoch)
         self.vision, self.capacity = vision, capacity
 
     def _batch(self) -> tuple[dict[str, np.ndarray], list[int]]:

@@ -41,19 +41,24 @@ class TokenStream:
     Row r of every batch is filled from its own share of the record order (visits r, r + B, r + 2B,
     ... for B rows), with its own cursor: a process builds its rows without reading another row's
     records (rlvr.data.shards), and the batches are the same whichever rows a process builds. One
-    record per row (`pack=False`) is batch i = records `order[i·B : (i+1)·B]`."""
+    record per row (`pack=False`) is batch i = records `order[i·B : (i+1)·B]`.
+
+    `one_epoch` (evaluation): a row stops at the end of the first epoch and the rest of it is padding
+    (loss weight 0), so every record counts exactly once; training streams wrap into the next epoch."""
 
     def __init__(self, source: Sequence[Any], encode: Callable[[Any], Example], batch_size: int,
-                 seq_len: int, pad_id: int, seed: int, pack: bool = True, shuffle: bool = True):
+                 seq_len: int, pad_id: int, seed: int, pack: bool = True, shuffle: bool = True,
+                 one_epoch: bool = False):
         self.source, self.encode = source, encode
         self.batch_size, self.seq_len, self.pad_id, self.pack = batch_size, seq_len, pad_id, pack
+        self.one_epoch = one_epoch
         self.order = RecordOrder(len(source), seed, shuffle)
         self.cursors = [0] * batch_size  # records consumed by each row
         self._read: dict[int, list[int]] = {}  # row -> [first, end) of the visits it read in this process
 
     def _row_examples(self, row: int):
         visit = self.cursors[row]
-        while True:
+        while not (self.one_epoch and row + self.batch_size * visit >= len(self.source)):
             span = self._read.setdefault(row, [visit, visit])
             span[0], span[1] = min(span[0], visit), max(span[1], visit + 1)
             yield self.encode(self.source[self.order[row + self.batch_size * visit]])

@@ -26,9 +26,11 @@ versions and endpoints the data came from, the time range and the cutoff.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import json
+import math
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -71,20 +73,31 @@ def prompt_key(prompt: Any) -> str:
     return hashlib.sha256(json.dumps(prompt, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _feedback_by_answer(root: str, stats: dict[str, int]) -> dict[tuple[str, int], dict[str, Any]]:
-    """Per answer, its feedback merged in time order (a later rating replaces an earlier one)."""
-    merged: dict[tuple[str, int], dict[str, Any]] = defaultdict(dict)
+def _feedback_by_answer(root: str, stats: dict[str, int], traffic: list[dict]) -> dict[int, dict[str, Any]]:
+    """Per answer (its position in `traffic`), its feedback merged in time order (a later rating replaces an
+    earlier one). A response id a client reused (its own `rid` on two requests) names several answers: a
+    feedback record goes to the latest of them recorded before it (the answer the client had seen), or to
+    the first when none is earlier (clocks of different processes)."""
+    answers_of: dict[tuple[str, int], list[tuple[float, int]]] = defaultdict(list)
+    for position, record in enumerate(traffic):
+        answers_of[(record["response_id"], record.get("index", 0))].append((record["time"], position))
+    merged: dict[int, dict[str, Any]] = defaultdict(dict)
     for record in sorted(log.read(root, FEEDBACK, stats), key=lambda r: r["time"]):
-        merged[(record["response_id"], record.get("index", 0))].update(
+        answers = sorted(answers_of.get((record["response_id"], record.get("index", 0)), []))
+        if not answers:
+            continue
+        earlier = bisect.bisect_right(answers, (record["time"], math.inf))
+        merged[answers[max(earlier - 1, 0)][1]].update(
             {k: v for k, v in record.items() if k not in ("id", "time", "response_id", "index")})
     return merged
 
 
 def _answers(root: str, settings: BuildSettings, stats: dict[str, int], dropped: dict[str, int]) -> list[dict]:
     """The traffic records that pass the filters, each with its prompt and merged feedback."""
-    feedback = _feedback_by_answer(root, stats)
+    traffic = list(log.read(root, TRAFFIC, stats))
+    feedback = _feedback_by_answer(root, stats, traffic)
     answers = []
-    for record in log.read(root, TRAFFIC, stats):
+    for position, record in enumerate(traffic):
         prompt = prompt_of(record)
         reason = None
         if (record.get("finish_reason") or {}).get("type") == "abort":
@@ -98,8 +111,7 @@ def _answers(root: str, settings: BuildSettings, stats: dict[str, int], dropped:
         if reason:
             dropped[reason] = dropped.get(reason, 0) + 1
             continue
-        answers.append({**record, "prompt": prompt, "feedback": feedback.get((record["response_id"],
-                                                                               record.get("index", 0)), {})})
+        answers.append({**record, "prompt": prompt, "feedback": feedback.get(position, {})})
     return sorted(answers, key=lambda a: a["time"])
 
 

@@ -4,7 +4,8 @@ Per `Engine.step`: `_prefill` dispatches one chunk of every unfinished prompt, i
 compiled shape that holds them (a chunk that ends its prompt samples the first token and arms the
 slot's on-device decode state; a prompt with one token left is armed directly, `_arm`); `_decode`
 dispatches `decode_steps` decode steps for every running sequence in one device call
-(`device_fns.decode`), continuing from the state the previous call left; `_process` then reads all
+(`device_fns.decode`; fewer when that lets waiting requests take freed slots sooner,
+`_refill_steps`), continuing from the state the previous call left; `_process` then reads all
 but the newest call's tokens, so the host's bookkeeping overlaps the device's next call. A batch
 with a constrained (grammar) request decodes one token per call and waits for the tokens before it.
 """
@@ -25,6 +26,10 @@ from rlvr.rollout import extras as extras_lib
 from rlvr.rollout.sequence import Sequence
 
 PREFILL_BUCKETS_FROM = 64  # prefill_chunk from which prefill calls also have intermediate shapes
+# A decode call is cut short to refill slots when that saves this many steps of every slot: about the
+# extra decode call, prefill call and host step it costs (~6 + 3 + 4 ms on the fixed config vs
+# ~4-5 ms a step; `Dispatch._refill_steps`).
+REFILL_CUT_STEPS = 2
 
 
 @dataclasses.dataclass
@@ -37,6 +42,7 @@ class _Inflight:
     emitted: jax.Array | None
     version: int
     extras: dict = dataclasses.field(default_factory=dict)  # extra log-probs (top-k, requested ids)
+    window_pages: int = 0  # decode: the pages of KV each row's attention reads per step (its window or table)
 
 
 class Dispatch:
@@ -182,9 +188,8 @@ class Dispatch:
     def _decode(self) -> bool:
         """Dispatches the next decode call; with a constrained sequence running, the call is one
         step and waits for the tokens before it (each mask follows from the token before; the same
-        program runs, with `device_fns.decode`'s traced `limit`). Calls are not cut short to
-        refill a slot sooner: on the varied benchmark that made 1.6x the decode calls and 2.3x the
-        prefill calls, and continuous batching slower (benchmarks/results/rollout_fixed.json)."""
+        program runs, with `device_fns.decode`'s traced `limit`). While requests wait for a slot,
+        the call may end early so that slots its rows free take them sooner (`_refill_steps`)."""
         steps = self.decode_steps
         if self._constrained():
             self._process(keep=0)
@@ -192,6 +197,8 @@ class Dispatch:
         seqs = [s if s is not None and self.active[s.slot] else None for s in self.slots]
         if not any(seqs):
             return False
+        if self.waiting and steps > 1:
+            steps = self._refill_steps(seqs, steps)
         reach = np.zeros(self.max_slots, np.int64)  # tokens whose KV this call may write, per row
         for i, seq in enumerate(seqs):
             if seq is not None:
@@ -205,6 +212,21 @@ class Dispatch:
                 self._detach(seq)
         return True
 
+    def _refill_steps(self, seqs: list, steps: int) -> int:
+        """The steps of a decode call while requests wait for a slot: cut short at the step s that
+        lets the most row-steps be used (rows whose max_new_tokens ends by s, up to the requests
+        waiting, x the steps left after s: their slots take waiting requests instead of idling),
+        when that is at least REFILL_CUT_STEPS steps of every slot (what the extra calls cost).
+        Cutting at the first row's end whatever the gain made 1.6x the calls and was slower
+        (benchmarks/results/rollout_fixed.json, 11:22Z)."""
+        left = np.sort([len(s.prompt) + s.max_new - s.device_tokens for s in seqs if s is not None])
+        best, best_gain = steps, 0
+        for at in np.unique(left[left < steps]):
+            gain = min(int(np.sum(left <= at)), len(self.waiting)) * (steps - int(at))
+            if gain > best_gain:
+                best, best_gain = int(at), gain
+        return best if best_gain >= REFILL_CUT_STEPS * self.max_slots else steps
+
     def _dispatch_decode(self, seqs: list, reach: np.ndarray | None = None, filters: bool | None = None,
                          steps: int | None = None) -> None:
         reach = np.zeros(self.max_slots, np.int64) if reach is None else reach
@@ -214,7 +236,8 @@ class Dispatch:
         # background (benchmarks/results/host_aliasing_probe.json), and the host edits these tables.
         if self._sampling_device is None:
             self._sampling_device = jax.device_put({k: v.copy() for k, v in self._sampling.items()})
-        table = self.page_table[:, :self._window_pages(reach)] if self.decode_window else self.page_table
+        pages = self._window_pages(reach) if self.decode_window else self.pages_per_row
+        table = self.page_table[:, :pages] if self.decode_window else self.page_table
         table, ragged, active = jax.device_put((table.copy(), ragged, active))  # one transfer
         filters = self._filters(np.flatnonzero(active_host)) if filters is None else filters
         mask = self._masks(seqs, self.max_slots)
@@ -225,7 +248,7 @@ class Dispatch:
             self._sampling_device, self._top(seqs), mask, limit)
         self._times["decode_calls"] += 1
         self._time_call("decode", (int(active_host.sum()), self.max_slots), start, emitted)
-        self.inflight.append(_Inflight("decode", seqs, toks, logprobs, emitted, self.weight_version, more))
+        self.inflight.append(_Inflight("decode", seqs, toks, logprobs, emitted, self.weight_version, more, pages))
 
     def window_buckets(self) -> list[int]:
         """The page counts a decode call's window may have (one decode program each): the smallest
@@ -259,6 +282,8 @@ class Dispatch:
             emitted = None if call.emitted is None else np.asarray(call.emitted)
             more = {k: np.asarray(v) for k, v in call.extras.items()}
             self._times["device_wait_s"] += time.perf_counter() - start
+            if emitted is not None:
+                self._count_decode(call, emitted)
             for i, seq in enumerate(call.seqs):
                 if seq is None or seq.finish is not None:
                     continue
@@ -272,6 +297,16 @@ class Dispatch:
                     n = int(emitted[i])
                     self._append(seq, tokens[i, :n].tolist(), logprobs[i, :n].tolist(), call.version,
                                  {k: v[i, :n] for k, v in more.items()})
+
+    def _count_decode(self, call: _Inflight, emitted: np.ndarray) -> None:
+        """Counts of a read decode call (`Engine.metrics`): the loop's steps (its longest row's
+        tokens), the row-steps they computed (every slot runs each step) and used (tokens
+        emitted), and the window pages x steps attended (per row; the ragged path: the table's)."""
+        steps = int(emitted.max(initial=0))
+        self._times["decode_loop_steps"] += steps
+        self._times["decode_row_steps_paid"] += steps * len(emitted)
+        self._times["decode_row_steps_used"] += int(emitted.sum())
+        self._times["decode_window_page_steps"] += steps * call.window_pages
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[float], version: int,
                 more: dict[str, np.ndarray]) -> None:

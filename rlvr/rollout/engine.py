@@ -135,7 +135,8 @@ class Engine(Slots, Dispatch):
         self._seed_rng = np.random.default_rng(seed)
         self._reserved = 0  # pages promised to running sequences' worst cases, not yet allocated
         self._times = {"host_s": 0.0, "device_wait_s": 0.0, "steps": 0, "decode_calls": 0, "prefill_calls": 0,
-                       "generated_tokens": 0}
+                       "generated_tokens": 0, "decode_loop_steps": 0, "decode_row_steps_paid": 0,
+                       "decode_row_steps_used": 0, "decode_window_page_steps": 0}
         # Set to a list to time every device call synchronously (no overlap; for calibration):
         # ("prefill", rows x chunk, s), ("decode", (rows decoding, max_slots), s), ("step", 0, host s).
         self.call_times: list[tuple[str, Any, float]] | None = None
@@ -360,7 +361,9 @@ class Engine(Slots, Dispatch):
                 "features": _features() + (["images"] if self.cfg.vision is not None else [])}
 
     def metrics(self) -> dict[str, Any]:
-        """Compile counts, prefix-cache hits, host vs device-wait time, calls and tokens so far."""
+        """Compile counts, prefix-cache hits, host vs device-wait time, calls and tokens so far, and
+        the decode loops' steps, row-steps computed and used, and window pages x steps
+        (`Dispatch._count_decode`)."""
         return {"compiles_prefill": device_fns.prefill._cache_size(),
                 "compiles_decode": device_fns.decode._cache_size(),
                 **self.prefix.stats(), **{k: round(v, 4) if isinstance(v, float) else v

@@ -68,8 +68,9 @@ def configured_loss(config: ml_collections.ConfigDict, cfg):
     return functools.partial(sft_loss, cfg, logprob_chunk_size=config.train.get("logprob_chunk_size", 0))
 
 
-def _image_stream(config: ml_collections.ConfigDict, tokenizer, vision, records, encode=None, shuffle=True):
-    """The stream of records with image content parts (a VLM: `model.vision`); `encode` None: encode them."""
+def _image_stream(config: ml_collections.ConfigDict, tokenizer, vision, records, encode=None, evaluation=False):
+    """The stream of records with image content parts (a VLM: `model.vision`); `encode` None: encode them.
+    `evaluation`: in file order, each record once (`TokenStream.one_epoch`)."""
     d = config.data
     if vision is None:
         raise api.ConfigError(f"the data ({d.path or d.tfds_name}) has image content parts but the model has no "
@@ -80,7 +81,7 @@ def _image_stream(config: ml_collections.ConfigDict, tokenizer, vision, records,
         raise api.ConfigError(str(e)) from None
     encode = encode or functools.partial(encode_image_record, tokenizer, vision, max_pixels=d.image_max_pixels)
     return ImageTokenStream(records, encode, d.batch_size, d.seq_len, tokenizer.pad_id, config.seed, vision,
-                            d.image_patches, pack=d.pack, shuffle=shuffle)
+                            d.image_patches, pack=d.pack, shuffle=not evaluation, one_epoch=evaluation)
 
 
 def build_data(config: ml_collections.ConfigDict, tokenizer, split: str | None = None, vision=None):
@@ -120,9 +121,9 @@ def evaluate_loss(config: ml_collections.ConfigDict, model: api.Model, tokenizer
     records = [records[i] for i in range(min(len(records), config.train.eval_examples))]
     if not any(uses_images(r) for r in records):
         stream = TokenStream(records, functools.partial(encode_record, tokenizer), d.batch_size, d.seq_len,
-                             tokenizer.pad_id, 0, d.pack, shuffle=False)
+                             tokenizer.pad_id, 0, d.pack, shuffle=False, one_epoch=True)
         return _row_split_loss(config, model, stream)
-    stream = _image_stream(config, tokenizer, model.cfg.vision, records, shuffle=False)
+    stream = _image_stream(config, tokenizer, model.cfg.vision, records, evaluation=True)
     loss_fn = jax.jit(configured_loss(config, model.cfg))
     total, weight = 0.0, 0.0
     while not stream.exhausted():
