@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from rlvr.kernels.paged_attention.reference import MASK_VALUE
+
 from rlvr.models.transformer import as_bits, from_bits
 
 BLOCK_TOKENS, BLOCKS_PER_CHUNK = 128, 16  # defaults: ~128 tokens a block, 16 blocks (2k tokens) a loop step
