@@ -100,7 +100,8 @@ def test_streamed_calls_are_recorded_in_sessions():
                                                    max_tokens=4000, stream=True)
             next(iter(early))
             early.close()
-        wait_for(lambda: sessions.snapshot(sid)["errors"])
+        # the server sees the close at its next write; 30 s, not 5: a loaded CI box once took longer
+        wait_for(lambda: sessions.snapshot(sid)["errors"], timeout=30)
         got = sessions.close(sid)
     finally:
         handle.stop()
