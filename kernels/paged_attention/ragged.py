@@ -33,9 +33,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from rlvr.kernels.bits import as_bits, from_bits
 from rlvr.kernels.paged_attention.reference import MASK_VALUE
-
-from rlvr.models.transformer import as_bits, from_bits
 
 BLOCK_TOKENS, BLOCKS_PER_CHUNK = 128, 16  # defaults: ~128 tokens a block, 16 blocks (2k tokens) a loop step
 SHARERS, SHARED_PER_CHUNK = 8, 4  # rows a shared block serves at once (a group of 8 samples), shared blocks a step

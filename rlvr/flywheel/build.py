@@ -81,9 +81,11 @@ def _feedback_by_answer(root: str, stats: dict[str, int], traffic: list[dict]) -
     answers_of: dict[tuple[str, int], list[tuple[float, int]]] = defaultdict(list)
     for position, record in enumerate(traffic):
         answers_of[(record["response_id"], record.get("index", 0))].append((record["time"], position))
+    for answers in answers_of.values():
+        answers.sort()
     merged: dict[int, dict[str, Any]] = defaultdict(dict)
     for record in sorted(log.read(root, FEEDBACK, stats), key=lambda r: r["time"]):
-        answers = sorted(answers_of.get((record["response_id"], record.get("index", 0)), []))
+        answers = answers_of.get((record["response_id"], record.get("index", 0)))
         if not answers:
             continue
         earlier = bisect.bisect_right(answers, (record["time"], math.inf))

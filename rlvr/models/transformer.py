@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rlvr.kernels.bits import as_bits, from_bits
 from rlvr.kernels.chunked_logprob.reference import project
 from rlvr.models.config import QUANTIZE, LoraConfig, ModelConfig
 from rlvr.sharding import constrain
@@ -562,18 +563,6 @@ class Transformer(nn.Module):
         x, cache = self.hidden_states(tokens, positions, segment_ids, cache)
         values = self.value_proj(x.astype(jnp.float32))[..., 0]
         return self.logits(x), values, cache
-
-
-def as_bits(x: jax.Array) -> jax.Array:
-    """16-bit floats as uint16 (a free bitcast), other dtypes unchanged: XLA:CPU gathers and
-    scatters bf16 by converting the whole operand to f32 and back (a whole KV pool per layer and
-    step, ~10x the decode time), integers it moves as they are."""
-    return jax.lax.bitcast_convert_type(x, jnp.uint16) if jnp.dtype(x.dtype).itemsize == 2 else x
-
-
-def from_bits(x: jax.Array, dtype) -> jax.Array:
-    """Inverse of `as_bits` for an array of `dtype`."""
-    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
 
 
 def _scatter_layer(pages, layer: int, write_idx, new):
