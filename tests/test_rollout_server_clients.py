@@ -5,6 +5,7 @@ Constrained decoding and penalties need the real engine: see test_rollout_engine
 import importlib.util
 import json
 import sys
+import threading
 import types
 
 import openai
@@ -89,7 +90,19 @@ def test_openai_chat_stream_with_tool_call(server):
 
 
 def test_streamed_calls_are_recorded_in_sessions():
-    handle = start_server(tokens_per_step=2, step_delay=0.002)
+    # The early-closed stream must still be running when the client closes it: its tokens are held back
+    # (the engine blocks) from the third step until the close, so the server can only notice it at a write.
+    # Without the gate a loaded box let the stream finish (eos) before the close: a record, no error.
+    closed, early_tokens = threading.Event(), [0]
+
+    def output_fn(prompt: list[int]) -> list[int]:
+        if "hi" not in TOK.decode(prompt):
+            early_tokens[0] += 1
+            if early_tokens[0] > 4:
+                closed.wait(60)
+        return TOK.encode("a" * 4000)  # never eos: the stream outlives the close
+
+    handle = start_server(tokens_per_step=2, step_delay=0.002, output_fn=output_fn)
     try:
         sessions = SessionRecorder().attach(handle.server)
         sid = sessions.open(metadata={"task": 3})
@@ -100,10 +113,11 @@ def test_streamed_calls_are_recorded_in_sessions():
                                                    max_tokens=4000, stream=True)
             next(iter(early))
             early.close()
-        # the server sees the close at its next write; 30 s, not 5: a loaded CI box once took longer
+        closed.set()  # the server sees the close at its next write
         wait_for(lambda: sessions.snapshot(sid)["errors"], timeout=30)
         got = sessions.close(sid)
     finally:
+        closed.set()
         handle.stop()
     assert [r["choice"] for r in got["records"]] == [0, 1]
     for record in got["records"]:
