@@ -7,6 +7,7 @@ import json
 import sys
 import threading
 import types
+from typing import Any
 
 import openai
 import pytest
@@ -89,19 +90,28 @@ def test_openai_chat_stream_with_tool_call(server):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def _held_until(closed: threading.Event, after_tokens: int) -> tuple[threading.Event, Any]:
+    """A fake engine's output_fn for the prompt "x": endless "a"s (never eos), held back after
+    `after_tokens` tokens until `closed` is set, so a stream is certainly still running when its
+    client closes it (else a slow client could see it finish first). Other prompts are not held."""
+    produced = [0]
+
+    def output_fn(prompt: list[int]) -> list[int]:
+        if "user\nx" in TOK.decode(prompt):
+            produced[0] += 1
+            if produced[0] > after_tokens:
+                closed.wait(60)
+        return TOK.encode("a" * 4000)
+
+    output_fn.produced = produced  # type: ignore[attr-defined]
+    return closed, output_fn
+
+
 def test_streamed_calls_are_recorded_in_sessions():
     # The early-closed stream must still be running when the client closes it: its tokens are held back
     # (the engine blocks) from the third step until the close, so the server can only notice it at a write.
     # Without the gate a loaded box let the stream finish (eos) before the close: a record, no error.
-    closed, early_tokens = threading.Event(), [0]
-
-    def output_fn(prompt: list[int]) -> list[int]:
-        if "hi" not in TOK.decode(prompt):
-            early_tokens[0] += 1
-            if early_tokens[0] > 4:
-                closed.wait(60)
-        return TOK.encode("a" * 4000)  # never eos: the stream outlives the close
-
+    closed, output_fn = _held_until(threading.Event(), after_tokens=4)
     handle = start_server(tokens_per_step=2, step_delay=0.002, output_fn=output_fn)
     try:
         sessions = SessionRecorder().attach(handle.server)
@@ -202,15 +212,19 @@ def test_sglang_frontend_choices_use_prompt_logprobs(sgl, server):
 
 
 def test_client_disconnect_mid_stream_aborts_and_server_stays_healthy():
-    handle = start_server(tokens_per_step=1, step_delay=0.005)
+    closed, output_fn = _held_until(threading.Event(), after_tokens=2)
+    handle = start_server(tokens_per_step=1, step_delay=0.005, output_fn=output_fn)
     try:
         with openai.OpenAI(base_url=handle.url + "/v1", api_key="unused", max_retries=0) as client:
             stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
                                                     max_tokens=4000, stream=True)
             next(iter(stream))
             stream.close()
+        closed.set()
         wait_for(lambda: handle.engine.num_running == 0 and not handle.driver.live_rids())
+        assert output_fn.produced[0] < 1000  # aborted at the close, not run to its 4,000 tokens
         with openai.OpenAI(base_url=handle.url + "/v1", api_key="unused", max_retries=0) as client:
             assert client.completions.create(model="m", prompt="x", max_tokens=2).choices[0].finish_reason == "length"
     finally:
+        closed.set()
         handle.stop()
