@@ -1,6 +1,7 @@
 """Where a fixed-config rollout's device time goes: per-op profile of one decode call and one prefill call.
 
     .venv/bin/python benchmarks/rollout_profile.py [--calls 5] [--shape fixed|realistic] [--out FILE]
+        [--dtype float32|bfloat16] [--attention ragged,window]
 
 The fixed workload of `rollout.py` (32 prompts x 64 -> 64 tokens, bench preset, decode_steps 64:
 four 8-row prefill calls, then one decode call of 63 steps). One generate call runs with the
@@ -128,16 +129,17 @@ def _profile(fn, args, calls: int) -> dict:
             "share": {k: round(v / total, 3) for k, v in sorted(per_category.items(), key=lambda kv: -kv[1])}}
 
 
-def realistic(calls: int) -> dict:
-    """The realistic shape's full-batch decode call, profiled per decode attention."""
+def realistic(calls: int, dtype: str = "float32", attentions: tuple[str, ...] = ("ragged", "window")) -> dict:
+    """The realistic shape's full-batch decode call, profiled per decode attention (`dtype`: the
+    engine's weights and KV pages)."""
     from rollout import SLOTS, _chat_requests, chat_workload
 
     cfg = ModelConfig(**PRESETS["bench_32k"])
     params, (prompts, _) = _params(cfg), chat_workload(8)
-    out = {"workload": "bench_32k, 8 chat prompts x 8 on 64 slots, 96 new tokens, decode_steps 16"}
-    for attention in ("ragged", "window"):
+    out = {"workload": f"bench_32k, 8 chat prompts x 8 on 64 slots, 96 new tokens, decode_steps 16, {dtype}"}
+    for attention in attentions:
         engine = Engine(cfg, params, max_slots=SLOTS, max_len=1536, page_size=16, decode_steps=16, prefill_rows=4,
-                        prefill_chunk=256, decode_attention=attention)
+                        prefill_chunk=256, decode_attention=attention, dtype=dtype)
         full, decode = [], device_fns.decode
 
         def keep_full(*args, decode=decode, full=full):
@@ -161,9 +163,12 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--shape", default="fixed", choices=("fixed", "realistic"))
     parser.add_argument("--out", default="")
+    parser.add_argument("--dtype", default="float32", help="realistic: the engine's weights and KV pages")
+    parser.add_argument("--attention", default="ragged,window", help="realistic: decode attentions to profile")
     args = parser.parse_args()
     if args.shape == "realistic":
-        emit({"benchmark": "rollout_profile", "realistic_decode_call": realistic(args.calls)}, args.out)
+        emit({"benchmark": "rollout_profile", "realistic_decode_call": realistic(
+            args.calls, args.dtype, tuple(args.attention.split(",")))}, args.out)
         return
     cfg = ModelConfig(**PRESETS["bench"])
     rng = np.random.default_rng(0)
