@@ -88,7 +88,8 @@ class Slots:
         token is recomputed, its logits giving this sample's own first token."""
         index = len(seq.pages)
         (page,) = self._allocate(seq, 1)
-        self.pool = device_fns.copy_pages(self.pool, jnp.asarray([twin.pages[index]]), jnp.asarray([page]))
+        self.pool = device_fns.copy_pages(self.pool, np.asarray([twin.pages[index]], np.int32),
+                                          np.asarray([page], np.int32))  # numpy: no eager device op
         seq.pages.append(page)
         seq.prefilled = seq.cached_tokens = len(seq.prompt) - 1
 
