@@ -305,23 +305,6 @@ def test_schedule_policies_admission_order(params):
         Engine(CFG, params, **OPTS, schedule_policy="lpm")
 
 
-def test_prefill_calls_take_no_padded_rows(params):
-    """With the power-of-two prefill rows (a 64-token chunk), 3 prompts admitted together are
-    prefilled as 2 + 1 rows (each call in the smallest chunk holding its prompts: 32 for 20 and 14
-    tokens, 16 for 9), not one call padded to 4 rows; with a 16-token
-    chunk (rows 1 and prefill_rows only) as before: up to prefill_rows a call (2 + 1)."""
-    for chunk, rows, expected in ((64, 8, [("prefill", 2 * 32), ("prefill", 1 * 16)]),
-                                  (16, 2, [("prefill", 2 * 16), ("prefill", 1 * 16)])):
-        engine = Engine(CFG, params, **{**OPTS, "prefill_rows": rows, "prefill_chunk": chunk})
-        for i, prompt in enumerate(_prompts([20, 14, 9] if chunk == 64 else [9, 12, 14], seed=7)):
-            engine.submit(_req(f"p{i}", prompt))
-        engine.call_times = []
-        engine._admit()
-        engine._prefill()
-        assert [(kind, size) for kind, size, _ in engine.call_times] == expected
-        assert all(s.prefilled == len(s.prompt) for s in engine._running())
-
-
 def test_abort_pause_update_resume_tags_versions(params):
     engine = Engine(CFG, params, **OPTS)
     prompt = _prompts([9], seed=5)[0]

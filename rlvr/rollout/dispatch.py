@@ -90,23 +90,11 @@ class Dispatch:
             self._arm(last_token)
             pending = [s for s in pending if s.prefilled < len(s.prompt)]
         row_sizes, chunk_sizes = self._prefill_shapes()
-        start = 0
-        while start < len(pending):
-            seqs = pending[start: start + self._call_rows(len(pending) - start, row_sizes)]
-            start += len(seqs)
+        for start in range(0, len(pending), self.prefill_rows):
+            seqs = pending[start: start + self.prefill_rows]
             longest = max(len(s.prompt) - s.prefilled for s in seqs)
             chunk = next((c for c in chunk_sizes if c >= longest), chunk_sizes[-1])
             self._dispatch_prefill(seqs, next(r for r in row_sizes if r >= len(seqs)), chunk)
-
-    def _call_rows(self, left: int, row_sizes: list[int]) -> int:
-        """How many of the `left` prompts to prefill the next call takes. With the power-of-two
-        row shapes (a chunk of PREFILL_BUCKETS_FROM tokens or more), the largest that does not
-        exceed them: 5 prompts go as 4 + 1, not one call padded to 8 rows (a padded row costs
-        as much as a real one, about twice a call's fixed cost on the fixed benchmark config:
-        ~3 ms + ~6 ms per 32-token row); else up to prefill_rows, padded to a compiled shape."""
-        if self.prefill_chunk >= PREFILL_BUCKETS_FROM:
-            return max(r for r in row_sizes if r <= left)
-        return min(left, self.prefill_rows)
 
     def _dispatch_prefill(self, seqs: list[Sequence], rows: int, chunk: int, filters: bool | None = None) -> None:
         tokens, positions, segments = (np.zeros((rows, chunk), np.int32) for _ in range(3))
