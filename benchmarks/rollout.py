@@ -7,10 +7,11 @@ fixed (the `bench` preset shared with the Tunix peer: 4 layers, d256, vocab 1024
   batch:   32 prompts x 64 prompt tokens -> 64 new tokens (temperature 1, eos ignored)
   groups:  8 prompts x n=4 samples (prompt pages shared by the group)
   varied:  64 requests with max_new_tokens uniform in [8, 128] on 16 slots, continuous
-           batching (fcfs and lof admission) vs static batching (batches of 16, each waits for
-           its longest); also alone: --only varied. Each mode's counts (decode and prefill calls,
-           decode loop steps, row-steps computed/used, window pages x steps) and the step bounds
-           (static's steps over those of a slot refilled every step) are reported beside the ratios.
+           batching (the default batch_lof admission, which for one batch is lof, and fcfs) vs
+           static batching (batches of 16, each waits for its longest); also alone: --only varied.
+           Each mode's counts (decode and prefill calls, decode loop steps, row-steps
+           computed/used, window pages x steps) and the step bounds (static's steps over those
+           of a slot refilled every step) are reported beside the ratios.
   varied_many: the same with 256 requests on the 16 slots (--only varied_many)
   naive:   `rlvr.models.generate` (one jitted scan, contiguous cache, static batch, greedy)
 realistic (the `bench_32k` preset: 6 layers, d512, GQA 8:2, tied 32,768-token vocabulary, 34.9M
@@ -152,8 +153,9 @@ def fixed(args) -> dict:
 
 def varied(args, cfg: ModelConfig | None = None, params=None, rng=None) -> dict:
     """64 requests (32-token prompts) with max_new_tokens uniform in [8, 128] on 16 slots:
-    continuous batching (all submitted at once; admitted in submission order, and longest
-    max_new_tokens first: schedule_policy "lof") vs static batching (batches of 16 in submission
+    continuous batching (all submitted at once; admitted longest max_new_tokens first, the default
+    schedule_policy "batch_lof" (for one batch the same as "lof"), and in submission order: "fcfs")
+    vs static batching (batches of 16 in submission
     order, each waiting for its longest), calls interleaved (ABBA), medians of wall and of process
     CPU seconds (the latter steadier on a shared machine). See `_varied_run` for the counts and
     step bounds reported beside the ratios."""
@@ -206,29 +208,29 @@ def _counts(engine, call) -> dict:
 
 
 def _varied_run(args, cfg: ModelConfig, params, prompts: list[list[int]], max_new: list[int]) -> dict:
-    """Continuous (fcfs, lof) vs static batching of `prompts` on 16 slots (see `varied`), timed
+    """Continuous (default batch_lof, fcfs) vs static batching of `prompts` on 16 slots (see `varied`), timed
     interleaved, with each mode's counts from one untimed call (decode and prefill calls, decode
     loop steps, row-steps computed and used, window pages x steps) and the step bounds
     (`static_steps`, `refill_steps`) beside the ratios."""
     opts = dict(max_slots=16, max_len=192, page_size=16, decode_steps=args.decode_steps, prefill_rows=8,
                 prefill_chunk=64)
-    small, lof = Engine(cfg, params, **opts), Engine(cfg, params, schedule_policy="lof", **opts)
+    small, fcfs = Engine(cfg, params, **opts), Engine(cfg, params, schedule_policy="fcfs", **opts)
     total, count = sum(max_new), len(max_new)
 
     def continuous():
         small.generate(_requests(prompts, max_new))
 
-    def continuous_lof():
-        lof.generate(_requests(prompts, max_new))
+    def continuous_fcfs():
+        fcfs.generate(_requests(prompts, max_new))
 
     def static():
         for start in range(0, count, 16):
             small.generate(_requests(prompts[start:start + 16], max_new[start:start + 16], prefix="s"))
 
-    calls = {"continuous": _fresh(small, continuous), "continuous_lof": _fresh(lof, continuous_lof),
+    calls = {"continuous": _fresh(small, continuous), "continuous_fcfs": _fresh(fcfs, continuous_fcfs),
              "static": _fresh(small, static)}
     first = {name: _seconds(call) for name, call in calls.items()}
-    counts = {name: _counts(small if name != "continuous_lof" else lof, call) for name, call in calls.items()}
+    counts = {name: _counts(small if name != "continuous_fcfs" else fcfs, call) for name, call in calls.items()}
     runs = {name: [] for name in calls}
     for r in range(args.repeats):
         for name in calls if r % 2 == 0 else reversed(list(calls)):
@@ -244,8 +246,8 @@ def _varied_run(args, cfg: ModelConfig, params, prompts: list[list[int]], max_ne
                                          "counts": counts[name]} for name in calls}}
     out["continuous_vs_static"] = round(wall["static"] / wall["continuous"], 3)
     out["continuous_vs_static_cpu"] = round(cpu["static"] / cpu["continuous"], 3)
-    out["continuous_lof_vs_static"] = round(wall["static"] / wall["continuous_lof"], 3)
-    out["continuous_lof_vs_static_cpu"] = round(cpu["static"] / cpu["continuous_lof"], 3)
+    out["continuous_fcfs_vs_static"] = round(wall["static"] / wall["continuous_fcfs"], 3)
+    out["continuous_fcfs_vs_static_cpu"] = round(cpu["static"] / cpu["continuous_fcfs"], 3)
     steps = {"static": static_steps(max_new, 16), "fcfs": refill_steps(max_new, 16, "fcfs"),
              "lof": refill_steps(max_new, 16, "lof")}
     out["step_bounds"] = {"static_steps": steps["static"], "fcfs_refill_every_step_steps": steps["fcfs"],

@@ -276,21 +276,31 @@ def test_device_calls_get_copies_of_the_tables_the_host_keeps_editing(params, mo
             np.testing.assert_array_equal(np.asarray(device), at_call)
 
 
-def test_longest_output_first_admits_the_largest_max_new_tokens_first(params):
+def test_schedule_policies_admission_order(params):
     """schedule_policy="lof" (SGLang's): requests take the slots largest max_new_tokens first
-    (equal ones in submission order); outputs equal fcfs's (greedy)."""
+    (equal ones in submission order), a later request too; "batch_lof" (the default): lof within
+    the requests submitted together, so "e", submitted a step after the others, comes last;
+    "fcfs": submission order. Sampled outputs and log-probs are the same under all three."""
     lengths = {"a": 2, "b": 9, "c": 5, "d": 9}
+    expected = {"fcfs": ["a", "b", "c", "d", "e"], "lof": ["b", "d", "e", "c", "a"],
+                "batch_lof": ["b", "d", "c", "a", "e"]}
     outputs = {}
-    for policy in ("fcfs", "lof"):
+    for policy, order in expected.items():
         engine = Engine(CFG, params, **{**OPTS, "max_slots": 2}, schedule_policy=policy)
-        for i, (rid, n) in enumerate(lengths.items()):
-            engine.submit(_req(rid, _prompts([6], seed=i)[0], max_new_tokens=n))
+        requests = [_req(rid, _prompts([6], seed=i)[0], max_new_tokens=n, temperature=1.0, sampling_seed=i)
+                    for i, (rid, n) in enumerate({**lengths, "e": 12}.items())]
+        for request in requests[:4]:
+            engine.submit(request)
         admitted, place = [], engine._place
         engine._place = lambda seq, *args, place=place, log=admitted: (log.append(seq.request.rid), place(seq, *args))
+        outputs.update({(policy, c.rid): (c.output_ids, c.output_logprobs) for c in engine.step()})
+        engine.submit(requests[4])
         while engine.has_work():
-            outputs.update({(policy, c.rid): c.output_ids for c in engine.step()})
-        assert admitted == (["a", "b", "c", "d"] if policy == "fcfs" else ["b", "d", "c", "a"])
-    assert all(outputs[("lof", rid)] == outputs[("fcfs", rid)] for rid in lengths)
+            outputs.update({(policy, c.rid): (c.output_ids, c.output_logprobs) for c in engine.step()})
+        assert admitted == order, policy
+    assert all(outputs[(policy, rid)] == outputs[("fcfs", rid)] for policy in expected for rid in "abcde")
+    assert len(outputs[("fcfs", "e")][0]) == 12
+    assert Engine(CFG, params, **OPTS).schedule_policy == "batch_lof"
     with pytest.raises(ValueError, match="schedule_policy"):
         Engine(CFG, params, **OPTS, schedule_policy="lpm")
 

@@ -58,7 +58,9 @@ from rlvr.rollout.stops import StopStrings
 from rlvr.rollout.types import Completion, Request
 
 DECODE_ATTENTION = ("auto", "window", "ragged")
-SCHEDULE_POLICIES = ("fcfs", "lof")  # SGLang's names: first come first served, longest output first
+# SGLang's names (first come first served, longest output first) and lof per batch of requests
+# submitted together (`Slots._admission_key`)
+SCHEDULE_POLICIES = ("batch_lof", "fcfs", "lof")
 # "auto" decode attention uses the contiguous window up to this size (k + v, all layers): the
 # fixed benchmark config's 32 slots x 192 tokens is 25 MB; the realistic one's 64 x 1,536, 600 MB.
 WINDOW_AUTO_BYTES = 64 * 2**20
@@ -76,16 +78,20 @@ class Engine(Slots, Dispatch):
     hold); "ragged": each step loops over the pages the rows hold (work follows the lengths,
     with a gather per layer and step); "auto" (default): "window" when that window (k and v,
     all layers) is at most WINDOW_AUTO_BYTES, else "ragged".
-    schedule_policy: the order waiting requests take free slots: "fcfs" (default: submission
-    order) or "lof" (longest output first: the largest max_new_tokens first, as SGLang's
-    --schedule-policy lof; long requests start early instead of running alone at the end of a
-    batch of varied lengths; with equal max_new_tokens, as RL usually asks, it is fcfs)."""
+    schedule_policy: the order waiting requests take free slots: "fcfs" (submission order), "lof"
+    (longest output first: the largest max_new_tokens first, as SGLang's --schedule-policy lof;
+    long requests start early instead of running alone at the end of a batch of varied lengths,
+    but a stream of long requests can starve a short one) or "batch_lof" (default: lof among the
+    requests submitted together, between two steps, as `generate` or an RL step's batch does, and
+    those batches in arrival order, so a request never waits for one submitted after it). Outputs
+    do not depend on the order (sampling is seeded by position); with equal max_new_tokens all
+    three are fcfs."""
 
     def __init__(self, cfg: ModelConfig, params, tokenizer=None, *, max_slots: int = 32, max_len: int = 512,
                  page_size: int = 16, num_pages: int | None = None, decode_steps: int = 8,
                  prefill_rows: int = 4, prefill_chunk: int = 64, seed: int = 0, model_path: str = "",
                  dtype: str = "float32", kv_dtype: str | None = None, decode_attention: str = "auto",
-                 image_max_pixels: int = 28 * 28 * 1280, schedule_policy: str = "fcfs"):
+                 image_max_pixels: int = 28 * 28 * 1280, schedule_policy: str = "batch_lof"):
         if max_len % page_size:
             raise ValueError(f"max_len={max_len} must be a multiple of page_size={page_size}")
         if decode_attention not in DECODE_ATTENTION:
@@ -187,6 +193,7 @@ class Engine(Slots, Dispatch):
         budget = min(sp.max_new_tokens, self.max_len - len(request.input_ids))
         seq = Sequence(request, seed % 2**31, budget, frozenset(sp.stop_token_ids) | eos, stops,
                        extras=extras_lib.prepare(request, self.tokenizer, self.cfg.vocab_size), image=image)
+        seq.arrival = self._times["steps"]
         if request.logprob_start_len >= 0:
             self._score_prompt(seq)
         self.waiting.append(seq)

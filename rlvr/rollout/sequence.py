@@ -43,6 +43,7 @@ class Sequence:
     finish: dict[str, Any] | None = None
     extras: extras_lib.Extras = dataclasses.field(default_factory=extras_lib.Extras)
     image: PromptImages | None = None  # a VLM prompt's images (rlvr.rollout.images)
+    arrival: int = 0  # the engine's step count at submit: requests submitted together share it
 
     @property
     def prompt(self) -> list[int]:

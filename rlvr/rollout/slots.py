@@ -33,8 +33,8 @@ class Slots:
         return self._running() + self.draining
 
     def _admit(self) -> None:
-        if self.schedule_policy == "lof" and len(self.waiting) > 1 and None in self.slots:
-            self.waiting = collections.deque(sorted(self.waiting, key=lambda s: -s.max_new))  # stable
+        if self.schedule_policy != "fcfs" and len(self.waiting) > 1 and None in self.slots:
+            self.waiting = collections.deque(sorted(self.waiting, key=self._admission_key))  # stable
         deferred = collections.deque()
         while self.waiting and None in self.slots:
             seq = self.waiting.popleft()
@@ -49,6 +49,12 @@ class Slots:
                 break
             self._place(seq, nodes, twin, need)
         self.waiting.extendleft(reversed(deferred))
+
+    def _admission_key(self, seq: Sequence) -> tuple[int, int]:
+        """The order of `schedule_policy`: "lof" the largest max_new_tokens first; "batch_lof" the
+        same within each batch of requests submitted between two steps, batches in arrival order
+        (a request never waits for one submitted after it; with equal caps it is fcfs)."""
+        return (seq.arrival if self.schedule_policy == "batch_lof" else 0, -seq.max_new)
 
     def _place(self, seq: Sequence, nodes: list, twin: Sequence | None, budget: int) -> None:
         slot = self.slots.index(None)
