@@ -83,9 +83,9 @@ class Engine(Slots, Dispatch):
     long requests start early instead of running alone at the end of a batch of varied lengths,
     but a stream of long requests can starve a short one) or "batch_lof" (default: lof among the
     requests submitted together, between two steps, as `generate` or an RL step's batch does, and
-    those batches in arrival order, so a request never waits for one submitted after it). Outputs
-    do not depend on the order (sampling is seeded by position); with equal max_new_tokens all
-    three are fcfs."""
+    those batches in arrival order, so a request never waits for one submitted after it). Draws
+    do not depend on the order (sampling is seeded by position), but logits computed beside other
+    rows can differ in the last bits and flip a draw; with equal max_new_tokens all three are fcfs."""
 
     def __init__(self, cfg: ModelConfig, params, tokenizer=None, *, max_slots: int = 32, max_len: int = 512,
                  page_size: int = 16, num_pages: int | None = None, decode_steps: int = 8,
