@@ -90,11 +90,11 @@ def test_openai_chat_stream_with_tool_call(server):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
-def _held_until(closed: threading.Event, after_tokens: int) -> tuple[threading.Event, Any]:
+def _held_until(after_tokens: int) -> tuple[threading.Event, Any]:
     """A fake engine's output_fn for the prompt "x": endless "a"s (never eos), held back after
     `after_tokens` tokens until `closed` is set, so a stream is certainly still running when its
     client closes it (else a slow client could see it finish first). Other prompts are not held."""
-    produced = [0]
+    closed, produced = threading.Event(), [0]
 
     def output_fn(prompt: list[int]) -> list[int]:
         if "user\nx" in TOK.decode(prompt):
@@ -111,7 +111,7 @@ def test_streamed_calls_are_recorded_in_sessions():
     # The early-closed stream must still be running when the client closes it: its tokens are held back
     # (the engine blocks) from the third step until the close, so the server can only notice it at a write.
     # Without the gate a loaded box let the stream finish (eos) before the close: a record, no error.
-    closed, output_fn = _held_until(threading.Event(), after_tokens=4)
+    closed, output_fn = _held_until(after_tokens=4)
     handle = start_server(tokens_per_step=2, step_delay=0.002, output_fn=output_fn)
     try:
         sessions = SessionRecorder().attach(handle.server)
@@ -212,7 +212,7 @@ def test_sglang_frontend_choices_use_prompt_logprobs(sgl, server):
 
 
 def test_client_disconnect_mid_stream_aborts_and_server_stays_healthy():
-    closed, output_fn = _held_until(threading.Event(), after_tokens=2)
+    closed, output_fn = _held_until(after_tokens=2)
     handle = start_server(tokens_per_step=1, step_delay=0.005, output_fn=output_fn)
     try:
         with openai.OpenAI(base_url=handle.url + "/v1", api_key="unused", max_retries=0) as client:

@@ -192,8 +192,8 @@ class Engine(Slots, Dispatch):
             stops = StopStrings(self.tokenizer, list(sp.stop), list(sp.stop_regex))
         budget = min(sp.max_new_tokens, self.max_len - len(request.input_ids))
         seq = Sequence(request, seed % 2**31, budget, frozenset(sp.stop_token_ids) | eos, stops,
-                       extras=extras_lib.prepare(request, self.tokenizer, self.cfg.vocab_size), image=image)
-        seq.arrival = self._times["steps"]
+                       extras=extras_lib.prepare(request, self.tokenizer, self.cfg.vocab_size), image=image,
+                       arrival=self._times["steps"])
         if request.logprob_start_len >= 0:
             self._score_prompt(seq)
         self.waiting.append(seq)
