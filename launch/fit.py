@@ -155,6 +155,17 @@ def analyze_job(config) -> dict[str, Any]:
             "note": f"job kind {config.job!r} has no train step; its memory is not checked"}
 
 
+def engine_bytes(cfg, engine, param_bytes: int) -> dict[str, int]:
+    """The embedded engine's memory per device: its own copy of the weights (`param_bytes` in the
+    model's param_dtype) in rl.engine.dtype, and its KV pages in rl.engine.kv_dtype."""
+    import jax.numpy as jnp
+
+    pages = engine.max_slots * (engine.max_len // engine.page_size) + 1
+    kv = 2 * cfg.num_layers * pages * engine.page_size * cfg.num_kv_heads * cfg.head_dim
+    return {"engine_params": param_bytes * jnp.dtype(engine.dtype).itemsize // jnp.dtype(cfg.param_dtype).itemsize,
+            "engine_kv_cache": kv * jnp.dtype(engine.kv_dtype or engine.dtype).itemsize}
+
+
 def _rl_batch(config, cfg) -> dict[str, Any]:
     import numpy as np
 
@@ -182,7 +193,6 @@ def analyze_rl(config) -> dict[str, Any]:
     import functools
 
     import jax
-    import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
 
     from rlvr import aot, sharding
@@ -224,11 +234,7 @@ def analyze_rl(config) -> dict[str, Any]:
         components["reference_params"] = params
     notes = []
     if rl.backend == "embedded":
-        e = rl.engine
-        pages = e.max_slots * (e.max_len // e.page_size) + 1
-        kv = 2 * cfg.num_layers * pages * e.page_size * cfg.num_kv_heads * cfg.head_dim
-        components["engine_params"] = params
-        components["engine_kv_cache"] = int(kv * np.dtype(cfg.dtype).itemsize)
+        components.update(engine_bytes(cfg, rl.engine, params))
     else:
         notes.append("rollout runs on the SGLang servers: their memory is not checked here")
     return {"needed_bytes": sum(components.values()), "components": components, "note": "; ".join(notes)}

@@ -200,9 +200,15 @@ def rl_config() -> ml_collections.ConfigDict:
         "backend": "embedded",  # embedded (in-process JAX engine) | sglang (HTTP servers at sglang_urls)
         "sglang_urls": "",  # comma-separated
         # embedded engine: sequences at once, cache per sequence (0 = rl.seq_len rounded up to page_size),
-        # KV page size, decode steps per host round trip, prefill rows and chunk length
+        # KV page size, decode steps per host round trip, prefill rows and chunk length; the rollout
+        # weights' dtype and the KV pages' ("" = dtype): "bfloat16" halves the engine's memory, and its
+        # log-probs then differ from the trainer's float32 ones (rl.tis_cap corrects that); the decode
+        # attention ("auto" | "window" | "ragged") and the order waiting requests take free slots
+        # ("batch_lof" | "fcfs" | "lof"; see rlvr.rollout.engine.Engine)
         "engine": ml_collections.ConfigDict({"max_slots": 128, "max_len": 0, "page_size": 16, "decode_steps": 8,
-                                             "prefill_rows": 16, "prefill_chunk": 32}),
+                                             "prefill_rows": 16, "prefill_chunk": 32, "dtype": "float32",
+                                             "kv_dtype": "", "decode_attention": "auto",
+                                             "schedule_policy": "batch_lof"}),
         # what happens: samples_per_step completions of each step (with their reward components) go to
         # samples.jsonl; the first and every print_samples_every steps, two are printed (0 = never)
         "samples_per_step": 4, "print_samples_every": 10,
@@ -329,6 +335,7 @@ def _validate_rl(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"rl.max_new_tokens={rl.max_new_tokens} leaves no room for the prompt in "
                           f"rl.seq_len={rl.seq_len}; raise rl.seq_len.")
     _validate_schedule(rl)
+    _validate_engine(rl.engine)
     checkpoint = config.init.hf_checkpoint and "init.hf_checkpoint" or config.init.workdir and "init.workdir"
     if config.job == "rl" and rl.sft_steps and checkpoint and not rl.sft_on_checkpoint:
         raise ConfigError(f"rl.sft_steps={rl.sft_steps} would run an SFT warm start on demonstrations on top of "
@@ -384,6 +391,21 @@ def _validate_objective(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"{', '.join(inert)} never acts: with rl.updates_per_batch=1 and rl.proximal='current' the "
                           "policy ratio is 1. Set rl.proximal='behaviour' (clip against the policy that sampled the "
                           "batch) or rl.updates_per_batch > 1.")
+
+
+ENGINE_DTYPES = ("float32", "bfloat16")
+
+
+def _validate_engine(engine: ml_collections.ConfigDict) -> None:
+    """The embedded engine's choices (a typo would otherwise fail deep in the engine's first call)."""
+    from rlvr.rollout.engine import DECODE_ATTENTION, SCHEDULE_POLICIES
+
+    for field, value, choices in (("dtype", engine.dtype, ENGINE_DTYPES),
+                                  ("kv_dtype", engine.kv_dtype, ("",) + ENGINE_DTYPES),
+                                  ("decode_attention", engine.decode_attention, DECODE_ATTENTION),
+                                  ("schedule_policy", engine.schedule_policy, SCHEDULE_POLICIES)):
+        if value not in choices:
+            raise ConfigError(f"rl.engine.{field}={value!r}: use one of {', '.join(map(repr, choices))}.")
 
 
 def _validate_schedule(rl: ml_collections.ConfigDict) -> None:

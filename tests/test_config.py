@@ -44,6 +44,8 @@ def test_wrong_type_is_rejected():
     ({"model.family": "gpt2"}, "model.family"),
     ({"job": "sftt"}, "job"),
     ({"data.source": "jsonl"}, "data.path"),
+    ({"job": "rl", "rl.engine.schedule_policy": "longest"}, "rl.engine.schedule_policy='longest': use one of"),
+    ({"job": "rl", "rl.engine.dtype": "bf16"}, "rl.engine.dtype='bf16': use one of 'float32', 'bfloat16'"),
 ])
 def test_invalid_values_name_the_field(overrides, field):
     with pytest.raises(config_lib.ConfigError, match=field.replace(".", r"\.")):

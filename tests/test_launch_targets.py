@@ -567,6 +567,8 @@ def test_rl_fit_counts_the_step_the_reference_and_the_engine():
     cache = jax.eval_shape(lambda: init_paged_cache(cfg, e.max_slots * (e.max_len // e.page_size) + 1, e.page_size))
     assert parts["engine_kv_cache"] == cache["k"].size * cache["k"].dtype.itemsize * 2
     assert parts["train_step"] > 3 * param_bytes  # params + two Adam moments + gradients' temps
+    e.dtype = "bfloat16"  # the engine's own bf16 copy and pages
+    assert fit.engine_bytes(cfg, e, param_bytes) == {k: parts[k] // 2 for k in ("engine_params", "engine_kv_cache")}
     evaluation = config_lib.load_config("configs/quickstart.py", {"job": "eval"})
     report = fit.FitReport("e", 8, 1, None, {}, fit.analyze_job(evaluation)["note"])
     assert not report.fits and "NOT CHECKED" in report.line() and "'eval'" in report.line()

@@ -191,18 +191,21 @@ def test_weight_updates_mid_generation_make_partial_rollouts(stale_run):
     assert any(r["partial_rollout_fraction"] > 0 for r in rows), [r["partial_rollout_fraction"] for r in rows]
 
 
-def test_embedded_backend_update_mid_generation_tags_tokens_by_version():
+def test_embedded_backend_update_mid_generation_tags_tokens_by_version(tmp_path):
     """The same at the backend level, deterministically: pause after the first tokens, swap the
-    weights, resume; every sequence has tokens from version 0 then version 1."""
+    weights, resume; every sequence has tokens from version 0 then version 1. The backend is the
+    trainer's (`build_backend`), which passes every rl.engine field on."""
     from rlvr.models.tokenizer import byte_level_tokenizer
-    from rlvr.rl.backends import EmbeddedBackend
     from rlvr.rollout.types import Request, SamplingParams
+    from rlvr.trainers.rl import build_backend
 
-    config = config_lib.load_config(SPEC, {**BASE, **STALE})  # the engine shapes of `stale_run`: compiled
+    # the engine shapes of `stale_run`: compiled
+    config = config_lib.load_config(SPEC, {**BASE, **STALE, "rl.engine.schedule_policy": "fcfs"})
     model = api.build_model(config)
     tokenizer = byte_level_tokenizer()
-    backend = EmbeddedBackend(model.cfg, model.params, tokenizer, version=0, seed=0, **config.rl.engine)
+    backend = build_backend(config, model, model.params, tokenizer, str(tmp_path), version=0)
     try:
+        assert backend.engine.schedule_policy == "fcfs" and backend.engine.kv_dtype == "float32"
         new_tokens = config.rl.max_new_tokens
         sampling = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, sampling_seed=1)
         requests = [Request(f"r{i}", tokenizer.encode(f"{i}+{i}="), sampling) for i in range(4)]
