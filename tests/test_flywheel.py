@@ -101,6 +101,22 @@ def test_capture_records_answers_and_feedback(captured):
     assert (fb["response_id"], fb["index"], fb["rating"], fb["correction"]) == (reply["id"], 1, 2.0, "15")
 
 
+def test_known_answers_stay_eight_bytes_each_and_answer_exactly(monkeypatch):
+    """The feedback route's record of answered ids: every added (id, index) is found, across the
+    merges of the newest into the sorted array, and no other (a string set of the ids grew
+    without bound on a long-running server)."""
+    monkeypatch.setattr(capture.KnownAnswers, "MERGE_AT", 1000)
+    known = capture.KnownAnswers()
+    ids = [f"chatcmpl-{i:08x}" for i in range(5500)]
+    for rid in ids:
+        known.add(rid, 0)
+    known.add(ids[7], 3)
+    assert len(known) == 5501 and known.nbytes == 8 * 5501  # 5,000 merged + 501 newest
+    assert all(known.contains(rid, 0) for rid in ids) and known.contains(ids[7], 3)
+    assert not any(known.contains(rid, 1) for rid in ids[:500] if rid != ids[7])
+    assert not known.contains("chatcmpl-unknown", 0) and not known.contains(ids[0] + "x", 0)
+
+
 # --- 3. SIGKILL mid-traffic ---------------------------------------------------------------------------
 
 _SERVER = """

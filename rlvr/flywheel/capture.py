@@ -21,10 +21,13 @@ Both logs are `rlvr.flywheel.log` AppendLogs (fsynced, CRC-framed lines, one fil
 
 from __future__ import annotations
 
+import hashlib
 import math
 import threading
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from rlvr.flywheel import log
 from rlvr.rollout.server_http import Reply
@@ -45,13 +48,15 @@ class TrafficCapture:
         self.traffic = log.AppendLog(root, TRAFFIC, fsync)
         self.feedback = log.AppendLog(root, FEEDBACK, fsync)
         self._lock = threading.Lock()
-        self._known = {_key(r["response_id"], r.get("index", 0)) for r in log.read(root, TRAFFIC)}
+        self._known = KnownAnswers()
+        for r in log.read(root, TRAFFIC):
+            self._known.add(r["response_id"], r.get("index", 0))
 
     def record(self, entry: dict[str, Any]) -> None:
         """The server's recorder: one traffic record, durable before the answer goes out."""
         record = self.traffic.append({k: entry.get(k) for k in _TRAFFIC_FIELDS})
         with self._lock:
-            self._known.add(_key(record["response_id"], record["index"]))
+            self._known.add(record["response_id"], record["index"])
 
     def routes(self) -> dict[str, tuple[set[str], Callable[..., Reply]]]:
         return {"/v1/feedback": ({"POST"}, self.handle_feedback)}
@@ -59,7 +64,7 @@ class TrafficCapture:
     def handle_feedback(self, raw: bytes, cancelled: Any) -> Reply:
         body = parse_feedback(parse_json(raw))
         with self._lock:
-            known = _key(body["response_id"], body["index"]) in self._known
+            known = self._known.contains(body["response_id"], body["index"])
         if not known:
             raise ApiError(f"response_id {body['response_id']!r} (index {body['index']}) is not in this server's "
                            "traffic log: give the `id` of an answer this server recorded", 404)
@@ -72,8 +77,43 @@ class TrafficCapture:
         self.feedback.close()
 
 
-def _key(response_id: str, index: int) -> tuple[str, int]:
-    return response_id, index
+class KnownAnswers:
+    """The (response id, choice index) pairs a server has recorded, as 8 bytes each: a sorted
+    array of their 64-bit digests and a set of the newest, merged into the array every MERGE_AT
+    (a set of id strings grew ~150 bytes a request, for as long as the server ran). Two different
+    answers share a digest with probability ~n²/2⁶⁵: a feedback on an answer never recorded is
+    then accepted instead of refused, and the flywheel's join (by the id itself) finds no answer
+    for it."""
+
+    MERGE_AT = 1 << 16
+
+    def __init__(self):
+        self._sorted = np.zeros(0, np.uint64)
+        self._recent: set[int] = set()
+
+    def __len__(self) -> int:
+        return self._sorted.size + len(self._recent)
+
+    @property
+    def nbytes(self) -> int:
+        return self._sorted.nbytes + 8 * len(self._recent)
+
+    def add(self, response_id: str, index: int) -> None:
+        self._recent.add(_digest(response_id, index))
+        if len(self._recent) >= self.MERGE_AT:
+            self._sorted = np.union1d(self._sorted, np.fromiter(self._recent, np.uint64, len(self._recent)))
+            self._recent.clear()
+
+    def contains(self, response_id: str, index: int) -> bool:
+        key = _digest(response_id, index)
+        if key in self._recent:
+            return True
+        at = int(np.searchsorted(self._sorted, np.uint64(key)))
+        return at < self._sorted.size and int(self._sorted[at]) == key
+
+
+def _digest(response_id: str, index: int) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{index}:{response_id}".encode(), digest_size=8).digest(), "little")
 
 
 def parse_feedback(body: Any) -> dict[str, Any]:
