@@ -85,6 +85,16 @@ def tokens_per_s(fn, tokens: int, repeats: int, engine=None) -> dict:
             "first_call_incl_compile_s": round(first, 2)}
 
 
+def _engine(cfg, params, replicas: int = 1, **options):
+    """An Engine, or with `--replicas N` N of them stepped at once (rlvr.rollout.replicas; imported
+    only then, so that realistic_timing still runs on trees from before it)."""
+    if replicas == 1:
+        return Engine(cfg, params, **options)
+    from rlvr.rollout.replicas import ReplicatedEngine
+
+    return ReplicatedEngine(cfg, params, replicas=replicas, **options)
+
+
 def _fresh(engine, fn):
     def call():
         engine.flush_cache()
@@ -265,15 +275,15 @@ def sampler(args) -> dict:
     params = _params(cfg)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 1024, 64).tolist() for _ in range(32)]
-    engine = Engine(cfg, params, max_slots=32, max_len=192, page_size=16, decode_steps=args.decode_steps,
-                    prefill_rows=8, prefill_chunk=64)
+    engine = _engine(cfg, params, args.replicas, max_slots=32, max_len=192, page_size=16,
+                     decode_steps=args.decode_steps, prefill_rows=8, prefill_chunk=64)
     call = _fresh(engine, lambda: engine.generate(_requests(prompts, [64] * 32)))
     first, _ = time_calls(call, 1)
     _, times = time_calls(call, 7)
     median = statistics.median(times)
     return {"tokens_per_s": round(32 * 64 / median, 1), "median_s": round(median, 4),
             "all_call_s": [round(t, 4) for t in times], "first_call_incl_compile_s": round(first, 2),
-            "compile_counts": _compile_counts()}
+            "compile_counts": _compile_counts(), "replicas": args.replicas}
 
 
 def decode_variants(args) -> dict:
@@ -364,8 +374,8 @@ def realistic_timing(args) -> dict:
     cfg = ModelConfig(**(json.loads(args.model_json) if args.model_json else PRESETS["bench_32k"]))
     params = _params(cfg)
     prompts, max_new = chat_workload(args.chat_prompts)
-    engine = Engine(cfg, params, max_slots=args.slots, max_len=1536, page_size=16, decode_steps=args.decode_steps,
-                    prefill_rows=4, prefill_chunk=256, dtype=args.dtype)
+    engine = _engine(cfg, params, args.replicas, max_slots=args.slots, max_len=1536, page_size=16,
+                     decode_steps=args.decode_steps, prefill_rows=4, prefill_chunk=256, dtype=args.dtype)
     groups, outputs = range(args.chat_prompts), {}
 
     def continuous():
@@ -401,7 +411,8 @@ def realistic_timing(args) -> dict:
         "prompt_tokens_mean": round(statistics.mean(len(p) for p in prompts), 1),
         "output_lengths": [len(c.output_ids) for c in outs],
         "finish_reasons": {k: finish.count(k) for k in sorted(set(finish))},
-        "decode_steps_per_call": args.decode_steps, "first_call_incl_compile_s": round(first_s, 2),
+        "decode_steps_per_call": args.decode_steps, "replicas": args.replicas,
+        "first_call_incl_compile_s": round(first_s, 2),
         **{name: {"tokens_per_s": round(statistics.median(t / s for t, s in rs), 1),
                   "median_s": round(statistics.median(s for _, s in rs), 3),
                   "all_s": [round(s, 2) for _, s in rs], "tokens": rs[-1][0]} for name, rs in runs.items()},
@@ -552,6 +563,8 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=SLOTS, help="realistic: engine slots (rows decoded at once)")
     parser.add_argument("--dtype", default="float32", help="realistic: rollout weights and KV pages (or bfloat16)")
     parser.add_argument("--model_json", default="", help="realistic_timing: the model's ModelConfig fields")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="sampler, realistic: the slots split over this many engines stepped at once")
     args = parser.parse_args()
     record = {"benchmark": "rollout", "devices": str(jax.devices()[0]), "jax": jax.__version__}
     sections = {"fixed": fixed, "realistic": realistic, "sampler": sampler, "first_calls": first_calls,

@@ -1,6 +1,7 @@
 """Our sampler and Tunix's, side by side in one window, on the fixed config (32 x 64 -> 64 tokens).
 
     .venv/bin/python benchmarks/rollout_vs_tunix.py [--tunix_python .venv-tunix/bin/python] [--rounds 2]
+        [--replicas 1] [--also_replicas 2]
 
 Needs Tunix in its own venv (ignored by git): `python3 -m venv .venv-tunix &&
 .venv-tunix/bin/pip install google-tunix` (~12 min). Runs the peer's `bench_tunix.py --only sampler`
@@ -39,9 +40,9 @@ def tunix(python: str) -> float:
     return _last_json([python, PEER, "--only", "sampler", "--repeats", "1"])["summary"]["sampler_gen_tokens_per_s"]
 
 
-def ours(decode_steps: int) -> dict:
+def ours(decode_steps: int, replicas: int = 1) -> dict:
     record = _last_json([sys.executable, os.path.join(HERE, "rollout.py"), "--only", "sampler",
-                         "--decode_steps", str(decode_steps)])
+                         "--decode_steps", str(decode_steps), "--replicas", str(replicas)])
     return record["sampler"]
 
 
@@ -50,26 +51,40 @@ def main() -> None:
     parser.add_argument("--tunix_python", default=os.path.join(HERE, "..", ".venv-tunix", "bin", "python"))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--decode_steps", type=int, default=16)
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="ours: the engine's slots split over this many engines stepped at once")
+    parser.add_argument("--also_replicas", type=int, default=0,
+                        help="also time ours with this many replicas in every round (reported as `ours_also`)")
     args = parser.parse_args()
-    theirs, mine, pairs, order, peaks = [], [], [], [], [machine_peaks()]
+    theirs, mine, also, pairs, also_pairs, order, peaks = [], [], [], [], [], [], [machine_peaks()]
     t0 = time.perf_counter()
+    runners = ["tunix", "ours"] + (["also"] if args.also_replicas else [])
     for r in range(args.rounds):
         pair = {}
-        for who in ("tunix", "ours") if r % 2 == 0 else ("ours", "tunix"):
+        for who in runners if r % 2 == 0 else runners[::-1]:
             if who == "tunix":
                 pair[who] = tunix(args.tunix_python)
                 theirs.append(pair[who])
             else:
-                result = ours(args.decode_steps)
+                result = ours(args.decode_steps, args.replicas if who == "ours" else args.also_replicas)
                 pair[who] = result["tokens_per_s"]
-                mine.append(result)
+                (mine if who == "ours" else also).append(result)
             order.append(who)
         pairs.append(round(pair["ours"] / pair["tunix"], 3))
+        if "also" in pair:
+            also_pairs.append(round(pair["also"] / pair["tunix"], 3))
         peaks.append(machine_peaks())
     best = {k: max(p[k] for p in peaks) for k in peaks[0]}
     # the workload's shape (the roofline does not depend on the token values): 32 distinct 64-token prompts
     roofline = decode_roofline(ModelConfig(**PRESETS["bench"]), [[i] * 64 for i in range(32)], [64] * 32, 32, best)
     ours_median = statistics.median(m["tokens_per_s"] for m in mine)
+    extra = {}
+    if also:
+        also_median = statistics.median(m["tokens_per_s"] for m in also)
+        extra = {"ours_also": {"replicas": args.also_replicas, "runs": also, "median": round(also_median, 1),
+                               "speedup_vs_tunix": round(also_median / statistics.median(theirs), 3),
+                               "speedup_per_pair": also_pairs,
+                               "vs_roofline": round(also_median / roofline["tokens_per_s"], 3)}}
     print(json.dumps({
         "benchmark": "rollout_vs_tunix", "workload": "32 prompts x 64 tokens -> 64 new tokens, temperature 1, "
         "bench preset (4.46M params, fp32); 2 warm-up + 7 timed calls per run, median",
@@ -79,8 +94,8 @@ def main() -> None:
         "machine_peaks_best": {k: round(v, 1) for k, v in best.items()}, "roofline": roofline,
         "ours_vs_roofline": round(ours_median / roofline["tokens_per_s"], 3),
         "tunix_vs_roofline": round(statistics.median(theirs) / roofline["tokens_per_s"], 3),
-        "decode_steps": args.decode_steps, "wall_s": round(time.perf_counter() - t0, 1),
-    }, sort_keys=True))
+        "decode_steps": args.decode_steps, "replicas": args.replicas, "wall_s": round(time.perf_counter() - t0, 1),
+        **extra}, sort_keys=True))
 
 
 if __name__ == "__main__":

@@ -204,11 +204,13 @@ def rl_config() -> ml_collections.ConfigDict:
         # weights' dtype and the KV pages' ("" = dtype): "bfloat16" halves the engine's memory, and its
         # log-probs then differ from the trainer's float32 ones (rl.tis_cap corrects that); the decode
         # attention ("auto" | "window" | "ragged") and the order waiting requests take free slots
-        # ("batch_lof" | "fcfs" | "lof"; see rlvr.rollout.engine.Engine)
+        # ("batch_lof" | "fcfs" | "lof"; see rlvr.rollout.engine.Engine); replicas: the slots split over
+        # that many engines stepped at once (a CPU host's idle cores; keep 1 on TPU/GPU:
+        # rlvr.rollout.replicas)
         "engine": ml_collections.ConfigDict({"max_slots": 128, "max_len": 0, "page_size": 16, "decode_steps": 8,
                                              "prefill_rows": 16, "prefill_chunk": 32, "dtype": "float32",
                                              "kv_dtype": "", "decode_attention": "auto",
-                                             "schedule_policy": "batch_lof"}),
+                                             "schedule_policy": "batch_lof", "replicas": 1}),
         # what happens: samples_per_step completions of each step (with their reward components) go to
         # samples.jsonl; the first and every print_samples_every steps, two are printed (0 = never)
         "samples_per_step": 4, "print_samples_every": 10,
@@ -406,6 +408,9 @@ def _validate_engine(engine: ml_collections.ConfigDict) -> None:
                                   ("schedule_policy", engine.schedule_policy, SCHEDULE_POLICIES)):
         if value not in choices:
             raise ConfigError(f"rl.engine.{field}={value!r}: use one of {', '.join(map(repr, choices))}.")
+    if engine.replicas < 1 or engine.max_slots % engine.replicas:
+        raise ConfigError(f"rl.engine.replicas={engine.replicas}: must be >= 1 and divide rl.engine.max_slots="
+                          f"{engine.max_slots} (each replica runs max_slots / replicas sequences).")
 
 
 def _validate_schedule(rl: ml_collections.ConfigDict) -> None:

@@ -46,6 +46,7 @@ def test_wrong_type_is_rejected():
     ({"data.source": "jsonl"}, "data.path"),
     ({"job": "rl", "rl.engine.schedule_policy": "longest"}, "rl.engine.schedule_policy='longest': use one of"),
     ({"job": "rl", "rl.engine.dtype": "bf16"}, "rl.engine.dtype='bf16': use one of 'float32', 'bfloat16'"),
+    ({"job": "rl", "rl.engine.replicas": 3}, "rl.engine.replicas=3: must be >= 1 and divide rl.engine.max_slots"),
 ])
 def test_invalid_values_name_the_field(overrides, field):
     with pytest.raises(config_lib.ConfigError, match=field.replace(".", r"\.")):

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from rlvr.rollout.driver import EngineDriver
-from rlvr.rollout.engine import Engine
+from rlvr.rollout.replicas import build_engine
 from rlvr.rollout.types import Completion, Request
 
 
@@ -40,7 +40,8 @@ class EmbeddedBackend:
     """The in-process engine on the trainer's devices."""
 
     def __init__(self, cfg, params, tokenizer, *, version: int = 0, **engine_options: Any):
-        self.engine = Engine(dataclasses.replace(cfg, value_head=False), _copy(params), tokenizer, **engine_options)
+        self.engine = build_engine(dataclasses.replace(cfg, value_head=False), _copy(params), tokenizer,
+                                   **engine_options)
         self.engine.weight_version = version
         self.driver = EngineDriver(self.engine)
 
@@ -76,6 +77,8 @@ class EmbeddedBackend:
 
     def close(self) -> None:
         self.driver.close()
+        if hasattr(self.engine, "close"):  # a ReplicatedEngine's stepping threads
+            self.engine.close()
 
 
 class SGLangBackend:

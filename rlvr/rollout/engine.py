@@ -320,13 +320,18 @@ class Engine(Slots, Dispatch):
         """New params (resharded to the current ones' shardings); in-flight sequences keep
         their caches and continue with the new weights; tokens are tagged by version. The prefix
         cache is emptied: its pages hold the old weights' KV."""
+        params = jax.tree.map(jax.device_put, params, self._shardings)
+        self.install_weights(self._decode_params(params), version)
+
+    def install_weights(self, decode_params, version: int) -> None:
+        """`update_weights` with params already in the engine's decode layout (another engine's
+        `params`: replicas share one copy, `rlvr.rollout.replicas`)."""
         self._process(keep=0)  # tokens of calls already dispatched belong to the old version
         # Cached pages hold the old weights' KV: a new request must not reuse them (SGLang flushes its
         # cache on a weight update too); sequences placed before now never insert theirs.
         self.prefix.forget()
         self.weights_epoch += 1
-        params = jax.tree.map(jax.device_put, params, self._shardings)
-        self.params = self._decode_params(params)
+        self.params = decode_params
         self.weight_version = int(version)
         self.released.discard("weights")
         self._host_params = None

@@ -92,14 +92,16 @@ class PrefixCache:
         p = self.page_size
         return (tuple(tokens[i:i + p]) for i in range(0, len(tokens) - p + 1, p))
 
-    def match(self, tokens: list[int]) -> list[_Node]:
-        """The cached pages that start `tokens` (full pages only), in order; marks them used."""
+    def match(self, tokens: list[int], touch: bool = True) -> list[_Node]:
+        """The cached pages that start `tokens` (full pages only), in order; marks them used
+        (`touch`; a look that places nothing does not)."""
         nodes, node, now = [], self.root, next(self._clock)
         for key in self._keys(tokens):
             node = node.children.get(key)
             if node is None:
                 break
-            node.last_used = now
+            if touch:
+                node.last_used = now
             nodes.append(node)
         return nodes
 

@@ -476,12 +476,13 @@ def build_engine(hf_dir: str, options: dict[str, Any]) -> Any:
     from rlvr.models.hf import load_hf_checkpoint
     from rlvr.models.tokenizer import Tokenizer
     from rlvr.rollout.engine import Engine
+    from rlvr.rollout.replicas import build_engine as engine_for
 
     cfg, params = load_hf_checkpoint(hf_dir)
     has_tok = os.path.exists(os.path.join(hf_dir, "tokenizer.json"))
     if "model_path" in inspect.signature(Engine).parameters:
         options.setdefault("model_path", hf_dir)
-    return Engine(cfg, params, tokenizer=Tokenizer.from_dir(hf_dir) if has_tok else None, **options)
+    return engine_for(cfg, params, Tokenizer.from_dir(hf_dir) if has_tok else None, **options)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -150,7 +150,7 @@ def build_backend(config: ml_collections.ConfigDict, model: api.Model, params, t
                                         prefill_rows=e.prefill_rows, prefill_chunk=e.prefill_chunk,
                                         dtype=e.dtype, kv_dtype=e.kv_dtype or None,
                                         decode_attention=e.decode_attention, schedule_policy=e.schedule_policy,
-                                        seed=config.seed)
+                                        replicas=e.replicas, seed=config.seed)
     urls = [u.strip() for u in rl.sglang_urls.split(",") if u.strip()]
     backend = backends.SGLangBackend(urls, model.cfg, os.path.join(workdir, "weights"),
                                      tokenizer_dir=config.tokenizer.path or None)
