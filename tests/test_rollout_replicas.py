@@ -127,3 +127,26 @@ def test_a_failing_replica_step_is_raised_after_both_stopped(params):
             _requests("f")))
     finally:
         engine.close()
+
+
+def test_routing_follows_a_conversation_but_not_a_shared_system_prompt(params):
+    """A prompt that mostly repeats a cached one (the next turn) goes to the replica holding it; new
+    prompts that share only a short system prompt with it spread over the replicas."""
+    engine = ReplicatedEngine(CFG, params, replicas=2, **OPTS)
+    system, rng = list(range(40, 56)), np.random.default_rng(1)  # two pages of 8
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    try:
+        (first,) = engine.generate([Request("t1", system + list(range(60, 80)), greedy)])
+        holder = next(r for r in engine.replicas if r.prefix.match(first.prompt_ids[:-1], touch=False))
+        turn = Request("t2", first.prompt_ids + first.output_ids + list(range(90, 96)), greedy)
+        engine.submit(turn)
+        assert engine._owner["t2"] is holder
+        fresh = [Request(f"n{i}", system + rng.integers(100, 250, 30).tolist(), greedy) for i in range(4)]
+        for request in fresh:
+            engine.submit(request)
+        owners = [engine.replicas.index(engine._owner[r.rid]) for r in fresh]
+        assert sorted(owners) == [0, 0, 1, 1], owners  # least loaded, not all to the system prompt's holder
+        while engine.has_work():
+            engine.step()
+    finally:
+        engine.close()

@@ -10,8 +10,9 @@ fills the chip: keep replicas=1 there (the default).
 
 `ReplicatedEngine` has the `Engine` interface that `EngineDriver`, the RL backends and the server
 use. A request goes to the replica that already holds its prompt (the same prompt submitted
-recently, as a GRPO group's samples are, or the longest prefix in a replica's prefix cache), else
-to the least loaded one, so a group still shares its prompt's pages. Requests without a sampling
+recently, as a GRPO group's samples are, or at least half of it in a replica's prefix cache, as a
+conversation's next turn), else to the least loaded one, so a group still shares its prompt's
+pages and a shared system prompt does not pull all traffic to one replica (`_route`). Requests without a sampling
 seed get one drawn here, in submission order, from `seed`: the same seeds a single engine would
 draw. The replicas share one copy of the decode weights.
 """
@@ -66,12 +67,20 @@ class ReplicatedEngine:
     # --- routing ---------------------------------------------------------------------------
 
     def _route(self, request: Request) -> Engine:
+        """The replica for a request: the one its prompt went to recently (a group's samples), else
+        one whose prefix cache holds at least half of the prompt (a conversation's next turn) and
+        that is not a full batch busier than the least loaded, else the least loaded (a shared
+        system prompt alone does not pull every request to the replica that cached it first)."""
         key = hash(tuple(request.input_ids))  # (a collision only routes a request elsewhere)
         replica = self._recent.get(key)
         if replica is None:
-            matched = [len(r.prefix.match(request.input_ids[:-1], touch=False)) for r in self.replicas]
+            cached = [len(r.prefix.match(request.input_ids[:-1], touch=False)) * r.page_size for r in self.replicas]
             load = [r.num_running + r.num_waiting for r in self.replicas]
-            best = max(range(len(self.replicas)), key=lambda i: (matched[i], -load[i]))
+            each = self.replicas[0].max_slots
+            holders = [i for i in range(len(self.replicas))
+                       if 2 * cached[i] >= len(request.input_ids) and load[i] <= min(load) + each]
+            best = (max(holders, key=lambda i: (cached[i], -load[i])) if holders else
+                    min(range(len(self.replicas)), key=lambda i: (load[i], -cached[i])))
             replica = self.replicas[best]
         self._recent[key] = replica
         self._recent.move_to_end(key)
