@@ -34,8 +34,11 @@ def _requests(tag, seeded=True):
             for p, prompt in enumerate(prompts) for j in range(3)]
 
 
-def _samples(completions):
-    return [(c.output_ids, np.round(c.output_logprobs, 5).tolist()) for c in completions]
+def _same_samples(got, expected):
+    """The same tokens, and log-probs within float32 rounding (rows batched with others can differ
+    in the last bits)."""
+    return all(a.output_ids == b.output_ids and np.allclose(a.output_logprobs, b.output_logprobs, atol=1e-5)
+               for a, b in zip(got, expected, strict=True))
 
 
 @pytest.mark.parametrize("seeded", [True, False])
@@ -53,7 +56,7 @@ def test_replicas_sample_what_one_engine_samples(params, seeded):
         while len(done) < len(requests):
             done.update((c.rid, c) for c in replicated.step())
         got = [done[r.rid] for r in requests]
-        assert _samples(got) == _samples(expected)  # unseeded: the wrapper draws the seeds one engine would
+        assert _same_samples(got, expected)  # unseeded: the wrapper draws the seeds one engine would
         assert not replicated._owner  # forgotten once finished
         groups = [{holder[r.rid] for r in requests[g:g + 3]} for g in (0, 3, 6)]
         assert all(len(g) == 1 for g in groups) and len(set().union(*groups)) == 2  # a group on one replica, both used
@@ -84,7 +87,7 @@ def test_replicas_route_abort_snapshot_and_weight_updates(params):
         assert replicated.weight_version == 7 and all(r.weight_version == 7 for r in replicated.replicas)
         assert replicated.replicas[0].params is replicated.replicas[1].params
         got, expected = replicated.generate(_requests("b")), single.generate(_requests("b"))
-        assert _samples(got) == _samples(expected) and {v for c in got for v in c.output_versions} == {7}
+        assert _same_samples(got, expected) and {v for c in got for v in c.output_versions} == {7}
     finally:
         replicated.close()
 
@@ -96,7 +99,7 @@ def test_driver_runs_replicas(params):
         assert driver.pause("in_place") == 0
         driver.resume()
         again = driver.generate(_requests("d"))
-        assert _samples(first) == _samples(again) and driver.metrics()["replicas"] == 2
+        assert _same_samples(first, again) and driver.metrics()["replicas"] == 2
     engine.close()
 
 
@@ -123,8 +126,7 @@ def test_a_failing_replica_step_is_raised_after_both_stopped(params):
         engine.abort_all()
         aborted = engine.step()
         assert aborted and {c.finish_reason["type"] for c in aborted} == {"abort"}
-        assert _samples(engine.generate(_requests("f"))) == _samples(Engine(CFG, params, **OPTS).generate(
-            _requests("f")))
+        assert _same_samples(engine.generate(_requests("f")), Engine(CFG, params, **OPTS).generate(_requests("f")))
     finally:
         engine.close()
 
