@@ -169,20 +169,24 @@ def _block_partials(diagonal, k_pages, v_pages, layer, pages, starts, length, *,
     keys, values = (from_bits(jnp.take(as_bits(pool.reshape(layers * num_pages, -1)), flat, axis=0, mode="clip"),
                               pool.dtype).reshape(m, tokens, kvh * d).astype(compute) for pool in (k_pages, v_pages))
     queries = diagonal.transpose(0, 2, 1, 3).reshape(m, kvh * d, sharers * h).astype(compute)
-    scores = jnp.matmul(keys, queries, preferred_element_type=jnp.float32).reshape(m, tokens, sharers, h)
+    scores = jnp.matmul(keys, queries, preferred_element_type=jnp.float32)  # [M, T, S·H]
+    # Tokens minor ([M, S, H, T]) for the softmax: its exp then runs along contiguous tokens (~7x
+    # faster on XLA:CPU than along the 8-wide head axis), and the value product is a plain
+    # [S·H, T] x [T, KVH·D] matmul. The barriers keep XLA from folding the transposes into the dots
+    # (a folded transposed-operand dot runs off YNNPACK, ~4x slower): the block costs ~25 % less.
+    scores = jnp.swapaxes(jax.lax.optimization_barrier(scores), 1, 2).reshape(m, sharers, h, tokens)
     if softcap:
         scores = softcap * jnp.tanh(scores / softcap)
-    kv_pos = (starts[:, None] + jnp.arange(tokens, dtype=jnp.int32))[:, :, None]
-    visible = kv_pos < length[:, None, :]  # [M, T, S]
+    kv_pos = starts[:, None] + jnp.arange(tokens, dtype=jnp.int32)  # [M, T]
+    visible = kv_pos[:, None, :] < length[:, :, None]  # [M, S, T]
     if sliding_window:
-        visible &= (length[:, None, :] - 1 - kv_pos) < sliding_window
-    visible = visible[..., None]
+        visible &= (length[:, :, None] - 1 - kv_pos[:, None, :]) < sliding_window
+    visible = visible[:, :, None, :]
     scores = jnp.where(visible, scores, MASK_VALUE)
-    peak = jnp.max(scores, axis=1)  # [M, S, H]
-    weights = jnp.where(visible, jnp.exp(scores - peak[:, None]), 0.0)
-    out = jnp.einsum("mth,mtc->mhc", weights.reshape(m, tokens, sharers * h).astype(compute), values,
-                     preferred_element_type=jnp.float32)
-    out = jnp.einsum("mskgjd,kj->mskgd", out.reshape(m, sharers, kvh, h // kvh, kvh, d),
-                     jnp.eye(kvh, dtype=jnp.float32))
+    peak = jnp.max(scores, axis=-1)  # [M, S, H]
+    weights = jnp.where(visible, jnp.exp(scores - peak[..., None]), 0.0)
+    product = jax.lax.optimization_barrier(weights.reshape(m, sharers * h, tokens).astype(compute))
+    out = jnp.matmul(product, values, preferred_element_type=jnp.float32).reshape(m, sharers, kvh, h // kvh, kvh, d)
+    out = jnp.stack([out[:, :, j, :, j] for j in range(kvh)], axis=2)  # each query head's own kv head
     flat_rows = m * sharers
-    return peak.reshape(flat_rows, h), jnp.sum(weights, axis=1).reshape(flat_rows, h), out.reshape(flat_rows, h, d)
+    return peak.reshape(flat_rows, h), jnp.sum(weights, axis=-1).reshape(flat_rows, h), out.reshape(flat_rows, h, d)
