@@ -152,3 +152,23 @@ def test_routing_follows_a_conversation_but_not_a_shared_system_prompt(params):
             engine.step()
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_generate_keeps_other_requests_completions_for_the_next_step(params, replicas):
+    """A request submitted before `generate` that finishes during it: generate returns its own
+    requests (before, one engine counted the other completion toward its total, stopped early and
+    raised KeyError), and the next `step()` returns the other one instead of dropping it."""
+    engine = build_engine(CFG, params, replicas=replicas, **OPTS)
+    try:
+        early = Request("early", [5, 6, 7], SamplingParams(max_new_tokens=2, temperature=0.0))
+        engine.submit(early)
+        late = Request("late", [8, 9, 10, 11], SamplingParams(max_new_tokens=24, temperature=0.0))
+        (got,) = engine.generate([late])
+        assert got.rid == "late" and len(got.output_ids) == 24
+        assert engine.has_work()
+        kept = engine.step()
+        assert [c.rid for c in kept] == ["early"] and len(kept[0].output_ids) == 2
+    finally:
+        if replicas > 1:
+            engine.close()

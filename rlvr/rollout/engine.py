@@ -237,15 +237,20 @@ class Engine(Slots, Dispatch):
         return done
 
     def generate(self, requests: list[Request]) -> list[Completion]:
-        """Runs `requests` to completion; results in request order."""
+        """Runs `requests` to completion; results in request order. Completions of requests
+        submitted before (with `submit`) that finish meanwhile are kept for the next `step()`."""
         for request in requests:
             self.submit(request)
-        results: dict[str, Completion] = {}
-        while len(results) < len(requests):
+        wanted, results, others = {r.rid for r in requests}, {}, []
+        while len(results) < len(wanted):
             if self.paused:
                 raise RuntimeError("engine is paused; resume() before generate()")
             for completion in self.step():
-                results[completion.rid] = completion
+                if completion.rid in wanted:
+                    results[completion.rid] = completion
+                else:
+                    others.append(completion)
+        self.finished = others + self.finished
         return [results[r.rid] for r in requests]
 
     def snapshot(self, rid: str) -> Completion | None:

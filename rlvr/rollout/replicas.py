@@ -136,15 +136,20 @@ class ReplicatedEngine:
             raise errors[0]
 
     def generate(self, requests: list[Request]) -> list[Completion]:
-        """Runs `requests` to completion; results in request order."""
+        """Runs `requests` to completion; results in request order. Completions of requests
+        submitted before (with `submit`) that finish meanwhile are kept for the next `step()`."""
         for request in requests:
             self.submit(request)
-        results: dict[str, Completion] = {}
-        wanted = {r.rid for r in requests}
+        wanted, results, others = {r.rid for r in requests}, {}, []
         while len(results) < len(wanted):
             if self.paused:
                 raise RuntimeError("engine is paused; resume() before generate()")
-            results.update((c.rid, c) for c in self.step() if c.rid in wanted)
+            for completion in self.step():
+                if completion.rid in wanted:
+                    results[completion.rid] = completion
+                else:
+                    others.append(completion)
+        self._ready = others + self._ready
         return [results[r.rid] for r in requests]
 
     def warmup(self, filters: bool = False) -> None:
