@@ -3,6 +3,11 @@
 Used by the model's page scatters and reads (rlvr.models.transformer) and by the ragged decode
 attention (kernels/paged_attention/ragged.py): XLA:CPU gathers and scatters bf16 arrays by
 converting the whole operand to f32 and back, which for a KV pool is a full copy per layer and step.
+
+A bf16 pool can also be *stored* as its bits (uint16, `bits_pool`): the rollout engine does so on
+CPU, because even the bitcasts around a gather or scatter of a bf16 pool carried through the decode
+loop are whole-pool copies on XLA:CPU (four of ~150 MB a step at the realistic shape: half the
+bf16 decode time). A uint16 pool always means bf16 values (`kv_float`); `from_bits` reads them.
 """
 
 from __future__ import annotations
@@ -12,12 +17,25 @@ import jax.numpy as jnp
 
 
 def as_bits(x: jax.Array) -> jax.Array:
-    """16-bit floats as uint16 (a free bitcast), other dtypes unchanged: XLA:CPU gathers and
-    scatters bf16 by converting the whole operand to f32 and back (a whole KV pool per layer and
-    step, ~10x the decode time), integers it moves as they are."""
-    return jax.lax.bitcast_convert_type(x, jnp.uint16) if jnp.dtype(x.dtype).itemsize == 2 else x
+    """16-bit floats as uint16 (a free bitcast), other dtypes (uint16 bits among them) unchanged:
+    XLA:CPU gathers and scatters bf16 by converting the whole operand to f32 and back (a whole KV
+    pool per layer and step, ~10x the decode time), integers it moves as they are."""
+    if jnp.dtype(x.dtype).itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating):
+        return jax.lax.bitcast_convert_type(x, jnp.uint16)
+    return x
+
+
+def kv_float(dtype) -> jnp.dtype:
+    """The float dtype of a KV pool's values: bfloat16 for a pool stored as uint16 bits, else its own."""
+    return jnp.dtype(jnp.bfloat16) if jnp.dtype(dtype) == jnp.uint16 else jnp.dtype(dtype)
 
 
 def from_bits(x: jax.Array, dtype) -> jax.Array:
-    """Inverse of `as_bits` for an array of `dtype`."""
+    """Inverse of `as_bits` for an array of `dtype` (uint16: a bits pool, read as bfloat16)."""
+    dtype = kv_float(dtype)
     return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+
+
+def bits_pool(pool: dict) -> dict:
+    """A page pool's bf16 arrays stored as their uint16 bits (other arrays unchanged)."""
+    return {name: as_bits(a) if a.dtype == jnp.bfloat16 else a for name, a in pool.items()}

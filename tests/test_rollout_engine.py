@@ -431,8 +431,32 @@ def test_bfloat16_rollout_weights_and_kv_pages_stay_close_to_float32(params):
     request = _req("h", _prompts([12], seed=11)[0], max_new_tokens=3)
     full = Engine(CFG, params, **OPTS).generate([request])[0]
     half_engine = Engine(CFG, params, **OPTS, dtype="bfloat16")
-    assert half_engine.pool["k"].dtype == jnp.bfloat16
+    assert half_engine.pool["k"].dtype == jnp.uint16  # on CPU a bf16 pool is stored as its bits (kernels/bits.py)
     assert half_engine.params["layers_0"]["mlp"]["down_proj"]["kernel"].dtype == jnp.bfloat16
     half = half_engine.generate([request])[0]
     assert half.output_ids[:2] == full.output_ids[:2]
     np.testing.assert_allclose(half.output_logprobs[:2], full.output_logprobs[:2], atol=0.05)
+
+
+@pytest.mark.parametrize("decode_attention", ["window", "ragged"])
+def test_a_bf16_pool_stored_as_bits_samples_what_a_bf16_pool_samples(params, monkeypatch, decode_attention):
+    """On CPU the engine stores a bf16 page pool as its uint16 bits (rlvr.kernels.bits: XLA:CPU copied
+    the whole pool at every bitcast inside the decode loop). The same requests (a group sharing its
+    prompt's pages, a partial-page copy, chunked prefill, several decode calls) give the same
+    tokens and log-probs as an engine whose pool holds bf16 values, under both decode attentions."""
+    import rlvr.rollout.engine as engine_module
+
+    def run():
+        engine = Engine(CFG, params, **{**OPTS, "decode_steps": 3}, dtype="bfloat16", decode_attention=decode_attention)
+        prompt = _prompts([21], seed=5)[0]
+        requests = [Request(f"g{j}", prompt, SamplingParams(max_new_tokens=9, temperature=1.0, sampling_seed=j))
+                    for j in range(3)] + [_req("x", _prompts([30], seed=6)[0], max_new_tokens=7)]
+        return engine.pool["k"].dtype, engine.generate(requests)
+
+    bits_dtype, bits = run()
+    monkeypatch.setattr(engine_module, "bits_pool", lambda pool: pool)
+    float_dtype, floats = run()
+    assert (bits_dtype, float_dtype) == (jnp.uint16, jnp.bfloat16)
+    for a, b in zip(bits, floats, strict=True):
+        assert a.output_ids == b.output_ids
+        np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=1e-6)

@@ -6,6 +6,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+from rlvr.kernels.bits import from_bits
 from rlvr.kernels.paged_attention.pallas import paged_attention_pallas
 from rlvr.kernels.paged_attention.ragged import RaggedPages, ragged_paged_attention
 from rlvr.kernels.paged_attention.reference import paged_attention_reference
@@ -51,7 +52,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_t
         if ragged is None or q4.shape[1] != 1:
             raise ValueError("paged_attention: implementation='ragged' needs ragged= and one query per row.")
         out = ragged_paged_attention(q4[:, 0], k_pages, v_pages, ragged, lengths, **options)[:, None]
-    elif choice == "pallas":
+    elif choice == "pallas":  # (a bits pool, see rlvr.kernels.bits, is read as its bf16 values)
+        k_pages, v_pages = from_bits(k_pages, k_pages.dtype), from_bits(v_pages, v_pages.dtype)
         out = paged_attention_pallas(q4, k_pages, v_pages, page_table, lengths, interpret=interpret, **options)
     else:
         out = paged_attention_reference(q4, k_pages, v_pages, page_table, lengths, **options)

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from rlvr.kernels.bits import as_bits, from_bits
+from rlvr.kernels.bits import as_bits, from_bits, kv_float
 from rlvr.kernels.paged_attention.reference import MASK_VALUE
 
 BLOCK_TOKENS, BLOCKS_PER_CHUNK = 128, 16  # defaults: ~128 tokens a block, 16 blocks (2k tokens) a loop step
@@ -152,7 +152,7 @@ def _compute_dtype(pool_dtype) -> jnp.dtype:
     """The score and value products' input dtype: bfloat16 for bf16 pages (the keys as stored,
     queries and softmax weights rounded to bf16, products accumulated in float32: ~2x the fp32
     FLOP/s on CPUs with bf16 dot units), float32 otherwise."""
-    return jnp.dtype(jnp.bfloat16) if jnp.dtype(pool_dtype) == jnp.bfloat16 else jnp.dtype(jnp.float32)
+    return jnp.dtype(jnp.bfloat16) if kv_float(pool_dtype) == jnp.bfloat16 else jnp.dtype(jnp.float32)
 
 
 def _block_partials(diagonal, k_pages, v_pages, layer, pages, starts, length, *, sliding_window, softcap):

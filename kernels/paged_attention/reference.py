@@ -17,6 +17,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from rlvr.kernels.bits import from_bits
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -44,7 +45,7 @@ def gather_pages(pages: jax.Array, page_table: jax.Array, layer=None) -> jax.Arr
         n, p, kvh, d = pages.shape
         offset = 0
     slots = (page_table[:, :, None] * p + jnp.arange(p, dtype=jnp.int32)).reshape(page_table.shape[0], -1)
-    return pages.reshape(-1, kvh, d)[offset + slots]
+    return from_bits(pages.reshape(-1, kvh, d)[offset + slots], pages.dtype)  # a bits pool read as bf16
 
 
 def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,

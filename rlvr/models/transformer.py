@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlvr.kernels.bits import as_bits, from_bits
+from rlvr.kernels.bits import as_bits, from_bits, kv_float
 from rlvr.kernels.chunked_logprob.reference import project
 from rlvr.models.config import QUANTIZE, LoraConfig, ModelConfig
 from rlvr.sharding import constrain
@@ -382,13 +382,13 @@ class Attention(nn.Module):
                 return Linear((h, d), (e,), ("heads", "head_dim"), ("embed",), cfg.o_bias, name="o_proj",
                               **dense)(out), new_kv
             offset = layer_id * (pool["k"].shape[1] * pool["k"].shape[2])
-            k = new_kv["k"].reshape(-1, kvh, d)[offset + read_idx].astype(q.dtype)
-            v = new_kv["v"].reshape(-1, kvh, d)[offset + read_idx].astype(q.dtype)
+            k, v = (from_bits(new_kv[name].reshape(-1, kvh, d)[offset + read_idx], new_kv[name].dtype).astype(q.dtype)
+                    for name in ("k", "v"))
         elif pool is not None:
             # Read this layer's pages (the pool itself is not rewritten here: the new k/v are
             # returned and scattered into the pool once, after all layers), then put the
             # current tokens' k/v into the gathered view at their positions.
-            new_kv = (k.astype(pool["k"].dtype), v.astype(pool["v"].dtype))
+            new_kv = (k.astype(kv_float(pool["k"].dtype)), v.astype(kv_float(pool["v"].dtype)))
             _, read_idx, columns, _ = kv_index
             offset = layer_id * (pool["k"].shape[1] * pool["k"].shape[2])
             rows = jnp.arange(x.shape[0])[:, None]
@@ -569,16 +569,21 @@ def _scatter_layer(pages, layer: int, write_idx, new):
     """pages [L, N, P, KVH, D] with layer `layer`'s new [B, T, KVH, D] written at write_idx [B, T]."""
     shape = pages.shape
     flat = as_bits(pages.reshape(shape[0], shape[1] * shape[2], *shape[3:]))
-    out = flat.at[layer, write_idx].set(as_bits(new.astype(pages.dtype)), mode="drop")
-    return from_bits(out, pages.dtype).reshape(shape)
+    out = flat.at[layer, write_idx].set(as_bits(new.astype(kv_float(pages.dtype))), mode="drop")
+    return _stored(out, pages.dtype).reshape(shape)
 
 
 def _scatter_pages(pages, write_idx, new):
     """pages [L, N, P, KVH, D] with new [L, B, T, KVH, D] written at flat slots write_idx [B, T]."""
     shape = pages.shape
     flat = as_bits(pages.reshape(shape[0], shape[1] * shape[2], *shape[3:]))
-    out = flat.at[:, write_idx].set(as_bits(new.astype(pages.dtype)), mode="drop")
-    return from_bits(out, pages.dtype).reshape(shape)
+    out = flat.at[:, write_idx].set(as_bits(new.astype(kv_float(pages.dtype))), mode="drop")
+    return _stored(out, pages.dtype).reshape(shape)
+
+
+def _stored(bits, dtype):
+    """Scattered bits back in the pool's stored dtype (a bits pool stays uint16)."""
+    return bits if jnp.dtype(dtype) == jnp.uint16 else from_bits(bits, dtype)
 
 
 def paged_indices(cache: Cache, positions, segment_ids, sliding_window: int = 0):

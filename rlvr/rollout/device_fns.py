@@ -24,6 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from rlvr.kernels.bits import from_bits
 from rlvr.models.config import ModelConfig
 from rlvr.models.transformer import Transformer, forward, forward_last
 from rlvr.rollout.logit_process import count_tokens, extra_logprobs, process, reset_counts
@@ -55,7 +56,7 @@ def _window(pages, page_table, keys_last=False):
     layers, num_pages, _, kvh, dim = pages.shape
     slots = page_table.shape[0]
     order = (0, 2, 3, 1) if keys_last else (0, 2, 1, 3)
-    return tuple(jnp.take(pages[i].reshape(num_pages, -1), page_table.reshape(-1), axis=0)
+    return tuple(from_bits(jnp.take(pages[i].reshape(num_pages, -1), page_table.reshape(-1), axis=0), pages.dtype)
                  .reshape(slots, -1, kvh, dim).transpose(order) for i in range(layers))
 
 

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rlvr.kernels.bits import bits_pool
 from rlvr.models.config import ModelConfig
 from rlvr.models.transformer import fuse_projections, init_paged_cache, unstack_layers
 from rlvr.rollout import device_fns
@@ -119,8 +120,7 @@ class Engine(Slots, Dispatch):
                                                               window_bytes <= WINDOW_AUTO_BYTES)
         self.pages = PagePool(num_pages or max_slots * self.pages_per_row + 1)
         self.prefix = PrefixCache(self.pages, page_size)
-        self.pool = self.on_mesh({k: v for k, v in init_paged_cache(cfg, self.pages.capacity, page_size,
-                                                                     self.kv_dtype).items() if k != "page_table"})
+        self.pool = self._new_pool()
         self.page_table = np.zeros((max_slots, self.pages_per_row), np.int32)
         self.state = self.on_mesh(device_fns.init_state(max_slots))
         self.active = np.zeros(max_slots, bool)
@@ -146,6 +146,14 @@ class Engine(Slots, Dispatch):
         # Set to a list to time every device call synchronously (no overlap; for calibration):
         # ("prefill", rows x chunk, s), ("decode", (rows decoding, max_slots), s), ("step", 0, host s).
         self.call_times: list[tuple[str, Any, float]] | None = None
+
+    def _new_pool(self) -> dict:
+        """An empty page pool on the params' mesh. On CPU a bf16 pool is stored as its uint16 bits
+        (`rlvr.kernels.bits.bits_pool`): XLA:CPU copies the whole pool at every bitcast of a bf16
+        pool carried through the decode loop (four ~150 MB copies a step at the realistic shape)."""
+        pool = {k: v for k, v in init_paged_cache(self.cfg, self.pages.capacity, self.page_size,
+                                                  self.kv_dtype).items() if k != "page_table"}
+        return self.on_mesh(bits_pool(pool) if jax.default_backend() == "cpu" else pool)
 
     def on_mesh(self, tree):
         """`tree` replicated on the params' mesh, where the device functions return the page pool and
@@ -311,8 +319,7 @@ class Engine(Slots, Dispatch):
     def resume_memory(self, tags: list[str]) -> None:
         """Re-allocates what `release_memory` gave back: an empty page pool, the weights as they were."""
         if "kv_cache" in tags and "kv_cache" in self.released:
-            pool = init_paged_cache(self.cfg, self.pages.capacity, self.page_size, self.kv_dtype)
-            self.pool = self.on_mesh({k: v for k, v in pool.items() if k != "page_table"})
+            self.pool = self._new_pool()
         if "weights" in tags and "weights" in self.released:
             host, shardings = self._host_params
             self.params, self._host_params = jax.tree.map(jax.device_put, host, shardings), None
