@@ -127,3 +127,31 @@ def test_notebook_api_in_a_few_lines(repo_root):
 def test_unknown_model_field_is_named():
     with pytest.raises(config_lib.ConfigError, match='Did you mean "num_heads"'):
         config_lib.model_config_dict(num_head=4)
+
+
+def test_bf16_embedding_rows_gathered_as_bits_keep_values_and_gradient():
+    """`take_rows` gathers a bf16 table as its uint16 bits (XLA:CPU converts a whole bf16 table to
+    f32 to gather from it): the same rows as jnp.take, and the same gradient (repeated ids add up)."""
+    from rlvr.kernels.bits import take_rows
+
+    table = jnp.asarray(np.random.default_rng(0).standard_normal((50, 8)), jnp.bfloat16)
+    ids = jnp.asarray([[3, 7, 3], [49, 0, 2]])
+    assert bool((take_rows(table, ids) == jnp.take(table, ids, axis=0)).all())
+    weights = jnp.arange(8.0)
+    got = jax.jit(jax.grad(lambda t: jnp.sum(take_rows(t, ids).astype(jnp.float32) * weights)))(table)
+    want = jax.grad(lambda t: jnp.sum(jnp.take(t, ids, axis=0).astype(jnp.float32) * weights))(table)
+    assert got.dtype == jnp.bfloat16 and bool((got == want).all()) and float(got[3, 1]) == 2.0
+
+
+def test_bf16_projections_accumulate_in_float32():
+    """A bf16 Linear multiplies with float32 accumulation and rounds once: equal (within one bf16
+    rounding) to the product of the operands upcast to float32."""
+    from rlvr.models.transformer import _matmul
+
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((4, 256)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((256, 16)), jnp.bfloat16)
+    got = _matmul(x, w)
+    want = x.astype(jnp.float32) @ w.astype(jnp.float32)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2 ** -8, atol=1e-6)
