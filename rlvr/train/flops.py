@@ -35,8 +35,13 @@ def measure_matmul_peak(dtype: str = "float32", size: int = 1024, repeats: int =
     speed (the peer benchmark's: the median fp32 1024³ matmul, robust to a noisy shared machine).
 
     On CPU one matmul uses all cores, so this is the whole machine's figure; on
-    accelerators it is per device."""
-    return 2 * size**3 / _call_time(jax.jit(lambda x: x @ x), jnp.ones((size, size), dtype), repeats, median)
+    accelerators it is per device. 16-bit operands are multiplied with float32 accumulation, as
+    the model's projections are (`transformer._matmul`; a bf16-output product runs XLA:CPU's
+    upcast path at a third of that)."""
+    def product(x):
+        return x @ x if jnp.dtype(x.dtype).itemsize >= 4 else jnp.matmul(x, x, preferred_element_type=jnp.float32)
+
+    return 2 * size**3 / _call_time(jax.jit(product), jnp.ones((size, size), dtype), repeats, median)
 
 
 def _call_time(fn, arg, repeats: int, median: bool = False) -> float:
