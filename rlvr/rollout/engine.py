@@ -247,19 +247,9 @@ class Engine(Slots, Dispatch):
     def generate(self, requests: list[Request]) -> list[Completion]:
         """Runs `requests` to completion; results in request order. Completions of requests
         submitted before (with `submit`) that finish meanwhile are kept for the next `step()`."""
-        for request in requests:
-            self.submit(request)
-        wanted, results, others = {r.rid for r in requests}, {}, []
-        while len(results) < len(wanted):
-            if self.paused:
-                raise RuntimeError("engine is paused; resume() before generate()")
-            for completion in self.step():
-                if completion.rid in wanted:
-                    results[completion.rid] = completion
-                else:
-                    others.append(completion)
+        results, others = run_requests(self, requests)
         self.finished = others + self.finished
-        return [results[r.rid] for r in requests]
+        return results
 
     def snapshot(self, rid: str) -> Completion | None:
         for seq in self._live():
@@ -445,3 +435,20 @@ def _features() -> list[str]:
     except ImportError:
         pass
     return features
+
+
+def run_requests(engine, requests: list[Request]) -> tuple[list[Completion], list[Completion]]:
+    """Submits `requests` to `engine` (an Engine or ReplicatedEngine) and steps it until they are
+    done: (their completions in request order, the other completions that came meanwhile)."""
+    for request in requests:
+        engine.submit(request)
+    wanted, results, others = {r.rid for r in requests}, {}, []
+    while len(results) < len(wanted):
+        if engine.paused:
+            raise RuntimeError("engine is paused; resume() before generate()")
+        for completion in engine.step():
+            if completion.rid in wanted:
+                results[completion.rid] = completion
+            else:
+                others.append(completion)
+    return [results[r.rid] for r in requests], others

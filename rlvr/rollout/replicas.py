@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from rlvr.rollout.engine import Engine
+from rlvr.rollout.engine import Engine, run_requests
 from rlvr.rollout.types import Completion, Request
 
 RECENT_PROMPTS = 4096  # prompts remembered for routing a group's later samples to its replica
@@ -138,19 +138,9 @@ class ReplicatedEngine:
     def generate(self, requests: list[Request]) -> list[Completion]:
         """Runs `requests` to completion; results in request order. Completions of requests
         submitted before (with `submit`) that finish meanwhile are kept for the next `step()`."""
-        for request in requests:
-            self.submit(request)
-        wanted, results, others = {r.rid for r in requests}, {}, []
-        while len(results) < len(wanted):
-            if self.paused:
-                raise RuntimeError("engine is paused; resume() before generate()")
-            for completion in self.step():
-                if completion.rid in wanted:
-                    results[completion.rid] = completion
-                else:
-                    others.append(completion)
+        results, others = run_requests(self, requests)
         self._ready = others + self._ready
-        return [results[r.rid] for r in requests]
+        return results
 
     def warmup(self, filters: bool = False) -> None:
         self._settle()
