@@ -17,9 +17,10 @@ the score and value FLOPs, small against the weights at decode, to avoid transpo
 which costs more than the whole product on XLA:CPU), and per block the softmax partials (max,
 exp-sum, exp-weighted values) written to the block's slot. A block that several rows hold (the
 same pages at the same positions: a group's shared prompt, kept once by the prefix cache) is in a
-second list, read once for up to SHARERS rows, whose queries side by side make its products
-SHARERS x wider (a second loop). After the loops each row folds its blocks' partials
-(`RaggedPages.table`). Rows of length 0 (idle) output zeros.
+second list, read once for up to SHARERS rows (a second loop); there the keys and values are copied
+kv-head-major, and each kv head's product takes the SHARERS x G queries that read it side by side
+(wide enough for XLA:CPU's matmul, so the block-diagonal doubling is not needed). After the loops
+each row folds its blocks' partials (`RaggedPages.table`). Rows of length 0 (idle) output zeros.
 
 The caller builds the list on the host (`ragged_pages`) once per decode call, covering every page a
 row can write during the call; the per-step `lengths` mask what is not written yet.
@@ -118,8 +119,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     kvh = k_pages.shape[3]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     qg = (q.astype(jnp.float32) * scale).reshape(b, kvh, h // kvh, d)
-    diagonal = jnp.einsum("bkgd,kj->bkdjg", qg, jnp.eye(kvh, dtype=jnp.float32)).reshape(b, kvh * d, h)
-    diagonal = jnp.concatenate([diagonal, jnp.zeros((1, kvh * d, h), jnp.float32)])  # + row b: padding
+    qg = jnp.concatenate([qg, jnp.zeros((1, kvh, h // kvh, d), jnp.float32)])  # + row b: padding
+    diagonal = jnp.einsum("bkgd,kj->bkdjg", qg, jnp.eye(kvh, dtype=jnp.float32)).reshape(b + 1, kvh * d, h)
     lengths = jnp.concatenate([lengths.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
     options = dict(sliding_window=sliding_window, softcap=softcap)
     ragged = RaggedPages(*(jnp.asarray(x) for x in ragged))
@@ -131,8 +132,11 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     offset = 0
     for pages, rows, starts, count in lists:  # each block's softmax partials into its rows' slots
         def chunk(c, parts, pages=pages, rows=rows, starts=starts, offset=offset):
-            new = _block_partials(diagonal[rows[c]], k_pages, v_pages, layer, pages[c], starts[c],
-                                  lengths[rows[c]], **options)
+            keys, values = _gather_blocks(k_pages, v_pages, layer, pages[c])
+            if rows.shape[-1] == 1:
+                new = _block_partials(diagonal[rows[c]], keys, values, starts[c], lengths[rows[c]], kvh, **options)
+            else:
+                new = _shared_block_partials(qg[rows[c]], keys, values, starts[c], lengths[rows[c]], **options)
             at = offset + c * rows[c].size
             return tuple(jax.lax.dynamic_update_slice(part, x, (at,) + (0,) * (x.ndim - 1))
                          for part, x in zip(parts, new, strict=True))
@@ -155,26 +159,22 @@ def _compute_dtype(pool_dtype) -> jnp.dtype:
     return jnp.dtype(jnp.bfloat16) if kv_float(pool_dtype) == jnp.bfloat16 else jnp.dtype(jnp.float32)
 
 
-def _block_partials(diagonal, k_pages, v_pages, layer, pages, starts, length, *, sliding_window, softcap):
-    """Per block (K pages; M blocks) and each of its S rows: the max score, the sum of
-    exp(score - max) and the exp-weighted values, flat [M·S, H(, D)], for the rows' queries
-    `diagonal` [M, S, KVH·D, H] (scaled, block-diagonal) and lengths [M, S]. Pages are read from the
-    whole pool [L, N, ...] as rows of its flat view, once for the block's S rows."""
+def _gather_blocks(k_pages, v_pages, layer, pages):
+    """The keys and values of M blocks of K pages, [M, K·P, KVH·D] each in the compute dtype: rows of
+    the whole pool's flat view [L·N, P·KVH·D] (whole pages: memcpy speed)."""
     layers, num_pages, page_size, kvh, d = k_pages.shape
     m, k = pages.shape
-    sharers, h = diagonal.shape[1], diagonal.shape[-1]
-    tokens = k * page_size
     flat = (layer * num_pages + pages).reshape(-1)
     compute = _compute_dtype(k_pages.dtype)
-    keys, values = (from_bits(jnp.take(as_bits(pool.reshape(layers * num_pages, -1)), flat, axis=0, mode="clip"),
-                              pool.dtype).reshape(m, tokens, kvh * d).astype(compute) for pool in (k_pages, v_pages))
-    queries = diagonal.transpose(0, 2, 1, 3).reshape(m, kvh * d, sharers * h).astype(compute)
-    scores = jnp.matmul(keys, queries, preferred_element_type=jnp.float32)  # [M, T, S·H]
-    # Tokens minor ([M, S, H, T]) for the softmax: its exp then runs along contiguous tokens (~7x
-    # faster on XLA:CPU than along the 8-wide head axis), and the value product is a plain
-    # [S·H, T] x [T, KVH·D] matmul. The barriers keep XLA from folding the transposes into the dots
-    # (a folded transposed-operand dot runs off YNNPACK, ~4x slower): the block costs ~25 % less.
-    scores = jnp.swapaxes(jax.lax.optimization_barrier(scores), 1, 2).reshape(m, sharers, h, tokens)
+    rows = (jnp.take(as_bits(pool.reshape(layers * num_pages, -1)), flat, axis=0, mode="clip")
+            for pool in (k_pages, v_pages))
+    return tuple(from_bits(x, k_pages.dtype).reshape(m, k * page_size, kvh * d).astype(compute) for x in rows)
+
+
+def _softmax_partials(scores, starts, length, sliding_window, softcap):
+    """scores [M, S, H, T] of S rows' queries over M blocks starting at `starts` [M], lengths [M, S]
+    -> (max [M, S, H], exp(scores - max) masked [M, S, H, T])."""
+    tokens = scores.shape[-1]
     if softcap:
         scores = softcap * jnp.tanh(scores / softcap)
     kv_pos = starts[:, None] + jnp.arange(tokens, dtype=jnp.int32)  # [M, T]
@@ -184,9 +184,49 @@ def _block_partials(diagonal, k_pages, v_pages, layer, pages, starts, length, *,
     visible = visible[:, :, None, :]
     scores = jnp.where(visible, scores, MASK_VALUE)
     peak = jnp.max(scores, axis=-1)  # [M, S, H]
-    weights = jnp.where(visible, jnp.exp(scores - peak[..., None]), 0.0)
-    product = jax.lax.optimization_barrier(weights.reshape(m, sharers * h, tokens).astype(compute))
-    out = jnp.matmul(product, values, preferred_element_type=jnp.float32).reshape(m, sharers, kvh, h // kvh, kvh, d)
-    out = jnp.stack([out[:, :, j, :, j] for j in range(kvh)], axis=2)  # each query head's own kv head
-    flat_rows = m * sharers
-    return peak.reshape(flat_rows, h), jnp.sum(weights, axis=-1).reshape(flat_rows, h), out.reshape(flat_rows, h, d)
+    return peak, jnp.where(visible, jnp.exp(scores - peak[..., None]), 0.0)
+
+
+def _block_partials(diagonal, keys, values, starts, length, kvh, *, sliding_window, softcap):
+    """Per block (M blocks of T tokens, one row each): the max score, the sum of exp(score - max)
+    and the exp-weighted values, flat [M, H(, D)], for the rows' queries `diagonal` [M, 1, KVH·D, H]
+    (scaled, block-diagonal: one [T, KVH·D] x [KVH·D, H] product a block; per kv head it would be
+    KVH products G = H / KVH wide, slower on XLA:CPU) over keys and values [M, T, KVH·D]; lengths [M, 1]."""
+    m, tokens, width = keys.shape
+    h = diagonal.shape[-1]
+    d = width // kvh
+    compute = keys.dtype
+    scores = jnp.matmul(keys, diagonal[:, 0].astype(compute), preferred_element_type=jnp.float32)  # [M, T, H]
+    # Tokens minor ([M, H, T]) for the softmax: its exp then runs along contiguous tokens (~7x
+    # faster on XLA:CPU than along the 8-wide head axis), and the value product is a plain
+    # [H, T] x [T, KVH·D] matmul. The barriers keep XLA from folding the transposes into the dots
+    # (a folded transposed-operand dot runs off YNNPACK, ~4x slower): the block costs ~25 % less.
+    scores = jnp.swapaxes(jax.lax.optimization_barrier(scores), 1, 2).reshape(m, 1, h, tokens)
+    peak, weights = _softmax_partials(scores, starts, length, sliding_window, softcap)
+    product = jax.lax.optimization_barrier(weights.reshape(m, h, tokens).astype(compute))
+    out = jnp.matmul(product, values, preferred_element_type=jnp.float32).reshape(m, kvh, h // kvh, kvh, d)
+    out = jnp.stack([out[:, j, :, j] for j in range(kvh)], axis=1)  # each query head's own kv head
+    return peak.reshape(m, h), jnp.sum(weights, axis=-1).reshape(m, h), out.reshape(m, h, d)
+
+
+def _shared_block_partials(queries, keys, values, starts, length, *, sliding_window, softcap):
+    """As `_block_partials` for blocks that S rows share (their queries [M, S, KVH, G, D], scaled;
+    lengths [M, S]; results flat [M·S, ...]): the keys and values are copied kv-head-major once,
+    [M, KVH, T, D], so each kv head's product is a [T, D] x [D, S·G] matmul with no block-diagonal
+    doubling (S·G = 32 columns is wide enough for XLA:CPU's matmul: ~30 % faster than the
+    block-diagonal form here, measured)."""
+    m, sharers, kvh, g, d = queries.shape
+    tokens, compute = keys.shape[1], keys.dtype
+    key_heads, value_heads = (jax.lax.optimization_barrier(x.reshape(m, tokens, kvh, d).transpose(0, 2, 1, 3))
+                              for x in (keys, values))
+    q_heads = queries.transpose(0, 2, 4, 1, 3).reshape(m, kvh, d, sharers * g).astype(compute)
+    scores = jnp.matmul(key_heads, q_heads, preferred_element_type=jnp.float32)  # [M, KVH, T, S·G]
+    scores = jax.lax.optimization_barrier(scores).reshape(m, kvh, tokens, sharers, g)
+    scores = scores.transpose(0, 3, 1, 4, 2).reshape(m, sharers, kvh * g, tokens)  # [M, S, H, T]
+    peak, weights = _softmax_partials(scores, starts, length, sliding_window, softcap)
+    product = weights.reshape(m, sharers, kvh, g, tokens).transpose(0, 2, 1, 3, 4).reshape(m, kvh, sharers * g, tokens)
+    product = jax.lax.optimization_barrier(product.astype(compute))
+    out = jnp.matmul(product, value_heads, preferred_element_type=jnp.float32)  # [M, KVH, S·G, D]
+    out = out.reshape(m, kvh, sharers, g, d).transpose(0, 2, 1, 3, 4)
+    rows = m * sharers
+    return peak.reshape(rows, kvh * g), jnp.sum(weights, axis=-1).reshape(rows, kvh * g), out.reshape(rows, kvh * g, d)
