@@ -493,7 +493,9 @@ class Transformer(nn.Module):
             return self._segment_hidden_states(tokens, positions, segment_ids, embeds, rope_positions), None
         x = self.embed(tokens) if embeds is None else embeds.astype(cfg.dtype)
         x = constrain(x, ("batch", "length", "embed"))
-        cos, sin = rope_tables(cfg, rope_positions)
+        # a decode loop passes its step's tables (`cache["rope"]`, computed once per call: fused into
+        # the layers, XLA:CPU evaluated cos and sin again for every element of q and k in every layer)
+        cos, sin = cache["rope"] if cache is not None and "rope" in cache else rope_tables(cfg, rope_positions)
         if cache is None:
             mask = attention_mask(positions, segment_ids, positions, segment_ids, cfg.sliding_window)
             x, _ = self._run_layers(x, cos, sin, mask, None, None)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from rlvr.kernels.bits import from_bits
 from rlvr.models.config import ModelConfig
-from rlvr.models.transformer import Transformer, forward, forward_last
+from rlvr.models.transformer import Transformer, forward, forward_last, rope_tables
 from rlvr.rollout.logit_process import count_tokens, extra_logprobs, process, reset_counts
 from rlvr.rollout.sampling import policy_logprob, sample_tokens, uniforms
 
@@ -160,9 +160,9 @@ def decode(cfg: ModelConfig, steps: int, filters: bool, params, pool, page_table
     def body(carry):
         i, pool, token, pos, count, done, toks, logprobs, counts, extras = carry
         segment = (~done).astype(jnp.int32)[:, None]
-        rope = (pos + sampling["rope_delta"])[:, None] if "rope_delta" in sampling else None  # M-RoPE after images
-        logits, cache = forward(cfg, params, token[:, None], pos[:, None], segment,
-                                _cache(pool, page_table, ragged), rope_positions=rope)
+        cache = {**_cache(pool, page_table, ragged),
+                 "rope": tuple(jax.lax.dynamic_slice_in_dim(table, i, 1, axis=1) for table in rope)}
+        logits, cache = forward(cfg, params, token[:, None], pos[:, None], segment, cache)
         u = jax.lax.dynamic_index_in_dim(draws, i, axis=1, keepdims=False)
         nxt, logprob = _sample(logits[:, 0], sampling, count, pos + 1, filters, counts, mask, u)
         counts = count_tokens(counts, nxt, ~done)
@@ -180,6 +180,9 @@ def decode(cfg: ModelConfig, steps: int, filters: bool, params, pool, page_table
     # rows that are done are never used): one batched draw instead of one per step
     ahead = state["position"][:, None] + 1 + jnp.arange(steps, dtype=jnp.int32)[None]
     draws = uniforms(jnp.repeat(sampling["seed"], steps), ahead.reshape(-1)).reshape(slots, steps)
+    # every step's RoPE tables [S, steps, D] at once (a running row is at position + i at step i;
+    # + the M-RoPE delta after images): the steps read theirs (see `Transformer.hidden_states`)
+    rope = rope_tables(cfg, ahead - 1 + (sampling["rope_delta"][:, None] if "rope_delta" in sampling else 0))
     kv = dict(pool) if ragged is not None else {**pool, "window_k": _window(pool["k"], page_table, True),
                                                  "window_v": _window(pool["v"], page_table)}
     carry = (jnp.int32(0), kv, state["token"], state["position"], state["count"], state["done"] | ~active,
