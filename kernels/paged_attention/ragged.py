@@ -166,9 +166,9 @@ def _gather_blocks(k_pages, v_pages, layer, pages):
     m, k = pages.shape
     flat = (layer * num_pages + pages).reshape(-1)
     compute = _compute_dtype(k_pages.dtype)
-    rows = (jnp.take(as_bits(pool.reshape(layers * num_pages, -1)), flat, axis=0, mode="clip")
-            for pool in (k_pages, v_pages))
-    return tuple(from_bits(x, k_pages.dtype).reshape(m, k * page_size, kvh * d).astype(compute) for x in rows)
+    return tuple(from_bits(jnp.take(as_bits(pool.reshape(layers * num_pages, -1)), flat, axis=0, mode="clip"),
+                           pool.dtype).reshape(m, k * page_size, kvh * d).astype(compute)
+                 for pool in (k_pages, v_pages))
 
 
 def _softmax_partials(scores, starts, length, sliding_window, softcap):
