@@ -2,7 +2,8 @@
 one JSON line.
 
     .venv/bin/python benchmarks/attention.py [--shapes 1x512x8x2x64,2x256x4x4x64] [--dtype float32]
-        [--no-causal] [--sliding-window 0] [--repeats 5] [--implementations xla_dense,xla_blockwise,pallas]
+        [--no-causal] [--sliding-window 0] [--repeats 5]
+        [--implementations xla_dense,xla_causal_blocks,xla_blockwise,pallas]
 
 A shape is BxTxHxKVHxD (self-attention, S = T). Per shape and implementation: max abs error of the
 output and of dq, dk, dv (loss = sum(out * w), w fixed random) against
@@ -33,7 +34,7 @@ from common import emit, time_calls  # noqa: E402
 from rlvr.kernels.flash_attention import flash_attention, reference_attention, reference_mask  # noqa: E402
 from rlvr.kernels.flash_attention.api import current_platform  # noqa: E402
 
-from rlvr.models.transformer import dot_product_attention  # noqa: E402
+from rlvr.models.transformer import causal_attention, dot_product_attention, in_token_order  # noqa: E402
 
 
 def _dense(q, k, v, mask_kwargs):
@@ -43,6 +44,15 @@ def _dense(q, k, v, mask_kwargs):
     pos_q, pos_k = jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.broadcast_to(jnp.arange(s), (b, s))
     mask = reference_mask(ones_q, ones_k, pos_q, pos_k, **mask_kwargs)[:, None, None]
     return dot_product_attention(q, k, v, mask)
+
+
+def _causal_blocks(q, k, v, mask_kwargs):
+    """The model's training-path attention (`causal_attention`: dense products in query blocks that
+    skip the keys after them; the dense form up to 1,024 tokens), in the input dtype."""
+    b, t = q.shape[:2]
+    ones, pos = jnp.ones((b, t), jnp.int32), jnp.broadcast_to(jnp.arange(t), (b, t))
+    mask = in_token_order(reference_mask(ones, ones, pos, pos, **mask_kwargs)[:, None, None])
+    return causal_attention(q, k, v, mask)
 
 
 def _flash(q, k, v, mask_kwargs, implementation):
@@ -58,6 +68,7 @@ class Impl:
 
 IMPLEMENTATIONS = {
     "xla_dense": Impl(_dense, ("cpu", "gpu", "tpu")),
+    "xla_causal_blocks": Impl(_causal_blocks, ("cpu", "gpu", "tpu")),
     "xla_blockwise": Impl(functools.partial(_flash, implementation="xla"), ("cpu", "gpu", "tpu")),
     "pallas": Impl(functools.partial(_flash, implementation="pallas"), ("gpu", "tpu"),
                    "interpret mode on CPU: correctness only"),
@@ -136,9 +147,13 @@ def main() -> None:
     parser.add_argument("--no-causal", dest="causal", action="store_false")
     parser.add_argument("--sliding-window", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--implementations", default=",".join(IMPLEMENTATIONS),
-                        type=lambda s: [x for x in s.split(",") if x])
+    parser.add_argument("--implementations", default=None, type=lambda s: [x for x in s.split(",") if x],
+                        help="default: all (xla_causal_blocks only with causal masks)")
     args = parser.parse_args()
+    if args.implementations is None:
+        args.implementations = [name for name in IMPLEMENTATIONS if args.causal or name != "xla_causal_blocks"]
+    if not args.causal and "xla_causal_blocks" in args.implementations:
+        parser.error("xla_causal_blocks is the causal training path: drop it or --no-causal")
     unknown = set(args.implementations) - set(IMPLEMENTATIONS)
     if unknown:
         parser.error(f"unknown implementations {sorted(unknown)}; known: {list(IMPLEMENTATIONS)}")
