@@ -37,22 +37,23 @@ from rlvr.kernels.flash_attention.api import current_platform  # noqa: E402
 from rlvr.models.transformer import causal_attention, dot_product_attention, in_token_order  # noqa: E402
 
 
-def _dense(q, k, v, mask_kwargs):
-    """The model's plain-XLA attention (materialises the [T, S] logits), in the input dtype."""
+def _model_mask(q, k, mask_kwargs):
+    """The model's [B, 1, 1, T, S] mask for unpacked rows at positions 0, 1, ..."""
     b, t, s = q.shape[0], q.shape[1], k.shape[1]
     ones_q, ones_k = jnp.ones((b, t), jnp.int32), jnp.ones((b, s), jnp.int32)
     pos_q, pos_k = jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.broadcast_to(jnp.arange(s), (b, s))
-    mask = reference_mask(ones_q, ones_k, pos_q, pos_k, **mask_kwargs)[:, None, None]
-    return dot_product_attention(q, k, v, mask)
+    return reference_mask(ones_q, ones_k, pos_q, pos_k, **mask_kwargs)[:, None, None]
+
+
+def _dense(q, k, v, mask_kwargs):
+    """The model's plain-XLA attention (materialises the [T, S] logits), in the input dtype."""
+    return dot_product_attention(q, k, v, _model_mask(q, k, mask_kwargs))
 
 
 def _causal_blocks(q, k, v, mask_kwargs):
     """The model's training-path attention (`causal_attention`: dense products in query blocks that
     skip the keys after them; the dense form up to 1,024 tokens), in the input dtype."""
-    b, t = q.shape[:2]
-    ones, pos = jnp.ones((b, t), jnp.int32), jnp.broadcast_to(jnp.arange(t), (b, t))
-    mask = in_token_order(reference_mask(ones, ones, pos, pos, **mask_kwargs)[:, None, None])
-    return causal_attention(q, k, v, mask)
+    return causal_attention(q, k, v, in_token_order(_model_mask(q, k, mask_kwargs)))
 
 
 def _flash(q, k, v, mask_kwargs, implementation):
