@@ -80,6 +80,34 @@ def test_fused_projections_equal_the_separate_ones():
     assert {"q_proj", "k_proj", "v_proj"} <= set(fuse_projections(adapted)["layers_0"]["self_attn"])
 
 
+def test_chunked_paged_prefill_gives_the_full_forwards_last_logits():
+    """The engine's prefill (`forward_last` on a paged cache, chunk by chunk; its last layer runs the
+    query, output projection and MLP at each row's last position only, and its attention loops over
+    key blocks up to the chunk's reach) gives the logits the training forward computes at each row's
+    last prompt token, with prompts of different lengths split over two chunks in shuffled pages."""
+    from rlvr.models.transformer import forward_last, init_paged_cache, unstack_layers
+
+    cfg = ModelConfig(**SMALL, scan_layers=False)
+    rng = np.random.default_rng(4)
+    shapes = params_lib.abstract_params(dataclasses.replace(cfg, scan_layers=True))
+    params = unstack_layers(jax.tree.map(lambda x: jnp.asarray(rng.normal(0, 0.2, x.shape), x.dtype), shapes))
+    lengths, chunk, page_size, per_row = [13, 6, 9], 8, 4, 8
+    tokens = rng.integers(0, 97, (3, 16))
+    cache = init_paged_cache(cfg, 3 * per_row + 1, page_size,
+                             page_table=jnp.asarray(1 + rng.permutation(3 * per_row).reshape(3, per_row), jnp.int32))
+    run = jax.jit(forward_last, static_argnums=0)
+    for start in (0, chunk):
+        positions = np.arange(start, start + chunk)[None].repeat(3, 0)
+        segments = (positions < np.array(lengths)[:, None]).astype(np.int32)
+        last = np.maximum(segments.sum(1) - 1, 0)
+        logits, cache = run(cfg, params, jnp.asarray(tokens[:, start:start + chunk]), jnp.asarray(positions),
+                            jnp.asarray(segments), cache, jnp.asarray(last))
+        for row, n in enumerate(lengths):
+            if start < n <= start + chunk:  # the row's prompt ends in this chunk
+                full, _ = forward(cfg, params, jnp.asarray(tokens[row:row + 1, :n]))
+                np.testing.assert_allclose(logits[row], full[0, -1], rtol=1e-5, atol=1e-5)
+
+
 def test_bf16_compute_tracks_fp32():
     cfg = ModelConfig(**SMALL)
     params = _params(cfg)

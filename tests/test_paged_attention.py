@@ -173,6 +173,43 @@ def test_matches_the_models_decode_attention(window):
         np.testing.assert_array_equal(np.asarray(got[3]), 0.0)
 
 
+@pytest.mark.parametrize("window,key_block", [(0, 64), (0, 8), (6, 8)])
+def test_prefill_attention_reads_keys_up_to_the_chunks_reach(window, key_block):
+    """The model's prefill attention (`transformer._paged_prefill_attention`, a chunk of queries over
+    the rows' pages in a loop of key blocks) against the numpy dense reference, row by row: rows
+    that start a prompt, continue one at position 37 (2 pages from 7 queries), and an idle row
+    (padding only: output 0); GQA 4:2, pages shuffled in the pool. The values of every page from
+    the first whole key block past the chunk's reach are NaN: read, they would poison the
+    product (0 x NaN), so the loop provably stops at the reach, not at the rows' capacity."""
+    rng = np.random.default_rng(5)
+    layers, num_pages, page_size, kvh, d, h, per_row = 2, 100, 4, 2, 8, 4, 32  # capacity 128 tokens
+    table = rng.permutation(num_pages)[:3 * per_row].reshape(3, per_row)
+    starts, counts = [0, 37, 0], [5, 7, 0]
+    t = max(counts)
+    positions = np.array([[s + i for i in range(t)] for s in starts], np.int32)
+    segments = np.array([[1 if i < c else 0 for i in range(t)] for c in counts], np.int32)
+    k_pool, v_pool = (rng.standard_normal((layers, num_pages, page_size, kvh, d)).astype(np.float32)
+                      for _ in range(2))
+    reach = max(s + c for s, c in zip(starts, counts, strict=True))
+    width = max(p for p in range(1, per_row + 1) if per_row % p == 0 and p * page_size <= max(key_block, page_size))
+    unread = table[:, -(-reach // (width * page_size)) * width:]
+    assert unread.size, "the test needs pages past the reach"
+    v_pool[:, unread] = np.nan
+    cache = {"k": jnp.asarray(k_pool), "v": jnp.asarray(v_pool), "page_table": jnp.asarray(table, jnp.int32)}
+    mask, (_, read_idx, _, _) = transformer.paged_indices(cache, jnp.asarray(positions), jnp.asarray(segments), window)
+    q = rng.standard_normal((3, t, h, d)).astype(np.float32)
+    got = np.asarray(jax.jit(transformer._paged_prefill_attention, static_argnums=(2, 5))(
+        jnp.asarray(q), {"k": cache["k"], "v": cache["v"]}, 1, read_idx, mask, key_block))
+    assert np.isfinite(got).all()
+    for row, (start, count) in enumerate(zip(starts, counts, strict=True)):
+        if count:
+            want = dense_reference(q[row:row + 1, :count], k_pool[1], v_pool[1], table[row:row + 1],
+                                   np.array([start + count]), window)
+            np.testing.assert_allclose(got[row, :count], want[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[2], 0.0)
+    np.testing.assert_array_equal(got[0, counts[0]:], 0.0)  # padding queries see nothing
+
+
 def test_implementation_choice(caplog):
     rng = np.random.default_rng(3)
     k = jnp.asarray(rng.standard_normal((4, 2, 1, 8)), jnp.float32)
