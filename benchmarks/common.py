@@ -78,21 +78,30 @@ def decode_roofline(cfg: ModelConfig, prompts: list[list[int]], output_lengths: 
     peak. Decode: each generated token after the first (the first comes from the prefill's last
     position) at max(FLOPs / peak FLOP/s, bytes / peak bytes/s), with the formulas of
     `rlvr.train.flops` (weights read once per step, shared by `batch` rows; each row reads its own
-    KV context). Returns {"seconds", "tokens_per_s", "prefill_tokens", "decode_bound"}."""
+    KV context). `peaks["attention_matmul_gflops"]`, if given, is the ceiling of the attention
+    products (their own dtype's: bf16 KV pages are multiplied in bf16 beside fp32 weights); the
+    weight products use `peaks["matmul_gflops"]`. Returns {"seconds", "tokens_per_s",
+    "prefill_tokens", "prefill_s", "decode_compute_s", "decode_memory_s"}."""
     peak_flops, peak_bw = peaks["matmul_gflops"] * 1e9, peaks["read_gbytes_per_s"] * 1e9
-    prefill_flops, prefill_tokens = 0.0, 0
+    attention_peak = peaks.get("attention_matmul_gflops", peaks["matmul_gflops"]) * 1e9
+
+    def compute_seconds(context: int) -> float:  # one token's products at `context` keys
+        attention = flops.decode_flops_per_token(cfg, context) - flops.decode_flops_per_token(cfg, 0)
+        return flops.decode_flops_per_token(cfg, 0) / peak_flops + attention / attention_peak
+
+    prefill_s, prefill_tokens = 0.0, 0
     for start, end in _unique_prompt_ranges(prompts):
         prefill_tokens += end - start
-        prefill_flops += sum(flops.decode_flops_per_token(cfg, pos + 1) for pos in range(start, end))
+        prefill_s += sum(compute_seconds(pos + 1) for pos in range(start, end))
     compute_s = memory_s = decode_s = 0.0
     for prompt, n in zip(prompts, output_lengths, strict=True):
         for context in range(len(prompt) + 1, len(prompt) + n):
-            c = flops.decode_flops_per_token(cfg, context) / peak_flops
+            c = compute_seconds(context)
             m = flops.decode_bytes_per_token(cfg, context, batch, kv_dtype) / peak_bw
             compute_s, memory_s, decode_s = compute_s + c, memory_s + m, decode_s + max(c, m)
-    seconds = prefill_flops / peak_flops + decode_s
+    seconds = prefill_s + decode_s
     return {"seconds": round(seconds, 4), "tokens_per_s": round(sum(output_lengths) / seconds, 1),
-            "prefill_tokens": prefill_tokens, "prefill_s": round(prefill_flops / peak_flops, 4),
+            "prefill_tokens": prefill_tokens, "prefill_s": round(prefill_s, 4),
             "decode_compute_s": round(compute_s, 4), "decode_memory_s": round(memory_s, 4)}
 
 

@@ -23,7 +23,9 @@ params, fp32): an RL step's rollout, 16 chat prompts x groups of 8 = 128 request
   temperature 1, top_p 1. Continuous batching runs all 128 at once; static batching runs the
   groups in two batches of 64, each waiting for its longest. Timed calls run in ABBA order.
   `--slots N` runs it on N slots (the roofline for a batch of N); `--dtype bfloat16` runs the
-  engine in bf16 (weights and KV pages) against the bf16 roofline, the fp32 one reported beside.
+  engine in bf16 (weights and KV pages) against the bf16 roofline, the fp32 one reported beside;
+  `--kv_dtype bfloat16` keeps fp32 weights and stores the KV pages in bf16 (the roofline of that pair:
+  bf16 KV bytes, attention products at the bf16 matmul peak).
 
 decode_variants: the sampler workload under each decode attention x decode_steps, interleaved.
 
@@ -375,7 +377,8 @@ def realistic_timing(args) -> dict:
     params = _params(cfg)
     prompts, max_new = chat_workload(args.chat_prompts)
     engine = _engine(cfg, params, args.replicas, max_slots=args.slots, max_len=1536, page_size=16,
-                     decode_steps=args.decode_steps, prefill_rows=4, prefill_chunk=256, dtype=args.dtype)
+                     decode_steps=args.decode_steps, prefill_rows=4, prefill_chunk=256, dtype=args.dtype,
+                     **({"kv_dtype": args.kv_dtype} if getattr(args, "kv_dtype", "") else {}))
     groups, outputs = range(args.chat_prompts), {}
 
     def continuous():
@@ -407,7 +410,7 @@ def realistic_timing(args) -> dict:
     return {
         "workload": f"{args.chat_prompts} chat prompts (shared {SYSTEM_LEN}-token system prompt, 100-1000 tokens) "
                     f"x group {GROUP} on {args.slots} slots, max_new_tokens uniform [128, 512], temperature 1, "
-                    f"{args.dtype} weights and KV pages",
+                    f"{args.dtype} weights, {getattr(args, 'kv_dtype', '') or args.dtype} KV pages",
         "prompt_tokens_mean": round(statistics.mean(len(p) for p in prompts), 1),
         "output_lengths": [len(c.output_ids) for c in outs],
         "finish_reasons": {k: finish.count(k) for k in sorted(set(finish))},
@@ -424,9 +427,12 @@ def realistic(args) -> dict:
     """`realistic_timing` with the roofline of the same model, workload and batch (`--slots` rows),
     measured before and after the timed calls (best of the two). With `--dtype bfloat16` the
     roofline is the bf16 one (bf16 1024^3 matmul peak, bf16 weight and KV bytes) and the fp32
-    roofline of the same batch is reported beside it (`roofline_fp32`, `vs_roofline_fp32`)."""
+    roofline of the same batch is reported beside it (`roofline_fp32`, `vs_roofline_fp32`). With
+    `--kv_dtype bfloat16` beside fp32 weights the roofline reads bf16 KV bytes and puts the attention
+    products (bf16 there) at the bf16 matmul peak, the weight products at the fp32 one."""
     cfg = ModelConfig(**PRESETS["bench_32k"])
-    dtypes = sorted({"float32", args.dtype})
+    kv_dtype = args.kv_dtype or args.dtype
+    dtypes = sorted({"float32", args.dtype, kv_dtype})
     peaks = [{dtype: machine_peaks(dtype) for dtype in dtypes}]
     result = realistic_timing(args)
     peaks.append({dtype: machine_peaks(dtype) for dtype in dtypes})
@@ -436,9 +442,14 @@ def realistic(args) -> dict:
     rows = [p for p in prompts for _ in range(GROUP)]
     rooflines = {dtype: decode_roofline(dataclasses.replace(cfg, param_dtype=dtype), rows, lengths, args.slots,
                                         best[dtype], kv_dtype=dtype) for dtype in dtypes}
+    if kv_dtype != args.dtype:  # e.g. fp32 weights, bf16 KV: the roofline of that pair
+        pair = {**best[args.dtype], "attention_matmul_gflops": best[kv_dtype]["matmul_gflops"]}
+        rooflines[args.dtype] = decode_roofline(dataclasses.replace(cfg, param_dtype=args.dtype), rows, lengths,
+                                                args.slots, pair, kv_dtype=kv_dtype)
     measured = result["continuous" if "continuous" in result else "static"]["tokens_per_s"]
     result.update({
-        "model": f"bench_32k preset (6 layers, d512, GQA 8:2, tied vocab 32768, 34.9M params, {args.dtype})",
+        "model": f"bench_32k preset (6 layers, d512, GQA 8:2, tied vocab 32768, 34.9M params, {args.dtype}"
+                 + (f", {kv_dtype} KV)" if kv_dtype != args.dtype else ")"),
         "output_tokens_mean": round(statistics.mean(lengths), 1),
         "machine_peaks_best": {k: round(v, 1) for k, v in best[args.dtype].items()},
         "roofline": rooflines[args.dtype], "vs_roofline": round(measured / rooflines[args.dtype]["tokens_per_s"], 3)})
@@ -562,6 +573,7 @@ def main() -> None:
     parser.add_argument("--modes", default="continuous,static", help="realistic: timed calls")
     parser.add_argument("--slots", type=int, default=SLOTS, help="realistic: engine slots (rows decoded at once)")
     parser.add_argument("--dtype", default="float32", help="realistic: rollout weights and KV pages (or bfloat16)")
+    parser.add_argument("--kv_dtype", default="", help="realistic: KV pages only (default: --dtype), e.g. bfloat16")
     parser.add_argument("--model_json", default="", help="realistic_timing: the model's ModelConfig fields")
     parser.add_argument("--replicas", type=int, default=1,
                         help="sampler, realistic: the slots split over this many engines stepped at once")
