@@ -378,7 +378,7 @@ def realistic_timing(args) -> dict:
     prompts, max_new = chat_workload(args.chat_prompts)
     engine = _engine(cfg, params, args.replicas, max_slots=args.slots, max_len=1536, page_size=16,
                      decode_steps=args.decode_steps, prefill_rows=4, prefill_chunk=256, dtype=args.dtype,
-                     **({"kv_dtype": args.kv_dtype} if getattr(args, "kv_dtype", "") else {}))
+                     **({"kv_dtype": args.kv_dtype} if args.kv_dtype else {}))
     groups, outputs = range(args.chat_prompts), {}
 
     def continuous():
@@ -410,7 +410,7 @@ def realistic_timing(args) -> dict:
     return {
         "workload": f"{args.chat_prompts} chat prompts (shared {SYSTEM_LEN}-token system prompt, 100-1000 tokens) "
                     f"x group {GROUP} on {args.slots} slots, max_new_tokens uniform [128, 512], temperature 1, "
-                    f"{args.dtype} weights, {getattr(args, 'kv_dtype', '') or args.dtype} KV pages",
+                    f"{args.dtype} weights, {args.kv_dtype or args.dtype} KV pages",
         "prompt_tokens_mean": round(statistics.mean(len(p) for p in prompts), 1),
         "output_lengths": [len(c.output_ids) for c in outs],
         "finish_reasons": {k: finish.count(k) for k in sorted(set(finish))},
