@@ -359,6 +359,11 @@ def _paged_decode(cfg: ModelConfig, q, pool, read_idx, columns, layer_id, ragged
                            sliding_window=cfg.sliding_window, ragged=ragged).astype(q.dtype)
 
 
+def _at(x: jax.Array, last) -> jax.Array:
+    """x [B, T, ...] at index `last` [B] of each row, [B, 1, ...] (x itself when `last` is None)."""
+    return x if last is None else jnp.take_along_axis(x, last.reshape(-1, *([1] * (x.ndim - 1))), axis=1)
+
+
 PREFILL_KEY_BLOCK = 64  # tokens of keys a prefill's attention reads per loop step (rounded to whole pages)
 
 
@@ -469,8 +474,7 @@ class Attention(nn.Module):
                 return Linear((h, d), (e,), ("heads", "head_dim"), ("embed",), cfg.o_bias, name="o_proj",
                               **dense)(out), new_kv
             if last is not None:
-                q = jnp.take_along_axis(q, last[:, None, None, None], axis=1)
-                mask = jnp.take_along_axis(mask, last[:, None, None, None, None], axis=3)
+                q, mask = _at(q, last), jnp.take_along_axis(mask, last[:, None, None, None, None], axis=3)
             out = _paged_prefill_attention(q, new_kv, layer_id, read_idx, mask)
             return Linear((h, d), (e,), ("heads", "head_dim"), ("embed",), cfg.o_bias, name="o_proj",
                           **dense)(out), new_kv
@@ -523,9 +527,7 @@ class DecoderLayer(nn.Module):
         norm = dict(dim=cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=cfg.param_dtype)
         attn_out, new_kv = Attention(cfg, name="self_attn")(
             RMSNorm(**norm, name="input_layernorm")(x), cos, sin, mask, kv_index, pool, layer_id, last)
-        if last is not None:
-            x = jnp.take_along_axis(x, last[:, None, None], axis=1)
-        x = x + attn_out
+        x = _at(x, last) + attn_out
         x = x + MLP(cfg, name="mlp")(RMSNorm(**norm, name="post_attention_layernorm")(x))
         return constrain(x, ("batch", "length", "embed")), new_kv
 
@@ -568,9 +570,9 @@ class Transformer(nn.Module):
         """Final-norm hidden states [B, T, E] and the updated cache. `embeds` [B, T, E] replaces the
         token embeddings (a VLM's, with image features at the placeholders); `rope_positions` (e.g.
         M-RoPE's [B, T, 3]) replaces `positions` in the rotary tables only: masks and cache slots
-        always follow `positions`, the order of the tokens. `last` [B] (with a cache: a prefill,
-        which needs one position's logits per row): the hidden states at index `last` only,
-        [B, 1, E]; the last decoder layer then runs its query, output projection and MLP on
+        always follow `positions`, the order of the tokens. `last` [B]: the hidden states at index
+        `last` of each row only, [B, 1, E]; with a cache (a prefill, which needs one position's
+        logits per row) the last decoder layer then runs its query, output projection and MLP on
         those positions alone (every layer's k/v are still written), ~1/num_layers of the
         prefill's FLOPs saved."""
         cfg = self.cfg
@@ -581,7 +583,7 @@ class Transformer(nn.Module):
         if rope_positions is None:
             rope_positions = positions
         if cache is None and cfg.attention != "xla":
-            return self._segment_hidden_states(tokens, positions, segment_ids, embeds, rope_positions), None
+            return _at(self._segment_hidden_states(tokens, positions, segment_ids, embeds, rope_positions), last), None
         x = self.embed(tokens) if embeds is None else embeds.astype(cfg.dtype)
         x = constrain(x, ("batch", "length", "embed"))
         # a decode loop passes its step's tables (`cache["rope"]`, computed once per call: fused into
@@ -590,7 +592,7 @@ class Transformer(nn.Module):
         if cache is None:
             mask = in_token_order(attention_mask(positions, segment_ids, positions, segment_ids, cfg.sliding_window))
             x, _ = self._run_layers(x, cos, sin, mask, None, None)
-            return self.norm(x), None
+            return _at(self.norm(x), last), None
         mask, kv_index = paged_indices(cache, positions, segment_ids, cfg.sliding_window)
         pool = {name: cache[name] for name in ("k", "v", "window_k", "window_v") if name in cache}
         x, updated = self._run_layers(x, cos, sin, mask, kv_index, pool, last)
@@ -630,7 +632,7 @@ class Transformer(nn.Module):
         """(x, pool) after every layer; with `last` [B], x at index `last` of each row only."""
         if self.cfg.scan_layers:
             x, pool = self.layers(x, cos, sin, mask, kv_index, pool, jnp.arange(self.cfg.num_layers))
-            return (x if last is None else jnp.take_along_axis(x, last[:, None, None], axis=1)), pool
+            return _at(x, last), pool
         for i, layer in enumerate(self.layer_list):
             x, updated = layer(x, cos, sin, mask, kv_index, pool, i, last if i == len(self.layer_list) - 1 else None)
             pool = updated if pool is not None else None
@@ -656,9 +658,6 @@ class Transformer(nn.Module):
         """(logits [B, V] at position index `last` [B] of each row, cache): a prefill needs
         the next-token distribution of one position per row, not the [B, T, V] of all.
         `embeds`, `rope_positions`: as `hidden_states` (a VLM's image prompt)."""
-        if cache is None:  # the training path has no prefill to trim
-            x, _ = self.hidden_states(tokens, positions, segment_ids, None, embeds, rope_positions)
-            return self.logits(jnp.take_along_axis(x, last[:, None, None], axis=1))[:, 0], None
         x, cache = self.hidden_states(tokens, positions, segment_ids, cache, embeds, rope_positions, last)
         return self.logits(x)[:, 0], cache
 
