@@ -15,11 +15,14 @@ order for unfiltered ones (top_k=-1, top_p=1, min_p=0). Temperature 0 is greedy 
 among the largest logits; log-prob 0).
 
 Cost (`sample_tokens`, what the engine runs): nothing sorts the vocabulary. Unfiltered rows take
-the inverse CDF over blocks of `BLOCK` ids (block masses, then one block), O(V). Filtered rows are
-resolved among the `CANDIDATES` most likely tokens (`lax.top_k`): since a kept set is a prefix of
-the sorted order, it lies inside the candidates exactly when the last candidate is dropped; when a
-row's kept set is larger (a wide nucleus), the batch falls back to the sorted definition
-(`sample_reference`, through `lax.cond`), so the semantics never change.
+the inverse CDF over blocks of `BLOCK` ids (block masses, then one block), O(V): the
+exponentials are summed inside the block-mass reduction, never written out as [B, V] weights
+(`inverse_cdf_of_logs`), so a vocabulary is read twice after the output projection (its max,
+then the masses) and written never. Filtered rows are resolved among the `CANDIDATES` most
+likely tokens (`lax.top_k`): since a kept set is a prefix of the sorted order, it lies inside the
+candidates exactly when the last candidate is dropped; when a row's kept set is larger (a wide
+nucleus), the batch falls back to the sorted definition (`sample_reference`, through `lax.cond`),
+so the semantics never change.
 """
 
 from __future__ import annotations
@@ -50,19 +53,30 @@ def inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
     """Per row the index i with cdf[i-1] < u·total <= cdf[i] of non-negative `weights` [B, N]
     (unnormalised; zero-weight entries are never chosen), by blocks of BLOCK entries: block
     masses and their cumulative sum, then a scan inside the chosen block only."""
-    rows, n = weights.shape
+    return _block_inverse_cdf(weights, 0.0, lambda w: w, u)[0]
+
+
+def inverse_cdf_of_logs(log_weights: jax.Array, u: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(`inverse_cdf(exp(log_weights), u)`, the total weight [B]) without writing the weights: the
+    exponential runs inside the block-mass reduction and again on the chosen block's entries only,
+    so a [B, V] vocabulary is read twice (its max, then this) and never rewritten."""
+    return _block_inverse_cdf(log_weights, -jnp.inf, jnp.exp, u)
+
+
+def _block_inverse_cdf(values, pad, weight, u):
+    """(index, total) of the inverse CDF of weight(values) [B, N] at u·total, by blocks of BLOCK."""
+    rows, n = values.shape
     blocks = -(-n // BLOCK)
-    w = jnp.pad(weights, ((0, 0), (0, blocks * BLOCK - n))).reshape(rows, blocks, BLOCK)
-    mass = jnp.sum(w, axis=-1)
-    cdf = jnp.cumsum(mass, axis=-1)
+    v = jnp.pad(values, ((0, 0), (0, blocks * BLOCK - n)), constant_values=pad).reshape(rows, blocks, BLOCK)
+    cdf = jnp.cumsum(jnp.sum(weight(v), axis=-1), axis=-1)
     x = u * cdf[:, -1]
     block = jnp.minimum(jnp.sum(cdf < x[:, None], axis=-1), blocks - 1)
     before = jnp.where(block > 0, jnp.take_along_axis(cdf, jnp.maximum(block - 1, 0)[:, None], -1)[:, 0], 0.0)
-    inner = jnp.take_along_axis(w, block[:, None, None], axis=1)[:, 0]
+    inner = weight(jnp.take_along_axis(v, block[:, None, None], axis=1)[:, 0])
     offset = jnp.sum(before[:, None] + jnp.cumsum(inner, axis=-1) < x[:, None], axis=-1)
     ids = jax.lax.broadcasted_iota(jnp.int32, inner.shape, 1)
     last_positive = jnp.max(jnp.where(inner > 0, ids, 0), axis=-1)  # rounding never picks a zero weight
-    return (block * BLOCK + jnp.minimum(offset, last_positive)).astype(jnp.int32)
+    return (block * BLOCK + jnp.minimum(offset, last_positive)).astype(jnp.int32), cdf[:, -1]
 
 
 def _scaled(logits, temperature):
@@ -72,7 +86,7 @@ def _scaled(logits, temperature):
 def _pick_sorted(sorted_kept, sorted_ids, u):
     """(token, log-prob under the kept distribution) by inverse CDF over logits sorted descending
     [B, N], -inf outside the kept set."""
-    index = inverse_cdf(jnp.exp(sorted_kept - sorted_kept[:, :1]), u)
+    index, _ = inverse_cdf_of_logs(sorted_kept - sorted_kept[:, :1], u)
     token = jnp.take_along_axis(sorted_ids, index[:, None], -1)[:, 0]
     logprob = jnp.take_along_axis(sorted_kept, index[:, None], -1)[:, 0] - jax.nn.logsumexp(sorted_kept, axis=-1)
     return token.astype(jnp.int32), logprob
@@ -110,12 +124,12 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     at once, before its loop)."""
     shifted = _scaled(logits, temperature)
     shifted = shifted - jnp.max(shifted, axis=-1, keepdims=True)
-    weights = jnp.exp(shifted)  # one exp over the vocabulary: the CDF's weights and the normaliser
-    logp = shifted - jnp.log(jnp.sum(weights, axis=-1, keepdims=True))  # = jax.nn.log_softmax's
     u = uniforms(seeds, positions) if u is None else u
-    token = inverse_cdf(weights, u)
-    logprob = jnp.take_along_axis(logp, token[:, None], -1)[:, 0]
+    token, total = inverse_cdf_of_logs(shifted, u)  # the exp sums are the normaliser too
+    log_total = jnp.log(total)
+    logprob = jnp.take_along_axis(shifted, token[:, None], -1)[:, 0] - log_total
     if filters:
+        logp = shifted - log_total[:, None]  # = jax.nn.log_softmax's
         filtered = (top_k > 0) | (top_p < 1.0) | (min_p > 0.0)
         token, logprob = jax.lax.cond(
             jnp.any(filtered),
