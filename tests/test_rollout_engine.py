@@ -179,7 +179,8 @@ def test_stop_token_ids_stop_strings_eos_and_min_new_tokens(params):
     out = engine.generate([_req("a", prompt, max_new_tokens=20, stop_token_ids=[stop_id])])[0]
     assert out.output_ids == free[: first + 1] and out.finish_reason == {"type": "stop", "matched": stop_id}
     later = engine.generate([_req("b", prompt, max_new_tokens=20, stop_token_ids=[stop_id], min_new_tokens=first + 2)])
-    assert len(later[0].output_ids) > first + 1  # the early stop token was suppressed
+    assert len(later[0].output_ids) > first + 1  # the early stop token did not end the output,
+    assert stop_id not in later[0].output_ids[: first + 2]  # nor was it drawn (masked, not only ignored)
     text = tokenizer.decode(free)
     stop = text[len(tokenizer.decode(free[:3])):][:2]
     if stop:

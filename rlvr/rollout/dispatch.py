@@ -67,9 +67,11 @@ class Dispatch:
         return any(s.extras.grammar is not None and self.active[s.slot] for s in self._running())
 
     def _filters(self, slots: np.ndarray) -> bool:
-        """Whether any of these rows asks for top-k, top-p or min-p (compiles the filter paths)."""
+        """Whether any of these rows asks for top-k, top-p, min-p or min_new_tokens (compiles the
+        filter paths and the stop-token mask; RL's plain sampling runs without either)."""
         table = self._sampling
-        return bool(np.any((table["top_k"][slots] > 0) | (table["top_p"][slots] < 1) | (table["min_p"][slots] > 0)))
+        return bool(np.any((table["top_k"][slots] > 0) | (table["top_p"][slots] < 1) | (table["min_p"][slots] > 0)
+                           | (table["min_new"][slots] > 0)))
 
     def _prefill_shapes(self) -> tuple[list[int], list[int]]:
         """The compiled prefill shapes: rows 1 and prefill_rows x chunks of a quarter and all of
