@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import time
 
+import jax
+import jax.numpy as jnp
+
 from rlvr.models.config import ModelConfig
 from rlvr.train import flops
 
@@ -54,6 +57,39 @@ def machine_peaks(dtype: str = "float32") -> dict:
             "read_gbytes_per_s": flops.measure_memory_bandwidth() / 1e9}
 
 
+def decode_matmul_gflops(cfg: ModelConfig, rows: int, dtype: str = "float32", steps: int = 16,
+                         repeats: int = 5) -> float:
+    """FLOP/s XLA reaches on a decode step's own weight products at `rows` rows, measured now: every
+    layer's fused q/k/v, output, fused gate-up and down projections and the output projection
+    (random weights of the model's shapes in `dtype`), chained in a `fori_loop` of `steps` steps as
+    the engine's decode call runs them; the best of `repeats` calls. Nothing else (no attention,
+    norms, sampling, host work) is in the loop, so an engine whose decode cost only these products
+    runs at this rate; beside the 1024³ peak it says how much of the roofline the decode's shapes
+    leave reachable (small-row products run below the square matmul's rate on CPU)."""
+    h, e, f = cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    shapes = [(e, h + 2 * cfg.num_kv_heads * cfg.head_dim), (h, e), (e, 2 * f), (f, e)] * cfg.num_layers
+    shapes.append((e, cfg.vocab_size))
+    keys = jax.random.split(jax.random.key(0), len(shapes))
+    weights = [jax.random.normal(k, s, dtype) * s[0] ** -0.5 for k, s in zip(keys, shapes, strict=True)]
+
+    def step(_, x):
+        for i in range(cfg.num_layers):
+            qkv, o, gate_up, down = weights[4 * i: 4 * i + 4]
+            x = x + _product(_product(x, qkv)[:, :h], o)
+            g, u = jnp.split(_product(x, gate_up), 2, axis=-1)
+            x = x + _product(jax.nn.silu(g) * u, down)
+        logits = _product(x, weights[-1])
+        return x + logits[:, :e] * 1e-3
+
+    x = jnp.ones((rows, e), dtype)
+    seconds = flops._call_time(jax.jit(lambda x: jax.lax.fori_loop(0, steps, step, x)), x, repeats)
+    return 2 * rows * steps * sum(a * b for a, b in shapes) / seconds / 1e9
+
+
+def _product(x, w):  # the model's products: float32 accumulation, operands in the weights' dtype
+    return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(w.dtype)
+
+
 def _unique_prompt_ranges(prompts: list[list[int]]) -> list[tuple[int, int]]:
     """[start, end) of each distinct prompt's tokens not shared with an earlier (sorted) prompt:
     the tokens an ideal engine with prefix sharing prefills (a trie's nodes)."""
@@ -80,14 +116,17 @@ def decode_roofline(cfg: ModelConfig, prompts: list[list[int]], output_lengths: 
     `rlvr.train.flops` (weights read once per step, shared by `batch` rows; each row reads its own
     KV context). `peaks["attention_matmul_gflops"]`, if given, is the ceiling of the attention
     products (their own dtype's: bf16 KV pages are multiplied in bf16 beside fp32 weights); the
-    weight products use `peaks["matmul_gflops"]`. Returns {"seconds", "tokens_per_s",
-    "prefill_tokens", "prefill_s", "decode_compute_s", "decode_memory_s"}."""
+    weight products use `peaks["matmul_gflops"]`, or in decode `peaks["decode_matmul_gflops"]` if
+    given (`decode_matmul_gflops`: the rate XLA reaches at the decode step's own shapes, which makes
+    this the ceiling of an engine whose only decode cost is those products). Returns {"seconds",
+    "tokens_per_s", "prefill_tokens", "prefill_s", "decode_compute_s", "decode_memory_s"}."""
     peak_flops, peak_bw = peaks["matmul_gflops"] * 1e9, peaks["read_gbytes_per_s"] * 1e9
     attention_peak = peaks.get("attention_matmul_gflops", peaks["matmul_gflops"]) * 1e9
+    decode_peak = peaks.get("decode_matmul_gflops", peaks["matmul_gflops"]) * 1e9
 
-    def compute_seconds(context: int) -> float:  # one token's products at `context` keys
+    def compute_seconds(context: int, weight_peak: float = peak_flops) -> float:  # one token at `context` keys
         attention = flops.decode_flops_per_token(cfg, context) - flops.decode_flops_per_token(cfg, 0)
-        return flops.decode_flops_per_token(cfg, 0) / peak_flops + attention / attention_peak
+        return flops.decode_flops_per_token(cfg, 0) / weight_peak + attention / attention_peak
 
     prefill_s, prefill_tokens = 0.0, 0
     for start, end in _unique_prompt_ranges(prompts):
@@ -96,7 +135,7 @@ def decode_roofline(cfg: ModelConfig, prompts: list[list[int]], output_lengths: 
     compute_s = memory_s = decode_s = 0.0
     for prompt, n in zip(prompts, output_lengths, strict=True):
         for context in range(len(prompt) + 1, len(prompt) + n):
-            c = compute_seconds(context)
+            c = compute_seconds(context, decode_peak)
             m = flops.decode_bytes_per_token(cfg, context, batch, kv_dtype) / peak_bw
             compute_s, memory_s, decode_s = compute_s + c, memory_s + m, decode_s + max(c, m)
     seconds = prefill_s + decode_s

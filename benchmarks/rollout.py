@@ -39,7 +39,10 @@ benchmarks/rollout_vs_tunix.py.
 
 Roofline (same model, batch and run): `common.decode_roofline` with the machine's best fp32
 1024^3 matmul FLOP/s and streaming-read bytes/s measured in this process; `vs_roofline` is the
-measured tokens/s over the roofline's. Compile counts are the jit cache sizes of the engine's
+measured tokens/s over the roofline's. The realistic section also reports
+`roofline_at_decode_shapes` (the decode's weight products at the rate XLA reaches on their own
+shapes, `common.decode_matmul_gflops`): the ceiling of an engine whose decode costs only those.
+Compile counts are the jit cache sizes of the engine's
 device functions after the section ran; `first_call_incl_compile_s` is the first call's wall time.
 """
 
@@ -59,7 +62,15 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import TUNIX, calibrate_matmul_gflops, decode_roofline, emit, machine_peaks, time_calls  # noqa: E402
+from common import (  # noqa: E402
+    TUNIX,
+    calibrate_matmul_gflops,
+    decode_matmul_gflops,
+    decode_roofline,
+    emit,
+    machine_peaks,
+    time_calls,
+)
 
 from rlvr import sharding  # noqa: E402
 from rlvr.models import params as params_lib  # noqa: E402
@@ -429,14 +440,24 @@ def realistic(args) -> dict:
     roofline is the bf16 one (bf16 1024^3 matmul peak, bf16 weight and KV bytes) and the fp32
     roofline of the same batch is reported beside it (`roofline_fp32`, `vs_roofline_fp32`). With
     `--kv_dtype bfloat16` beside fp32 weights the roofline reads bf16 KV bytes and puts the attention
-    products (bf16 there) at the bf16 matmul peak, the weight products at the fp32 one."""
+    products (bf16 there) at the bf16 matmul peak, the weight products at the fp32 one.
+    `roofline_at_decode_shapes`: the same roofline with the decode's weight products at the rate XLA
+    reaches on their own `--slots`-row shapes (`common.decode_matmul_gflops`), the ceiling of an
+    engine whose decode costs nothing else; `ceiling_vs_roofline` is the most of the roofline such
+    an engine reaches."""
     cfg = ModelConfig(**PRESETS["bench_32k"])
     kv_dtype = args.kv_dtype or args.dtype
     dtypes = sorted({"float32", args.dtype, kv_dtype})
-    peaks = [{dtype: machine_peaks(dtype) for dtype in dtypes}]
+
+    def peaks_now():  # + the decode's own products at `--slots` rows in the weights' dtype
+        return {**{dtype: machine_peaks(dtype) for dtype in dtypes}, "decode_matmul_gflops": decode_matmul_gflops(
+            dataclasses.replace(cfg, param_dtype=args.dtype), args.slots, args.dtype)}
+
+    peaks = [peaks_now()]
     result = realistic_timing(args)
-    peaks.append({dtype: machine_peaks(dtype) for dtype in dtypes})
+    peaks.append(peaks_now())
     best = {dtype: {k: max(p[dtype][k] for p in peaks) for k in peaks[0][dtype]} for dtype in dtypes}
+    decode_gflops = max(p["decode_matmul_gflops"] for p in peaks)
     prompts, _ = chat_workload(args.chat_prompts)
     lengths = result.pop("output_lengths")
     rows = [p for p in prompts for _ in range(GROUP)]
@@ -447,12 +468,20 @@ def realistic(args) -> dict:
         rooflines[args.dtype] = decode_roofline(dataclasses.replace(cfg, param_dtype=args.dtype), rows, lengths,
                                                 args.slots, pair, kv_dtype=kv_dtype)
     measured = result["continuous" if "continuous" in result else "static"]["tokens_per_s"]
+    ceiling_peaks = {**best[args.dtype], "decode_matmul_gflops": decode_gflops}
+    if kv_dtype != args.dtype:
+        ceiling_peaks["attention_matmul_gflops"] = best[kv_dtype]["matmul_gflops"]
+    ceiling = decode_roofline(dataclasses.replace(cfg, param_dtype=args.dtype), rows, lengths, args.slots,
+                              ceiling_peaks, kv_dtype=kv_dtype)
     result.update({
         "model": f"bench_32k preset (6 layers, d512, GQA 8:2, tied vocab 32768, 34.9M params, {args.dtype}"
                  + (f", {kv_dtype} KV)" if kv_dtype != args.dtype else ")"),
         "output_tokens_mean": round(statistics.mean(lengths), 1),
         "machine_peaks_best": {k: round(v, 1) for k, v in best[args.dtype].items()},
-        "roofline": rooflines[args.dtype], "vs_roofline": round(measured / rooflines[args.dtype]["tokens_per_s"], 3)})
+        "roofline": rooflines[args.dtype], "vs_roofline": round(measured / rooflines[args.dtype]["tokens_per_s"], 3),
+        "decode_matmul_gflops": round(decode_gflops, 1), "roofline_at_decode_shapes": ceiling,
+        "vs_roofline_at_decode_shapes": round(measured / ceiling["tokens_per_s"], 3),
+        "ceiling_vs_roofline": round(ceiling["tokens_per_s"] / rooflines[args.dtype]["tokens_per_s"], 3)})
     if args.dtype != "float32":
         result.update({"machine_peaks_best_fp32": {k: round(v, 1) for k, v in best["float32"].items()},
                        "roofline_fp32": rooflines["float32"],

@@ -9,8 +9,12 @@ Needs Tunix in its own venv (ignored by git): `python3 -m venv .venv-tunix &&
 `benchmarks/rollout.py --only sampler` (the same model, prompts and call counts) alternately in
 ABBA order, `--rounds` pairs, and prints one JSON line: both medians, each run's figure, and the
 speed-up (median of ours over median of theirs, and per adjacent pair), and the roofline of the
-same model and workload (`common.decode_roofline`, peaks measured between the pairs). This machine's speed
-drifts by up to 2x over minutes: only such same-window ratios mean anything.
+same model and workload (`common.decode_roofline`, peaks measured between the pairs). Beside it,
+`roofline_at_decode_shapes`: the same with the decode's weight products at the rate XLA reaches on
+their own 32-row shapes (`common.decode_matmul_gflops`), the ceiling of an engine whose decode costs
+nothing else; `ceiling_speedup_vs_tunix` is that ceiling over Tunix's median, the most any engine on
+XLA:CPU's products could be over the peer here. This machine's speed drifts by up to 2x over
+minutes: only such same-window ratios mean anything.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEER = os.path.join(HERE, "peers", "bench_tunix.py")  # a copy of ../shared/peers/tunix/bench_tunix.py
 sys.path.insert(0, HERE)
-from common import decode_roofline, machine_peaks  # noqa: E402
+from common import decode_matmul_gflops, decode_roofline, machine_peaks  # noqa: E402
 
 from rlvr.models.config import PRESETS, ModelConfig  # noqa: E402
 
@@ -56,7 +60,12 @@ def main() -> None:
     parser.add_argument("--also_replicas", type=int, default=0,
                         help="also time ours with this many replicas in every round (reported as `ours_also`)")
     args = parser.parse_args()
-    theirs, mine, also, pairs, also_pairs, order, peaks = [], [], [], [], [], [], [machine_peaks()]
+    cfg = ModelConfig(**PRESETS["bench"])
+
+    def peaks_now():
+        return {**machine_peaks(), "decode_matmul_gflops": decode_matmul_gflops(cfg, 32)}
+
+    theirs, mine, also, pairs, also_pairs, order, peaks = [], [], [], [], [], [], [peaks_now()]
     t0 = time.perf_counter()
     runners = ["tunix", "ours"] + (["also"] if args.also_replicas else [])
     for r in range(args.rounds):
@@ -73,10 +82,12 @@ def main() -> None:
         pairs.append(round(pair["ours"] / pair["tunix"], 3))
         if "also" in pair:
             also_pairs.append(round(pair["also"] / pair["tunix"], 3))
-        peaks.append(machine_peaks())
+        peaks.append(peaks_now())
     best = {k: max(p[k] for p in peaks) for k in peaks[0]}
     # the workload's shape (the roofline does not depend on the token values): 32 distinct 64-token prompts
-    roofline = decode_roofline(ModelConfig(**PRESETS["bench"]), [[i] * 64 for i in range(32)], [64] * 32, 32, best)
+    shape = ([[i] * 64 for i in range(32)], [64] * 32, 32)
+    roofline = decode_roofline(cfg, *shape, {k: v for k, v in best.items() if k != "decode_matmul_gflops"})
+    ceiling = decode_roofline(cfg, *shape, best)
     ours_median = statistics.median(m["tokens_per_s"] for m in mine)
     extra = {}
     if also:
@@ -94,6 +105,9 @@ def main() -> None:
         "machine_peaks_best": {k: round(v, 1) for k, v in best.items()}, "roofline": roofline,
         "ours_vs_roofline": round(ours_median / roofline["tokens_per_s"], 3),
         "tunix_vs_roofline": round(statistics.median(theirs) / roofline["tokens_per_s"], 3),
+        "roofline_at_decode_shapes": ceiling,
+        "ours_vs_roofline_at_decode_shapes": round(ours_median / ceiling["tokens_per_s"], 3),
+        "ceiling_speedup_vs_tunix": round(ceiling["tokens_per_s"] / statistics.median(theirs), 3),
         "decode_steps": args.decode_steps, "replicas": args.replicas, "wall_s": round(time.perf_counter() - t0, 1),
         **extra}, sort_keys=True))
 
