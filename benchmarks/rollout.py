@@ -42,8 +42,8 @@ Roofline (same model, batch and run): `common.decode_roofline` with the machine'
 measured tokens/s over the roofline's. The realistic section also reports
 `roofline_at_decode_shapes` (the decode's weight products at the rate XLA reaches on their own
 shapes, `common.decode_matmul_gflops`): the ceiling of an engine whose decode costs only those.
-Compile counts are the jit cache sizes of the engine's
-device functions after the section ran; `first_call_incl_compile_s` is the first call's wall time.
+Compile counts are the jit cache sizes of the engine's device functions after the section ran;
+`first_call_incl_compile_s` is the first call's wall time.
 """
 
 from __future__ import annotations

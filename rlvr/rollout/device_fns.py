@@ -78,7 +78,7 @@ def _sample(logits, sampling, count, positions, filters, counts=None, mask=None,
     policy's log-prob at temperature 1, as SGLang and OpenAI do. `u`: the rows' uniforms, if drawn
     already (`sample_tokens`). `filters` (static) also compiles the stop-token mask: the engine sets
     it when a row has min_new_tokens (`Dispatch._filters`), so plain rows skip the mask's copy of
-    the [B, V] logits (~15 % of the output projection's time at a 152k vocabulary)."""
+    the [B, V] logits (about a fifth of the output projection's time at a 152k vocabulary)."""
     processed = process(logits, sampling, counts, mask)
     args = (sampling["temperature"], sampling["top_k"], sampling["top_p"], sampling["min_p"])
     drawn_from = _mask_stops(processed, sampling, count) if filters else processed  # min_new > 0 sets filters

@@ -59,7 +59,7 @@ def inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
 def inverse_cdf_of_logs(log_weights: jax.Array, u: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(`inverse_cdf(exp(log_weights), u)`, the total weight [B]) without writing the weights: the
     exponential runs inside the block-mass reduction and again on the chosen block's entries only,
-    so a [B, V] vocabulary is read twice (its max, then this) and never rewritten."""
+    so this reads [B, V] once and writes nothing of that size."""
     return _block_inverse_cdf(log_weights, -jnp.inf, jnp.exp, u)
 
 
