@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from rlvr.models.config import ModelConfig
+from rlvr.models.transformer import _matmul  # the model's own product (bf16: fp32 accumulation)
 from rlvr.train import flops
 
 # Our own measurement of Tunix 0.1.7 with the peer script on the same fixed config and a 2-core CPU
@@ -75,19 +76,15 @@ def decode_matmul_gflops(cfg: ModelConfig, rows: int, dtype: str = "float32", st
     def step(_, x):
         for i in range(cfg.num_layers):
             qkv, o, gate_up, down = weights[4 * i: 4 * i + 4]
-            x = x + _product(_product(x, qkv)[:, :h], o)
-            g, u = jnp.split(_product(x, gate_up), 2, axis=-1)
-            x = x + _product(jax.nn.silu(g) * u, down)
-        logits = _product(x, weights[-1])
+            x = x + _matmul(_matmul(x, qkv)[:, :h], o)
+            g, u = jnp.split(_matmul(x, gate_up), 2, axis=-1)
+            x = x + _matmul(jax.nn.silu(g) * u, down)
+        logits = _matmul(x, weights[-1])
         return x + logits[:, :e] * 1e-3
 
     x = jnp.ones((rows, e), dtype)
     seconds = flops._call_time(jax.jit(lambda x: jax.lax.fori_loop(0, steps, step, x)), x, repeats)
     return 2 * rows * steps * sum(a * b for a, b in shapes) / seconds / 1e9
-
-
-def _product(x, w):  # the model's products: float32 accumulation, operands in the weights' dtype
-    return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(w.dtype)
 
 
 def _unique_prompt_ranges(prompts: list[list[int]]) -> list[tuple[int, int]]:

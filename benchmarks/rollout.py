@@ -463,16 +463,13 @@ def realistic(args) -> dict:
     rows = [p for p in prompts for _ in range(GROUP)]
     rooflines = {dtype: decode_roofline(dataclasses.replace(cfg, param_dtype=dtype), rows, lengths, args.slots,
                                         best[dtype], kv_dtype=dtype) for dtype in dtypes}
+    own_peaks, model = dict(best[args.dtype]), dataclasses.replace(cfg, param_dtype=args.dtype)
     if kv_dtype != args.dtype:  # e.g. fp32 weights, bf16 KV: the roofline of that pair
-        pair = {**best[args.dtype], "attention_matmul_gflops": best[kv_dtype]["matmul_gflops"]}
-        rooflines[args.dtype] = decode_roofline(dataclasses.replace(cfg, param_dtype=args.dtype), rows, lengths,
-                                                args.slots, pair, kv_dtype=kv_dtype)
+        own_peaks["attention_matmul_gflops"] = best[kv_dtype]["matmul_gflops"]
+        rooflines[args.dtype] = decode_roofline(model, rows, lengths, args.slots, own_peaks, kv_dtype=kv_dtype)
     measured = result["continuous" if "continuous" in result else "static"]["tokens_per_s"]
-    ceiling_peaks = {**best[args.dtype], "decode_matmul_gflops": decode_gflops}
-    if kv_dtype != args.dtype:
-        ceiling_peaks["attention_matmul_gflops"] = best[kv_dtype]["matmul_gflops"]
-    ceiling = decode_roofline(dataclasses.replace(cfg, param_dtype=args.dtype), rows, lengths, args.slots,
-                              ceiling_peaks, kv_dtype=kv_dtype)
+    ceiling = decode_roofline(model, rows, lengths, args.slots, {**own_peaks, "decode_matmul_gflops": decode_gflops},
+                              kv_dtype=kv_dtype)
     result.update({
         "model": f"bench_32k preset (6 layers, d512, GQA 8:2, tied vocab 32768, 34.9M params, {args.dtype}"
                  + (f", {kv_dtype} KV)" if kv_dtype != args.dtype else ")"),
