@@ -14,11 +14,10 @@ if __name__ == "kernels":
     import os
     import sys
 
-    _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    _elsewhere = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
+    _ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    _elsewhere = [p for p in sys.path if os.path.realpath(p or os.curdir) != _ROOT]
     _spec = importlib.machinery.PathFinder.find_spec("kernels", _elsewhere)
     if _spec is None or _spec.loader is None:
-        del sys.modules["kernels"]
         raise ModuleNotFoundError(
             "No module named 'kernels' outside the rlvr repository (its kernels/ folder is rlvr.kernels); "
             "Hugging Face's kernel hub installs with `pip install kernels`",
