@@ -181,3 +181,33 @@ def test_sglang_frontend_regex_and_choices_on_the_real_engine(stack):
         return sum(values) / len(values)
 
     assert state["pick"] == max(["cat", "dog", "bird"], key=normalized)
+
+
+def test_sglang_launch_flags_configure_the_engine(tmp_path, caplog):
+    """A `python -m sglang.launch_server` command line sets the engine it names; no-op flags are
+    logged, a keyword set twice and SGLang choices the engine lacks are errors naming the flag."""
+    from rlvr.rollout.server import build_engine, engine_options, parse_args
+
+    export_hf_checkpoint(CFG, make_params(0), str(tmp_path))
+    argv = ["--model-path", str(tmp_path), "--max-running-requests", "4", "--context-length", "100",
+            "--page-size", "8", "--max-total-tokens", "200", "--chunked-prefill-size", "-1", "--dtype", "bfloat16",
+            "--kv-cache-dtype", "auto", "--random-seed", "7", "--dp-size", "2", "--schedule-policy", "fcfs",
+            "--served-model-name", "tiny", "--trust-remote-code", "--mem-fraction-static", "0.8",
+            "--engine_option", "decode_steps=4"]
+    args = parse_args(argv)
+    with caplog.at_level("INFO", logger="rlvr.rollout.server"):
+        options = engine_options(args)
+    assert options == {"decode_steps": 4, "max_slots": 4, "max_len": 104, "page_size": 8, "num_pages": 26,
+                       "prefill_chunk": 104, "dtype": "bfloat16", "seed": 7, "replicas": 2, "schedule_policy": "fcfs"}
+    assert args.served_model_name == "tiny" and args.hf_dir == str(tmp_path)
+    assert {"--trust-remote-code", "--mem-fraction-static"} <= {r.getMessage().split()[0] for r in caplog.records}
+    engine = build_engine(args.hf_dir, options)
+    shapes = [(e.max_slots, e.max_len, e.page_size, len(e.pages.free) + 1) for e in engine.replicas]
+    assert shapes == [(2, 104, 8, 13)] * 2  # slots and pages split over the replicas (+ each pool's reserved page)
+    assert engine.replicas[0].kv_dtype == "bfloat16" and engine.replicas[0].prefill_chunk == 104
+
+    with pytest.raises(SystemExit, match="page_size"):
+        engine_options(parse_args(["--model-path", "m", "--page-size", "8", "--engine_option", "page_size=16"]))
+    for bad in (["--kv-cache-dtype", "fp8_e4m3"], ["--schedule-policy", "lpm"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--model-path", "m", *bad])

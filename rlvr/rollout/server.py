@@ -27,7 +27,12 @@ client that disconnects has its requests aborted.
 Run one from a Hugging Face directory with `python -m rlvr.rollout.server --hf_dir=DIR --port=30000`
 (`--port=0`: any free port, logged as "serving DIR on URL"; `--request_log=FILE`: every finished request's
 record appended to FILE as one JSON line, e.g. to audit which rids a server answered; `--traffic_dir=DIR`:
-traffic and `POST /v1/feedback` captured for the flywheel, see `rlvr.flywheel`).
+traffic and `POST /v1/feedback` captured for the flywheel, see `rlvr.flywheel`). SGLang's launch flags that
+have an engine counterpart (`--model-path`, `--max-running-requests`, `--context-length`, `--page-size`,
+`--max-total-tokens`, `--chunked-prefill-size`, `--dtype`, `--kv-cache-dtype`, `--random-seed`, `--dp-size`,
+`--schedule-policy`, `--served-model-name`) set it, and a few without one are accepted and logged
+(`SGLANG_NO_OP_FLAGS`), so a `python -m sglang.launch_server ...` command line starts this server as is;
+`--engine_option KEY=JSON` sets any other Engine keyword.
 """
 
 from __future__ import annotations
@@ -485,21 +490,43 @@ def build_engine(hf_dir: str, options: dict[str, Any]) -> Any:
     return engine_for(cfg, params, Tokenizer.from_dir(hf_dir) if has_tok else None, **options)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="SGLang-compatible server over the rlvr JAX engine.")
-    parser.add_argument("--hf_dir", "--model-path", dest="hf_dir", required=True, help="HF checkpoint directory")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--served_model_name", default=None)
-    parser.add_argument("--engine_option", action="append", default=[], metavar="KEY=JSON",
-                        help="extra Engine(...) keyword, e.g. --engine_option max_running=64")
-    parser.add_argument("--request_log", default=None, metavar="FILE",
-                        help="append every finished request's record (rid, ids, logprobs, ...) to FILE as JSON lines")
-    parser.add_argument("--traffic_dir", default=None, metavar="DIR",
-                        help="capture traffic and POST /v1/feedback to DIR for the flywheel (rlvr.flywheel.capture): "
-                             "append-only, fsynced, partitioned JSONL")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+# SGLang's launch_server flags without an effect here, and why: accepted (and logged) so that a
+# `python -m sglang.launch_server ...` command line runs unchanged against the embedded engine
+SGLANG_NO_OP_FLAGS = {
+    "--trust-remote-code": "no checkpoint code is ever run (the architectures are rlvr's own)",
+    "--skip-server-warmup": "the server compiles on first use",
+    "--enable-memory-saver": "/release_memory_occupation works without it",
+    "--mem-fraction-static": "the KV pool is sized by --max-total-tokens, or --max-running-requests x --context-length",
+    "--log-level": "the server logs at INFO",
+}
+SGLANG_SWITCHES = ("--trust-remote-code", "--skip-server-warmup", "--enable-memory-saver")  # take no value
+
+
+def add_sglang_flags(parser: argparse.ArgumentParser) -> None:
+    """SGLang's launch_server flags that map onto the engine (see `engine_options`), under its names."""
+    group = parser.add_argument_group("SGLang launch flags", "mapped onto the engine's keywords")
+    group.add_argument("--max-running-requests", type=int, help="-> max_slots: sequences decoded at once")
+    group.add_argument("--context-length", type=int,
+                       help="-> max_len: prompt + output tokens a request can hold (rounded up to a whole page)")
+    group.add_argument("--page-size", type=int, help="-> page_size: tokens a KV page holds")
+    group.add_argument("--max-total-tokens", type=int, help="-> num_pages: the KV pool's size in tokens")
+    group.add_argument("--chunked-prefill-size", type=int,
+                       help="-> prefill_chunk: prompt tokens a row prefills per call; -1: its whole context")
+    group.add_argument("--dtype", choices=("auto", "float32", "bfloat16"),
+                       help="-> dtype of the rollout weights (auto: the engine's float32)")
+    group.add_argument("--kv-cache-dtype", choices=("auto", "bfloat16", "bf16"), help="-> kv_dtype (auto: --dtype)")
+    group.add_argument("--random-seed", type=int, help="-> seed")
+    group.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int,
+                       help="-> replicas: engines sharing --max-running-requests, stepped at once")
+    group.add_argument("--schedule-policy", choices=("fcfs", "lof", "batch_lof"), help="-> schedule_policy")
+    for flag, why in SGLANG_NO_OP_FLAGS.items():
+        group.add_argument(flag, **({"action": "store_true"} if flag in SGLANG_SWITCHES else {}),
+                           help=f"no effect: {why}")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine keywords from `--engine_option KEY=JSON` (any Engine keyword) and the SGLang flags; a
+    keyword set both ways is an error that names both."""
     options = {}
     for item in args.engine_option:
         key, _, value = item.partition("=")
@@ -507,7 +534,54 @@ def main(argv: list[str] | None = None) -> None:
             options[key] = json.loads(value)
         except ValueError:
             options[key] = value
-    driver = EngineDriver(build_engine(args.hf_dir, options))
+    from rlvr.rollout.engine import Engine
+
+    defaults = {name: p.default for name, p in inspect.signature(Engine).parameters.items()}
+    page_size = args.page_size or options.get("page_size", defaults["page_size"])
+    max_len = None if args.context_length is None else -(-args.context_length // page_size) * page_size
+    chunk = args.chunked_prefill_size
+    if chunk == -1:  # SGLang's "no chunking": a row's whole context per call
+        chunk = max_len or options.get("max_len", defaults["max_len"])
+    from_flags = {
+        "max_slots": args.max_running_requests, "max_len": max_len, "page_size": args.page_size,
+        "num_pages": None if args.max_total_tokens is None else -(-args.max_total_tokens // page_size) + 1,
+        "prefill_chunk": chunk, "dtype": None if args.dtype == "auto" else args.dtype,
+        "kv_dtype": {"auto": None, "bf16": "bfloat16"}.get(args.kv_cache_dtype, args.kv_cache_dtype),
+        "seed": args.random_seed, "replicas": args.dp_size, "schedule_policy": args.schedule_policy,
+    }
+    for key, value in from_flags.items():
+        if value is not None:
+            if key in options:
+                raise SystemExit(f"--engine_option {key}=... and an SGLang flag both set the engine's {key}: keep one")
+            options[key] = value
+    for flag, why in SGLANG_NO_OP_FLAGS.items():
+        if getattr(args, flag[2:].replace("-", "_")) not in (None, False):
+            logger.info("%s has no effect on the rlvr engine: %s", flag, why)
+    return options
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The server's command line: its own flags, SGLang's launch flags (`add_sglang_flags`)."""
+    parser = argparse.ArgumentParser(description="SGLang-compatible server over the rlvr JAX engine.")
+    parser.add_argument("--hf_dir", "--model-path", dest="hf_dir", required=True, help="HF checkpoint directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--served_model_name", "--served-model-name", default=None)
+    parser.add_argument("--engine_option", action="append", default=[], metavar="KEY=JSON",
+                        help="any rlvr.rollout.engine.Engine keyword, e.g. --engine_option decode_steps=16")
+    parser.add_argument("--request_log", default=None, metavar="FILE",
+                        help="append every finished request's record (rid, ids, logprobs, ...) to FILE as JSON lines")
+    parser.add_argument("--traffic_dir", default=None, metavar="DIR",
+                        help="capture traffic and POST /v1/feedback to DIR for the flywheel (rlvr.flywheel.capture): "
+                             "append-only, fsynced, partitioned JSONL")
+    add_sglang_flags(parser)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    driver = EngineDriver(build_engine(args.hf_dir, engine_options(args)))
     recorder = jsonl_recorder(args.request_log) if args.request_log else None
     routes = None
     if args.traffic_dir:
