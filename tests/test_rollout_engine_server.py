@@ -53,8 +53,10 @@ def test_greedy_generate_over_http_matches_engine(stack):
         lps = [item[0] for item in out["meta_info"]["output_token_logprobs"]]
         assert lps == pytest.approx(ref.output_logprobs, abs=1e-4)
         assert [item[1] for item in out["meta_info"]["output_token_logprobs"]] == ref.output_ids
-    state = httpx.get(server.url + "/server_info", timeout=30).json()["internal_states"][0]
-    metrics = state["engine_metrics"]  # the engine's counters as of its last step
+    info = httpx.get(server.url + "/server_info", timeout=30).json()
+    assert (info["max_running_requests"], info["context_length"], info["page_size"], info["dp_size"]) == (8, 128, 16, 1)
+    assert info["max_total_num_tokens"] == 8 * 128 and info["dtype"] == info["kv_cache_dtype"] == "float32"
+    metrics = info["internal_states"][0]["engine_metrics"]  # the engine's counters as of its last step
     assert metrics["compiles_decode"] >= 1 and metrics["generated_tokens"] >= 2 * sum(len(r.output_ids) for r in direct)
     assert 0.0 <= metrics["prefix_cache_hit_rate"] <= 1.0
 
@@ -205,6 +207,10 @@ def test_sglang_launch_flags_configure_the_engine(tmp_path, caplog):
     shapes = [(e.max_slots, e.max_len, e.page_size, len(e.pages.free) + 1) for e in engine.replicas]
     assert shapes == [(2, 104, 8, 13)] * 2  # slots and pages split over the replicas (+ each pool's reserved page)
     assert engine.replicas[0].kv_dtype == "bfloat16" and engine.replicas[0].prefill_chunk == 104
+    assert engine.model_info()["server_args"] == {  # what /server_info reports, under SGLang's names
+        "max_running_requests": 4, "context_length": 104, "page_size": 8, "max_total_num_tokens": 2 * 12 * 8,
+        "chunked_prefill_size": 104, "dtype": "bfloat16", "kv_cache_dtype": "bfloat16", "schedule_policy": "fcfs",
+        "random_seed": 7, "dp_size": 2}
 
     with pytest.raises(SystemExit, match="page_size"):
         engine_options(parse_args(["--model-path", "m", "--page-size", "8", "--engine_option", "page_size=16"]))

@@ -138,7 +138,7 @@ class Engine(Slots, Dispatch):
         self.weights_epoch = 0  # weight updates so far (`update_weights`)
         self.released: set[str] = set()  # device memory given back (release_memory)
         self._host_params = None
-        self._seed_rng = np.random.default_rng(seed)
+        self.seed, self._seed_rng = seed, np.random.default_rng(seed)
         self._reserved = 0  # pages promised to running sequences' worst cases, not yet allocated
         self._times = {"host_s": 0.0, "device_wait_s": 0.0, "steps": 0, "decode_calls": 0, "prefill_calls": 0,
                        "generated_tokens": 0, "decode_loop_steps": 0, "decode_row_steps_paid": 0,
@@ -372,7 +372,16 @@ class Engine(Slots, Dispatch):
         return {"model_path": self.model_path, "model_type": self.cfg.family, "is_generation": True,
                 "vocab_size": self.cfg.vocab_size, "weight_version": str(self.weight_version),
                 "max_len": self.max_len, "architectures": [self.cfg.family],
-                "features": _features() + (["images"] if self.cfg.vision is not None else [])}
+                "features": _features() + (["images"] if self.cfg.vision is not None else []),
+                "server_args": self.server_args()}
+
+    def server_args(self) -> dict[str, Any]:
+        """The engine's sizes under SGLang's server-arg names (its `/server_info` reports them)."""
+        return {"max_running_requests": self.max_slots, "context_length": self.max_len, "page_size": self.page_size,
+                "max_total_num_tokens": (self.pages.capacity - 1) * self.page_size,
+                "chunked_prefill_size": self.prefill_chunk, "dtype": str(jnp.dtype(self.decode_cfg.dtype)),
+                "kv_cache_dtype": str(jnp.dtype(self.kv_dtype)), "schedule_policy": self.schedule_policy,
+                "random_seed": self.seed, "dp_size": 1}
 
     def metrics(self) -> dict[str, Any]:
         """Compile counts, prefix-cache hits, host vs device-wait time, calls and tokens so far, and

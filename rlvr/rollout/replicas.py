@@ -57,7 +57,7 @@ class ReplicatedEngine:
         self.cfg, self.decode_cfg, self.tokenizer = first.cfg, first.decode_cfg, first.tokenizer
         self.max_slots, self.max_len, self.page_size = max_slots, first.max_len, first.page_size
         self.kv_dtype, self.schedule_policy = first.kv_dtype, first.schedule_policy
-        self._seed_rng = np.random.default_rng(seed)
+        self.seed, self._seed_rng = seed, np.random.default_rng(seed)
         self._owner: dict[str, Engine] = {}
         self._stepping: dict[int, concurrent.futures.Future] = {}  # replica index -> its step in flight
         self._ready: list[Completion] = []  # completions of settled steps, not returned yet
@@ -242,7 +242,11 @@ class ReplicatedEngine:
     # --- reporting -------------------------------------------------------------------------
 
     def model_info(self) -> dict[str, Any]:
-        return self.replicas[0].model_info()
+        info = self.replicas[0].model_info()
+        return {**info, "server_args": {**info["server_args"], "max_running_requests": self.max_slots,
+                                        "random_seed": self.seed, "dp_size": len(self.replicas),
+                                        "max_total_num_tokens": sum(r.server_args()["max_total_num_tokens"]
+                                                                    for r in self.replicas)}}
 
     def metrics(self) -> dict[str, Any]:
         """The replicas' counters and seconds summed (seconds are per replica: they overlap in

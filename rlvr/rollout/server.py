@@ -11,7 +11,8 @@ SGLang server, so the embedded JAX engine and GPU SGLang servers are interchange
   `/flush_cache`, `/update_weights_from_disk`, `/update_weight_version`,
   `/release_memory_occupation`, `/resume_memory_occupation` (tags "kv_cache", "weights");
 * status: `/health`, `/health_generate`, `/ready`, `/model_info` (`/get_model_info`),
-  `/server_info` (`/get_server_info`), `/v1/loads`, `/get_load`.
+  `/server_info` (`/get_server_info`: the engine's sizes under SGLang's server-arg names, e.g.
+  max_running_requests, max_total_num_tokens, page_size, dp_size), `/v1/loads`, `/get_load`.
 
 Every finished request can be recorded for training: `serve(..., recorder=fn)` calls `fn(record)`
 with the exact prompt / output ids, logprobs, weight versions, finish reason, endpoint and request
@@ -415,7 +416,7 @@ class RolloutApp:
         return Reply(200)
 
     def model_info(self, raw: bytes, cancelled: Any) -> Reply:
-        info = self.driver.model_info()
+        info = {k: v for k, v in self.driver.model_info().items() if k != "server_args"}  # /server_info's
         return Reply(200, {**info, "model_path": self.model_path, "served_model_name": self.model_name,
                            "tokenizer_path": info.get("tokenizer_path", self.model_path), "is_generation": True,
                            "preferred_sampling_params": None, "weight_version": self.label(self.driver.weight_version),
@@ -424,7 +425,8 @@ class RolloutApp:
     def server_info(self, raw: bytes, cancelled: Any) -> Reply:
         state = {**self.driver.load(), "weight_version": self.label(self.driver.weight_version),
                  "paused": self.driver.paused, "engine_metrics": self.driver.metrics()}
-        return Reply(200, {"host": self.address[0], "port": self.address[1], "model_path": self.model_path,
+        args = self.driver.model_info().get("server_args", {})  # the engine's sizes, as SGLang names them
+        return Reply(200, {**args, "host": self.address[0], "port": self.address[1], "model_path": self.model_path,
                            "served_model_name": self.model_name, "context_length": self.limits.context_length,
                            "vocab_size": self.limits.vocab_size, "engine": "rlvr", "version": "rlvr-0.1.0",
                            "startup_time": self.start_time, "internal_states": [state]})
