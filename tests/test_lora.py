@@ -245,8 +245,10 @@ def test_lora_grpo_distills_from_a_teacher_and_serves_updated_adapters(tmp_path,
         steps = [m for m in map(json_lib.loads, f) if key in m]
     assert len(steps) == 2
     if estimator == "sampled":  # (a one-sample estimate may be negative; before the update only float noise)
+        # after it, well above that noise: the per-token differences of a signed one-sample mean partly
+        # cancel (7.5e-6 on this box's run of 2026-12-03, 1e-5 and more before), stale adapters give < 1e-6
         assert abs(steps[0][key]) < 1e-6, steps[0][key]
-        assert abs(steps[1][key]) > 1e-5, steps[1][key]
+        assert abs(steps[1][key]) > 3e-6, steps[1][key]
     else:
         assert steps[0][key] > 1e-3 and steps[1][key] > 1e-3, (steps[0][key], steps[1][key])
     assert steps[1]["logprob_mismatch"] < 1e-4
