@@ -540,13 +540,14 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
     defaults = {name: p.default for name, p in inspect.signature(Engine).parameters.items()}
     page_size = args.page_size or options.get("page_size", defaults["page_size"])
-    max_len = None if args.context_length is None else -(-args.context_length // page_size) * page_size
+    pages = lambda tokens: -(-tokens // page_size)  # noqa: E731  (whole pages holding `tokens`)
+    max_len = None if args.context_length is None else pages(args.context_length) * page_size
     chunk = args.chunked_prefill_size
     if chunk == -1:  # SGLang's "no chunking": a row's whole context per call
         chunk = max_len or options.get("max_len", defaults["max_len"])
     from_flags = {
         "max_slots": args.max_running_requests, "max_len": max_len, "page_size": args.page_size,
-        "num_pages": None if args.max_total_tokens is None else -(-args.max_total_tokens // page_size) + 1,
+        "num_pages": None if args.max_total_tokens is None else pages(args.max_total_tokens) + 1,  # + page 0
         "prefill_chunk": chunk, "dtype": None if args.dtype == "auto" else args.dtype,
         "kv_dtype": {"auto": None, "bf16": "bfloat16"}.get(args.kv_cache_dtype, args.kv_cache_dtype),
         "seed": args.random_seed, "replicas": args.dp_size, "schedule_policy": args.schedule_policy,
