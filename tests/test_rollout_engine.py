@@ -426,6 +426,27 @@ def test_prefix_cache_shares_a_system_prompt_across_requests_and_evicts(params):
     assert engine.pages.used == engine.prefix.pages <= 19
 
 
+def test_prefix_cache_off_prefills_every_prompt_whole_with_the_same_outputs(params):
+    """prefix_cache=False (--disable-radix-cache): a group's samples and a repeated batch share no
+    page (no cached tokens, no hits, nothing cached), and every output equals the caching engine's."""
+    prompt = _prompts([37], seed=3)[0]
+    batch = [_req(f"g{i}", prompt, temperature=1.0, sampling_seed=i, max_new_tokens=6) for i in range(4)]
+    cached, plain = Engine(CFG, params, **OPTS), Engine(CFG, params, **OPTS, prefix_cache=False)
+    with_cache = [cached.generate(batch) for _ in range(2)]
+    without = [plain.generate(batch) for _ in range(2)]
+    assert [[c.output_ids for c in run] for run in without] == [[c.output_ids for c in run] for run in with_cache]
+    assert [c.cached_tokens for run in with_cache for c in run] == [0, 36, 36, 36] + [32, 36, 36, 36]
+    assert [c.cached_tokens for run in without for c in run] == [0] * 8
+    stats = plain.metrics()
+    assert stats["prefix_cache_hit_tokens"] == 0 and stats["prefix_cache_pages"] == 0 and plain.pages.used == 0
+    assert plain.server_args()["disable_radix_cache"] and not cached.server_args()["disable_radix_cache"]
+    for engine, expected in ((cached, 36), (plain, 0)):  # a sample arriving while its twin decodes
+        engine.submit(_req("early", prompt, max_new_tokens=12))
+        while not any(seq.prefilled >= len(prompt) - 1 for seq in engine._running()):
+            engine.step()
+        assert engine.generate([_req("late", prompt, max_new_tokens=2)])[0].cached_tokens == expected
+
+
 def test_bfloat16_rollout_weights_and_kv_pages_stay_close_to_float32(params):
     """dtype="bfloat16": the pool and weights are bf16; log-probs (float32 from the logits) stay
     within bf16 rounding of the float32 engine's on the same greedy tokens."""

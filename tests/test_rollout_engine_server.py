@@ -6,6 +6,7 @@ import re
 
 import httpx
 import jax
+import numpy as np
 import pytest
 
 from rlvr import sharding
@@ -195,12 +196,13 @@ def test_sglang_launch_flags_configure_the_engine(tmp_path, caplog):
             "--page-size", "8", "--max-total-tokens", "200", "--chunked-prefill-size", "-1", "--dtype", "bfloat16",
             "--kv-cache-dtype", "auto", "--random-seed", "7", "--dp-size", "2", "--schedule-policy", "fcfs",
             "--served-model-name", "tiny", "--trust-remote-code", "--mem-fraction-static", "0.8",
-            "--engine_option", "decode_steps=4"]
+            "--disable-radix-cache", "--engine_option", "decode_steps=4"]
     args = parse_args(argv)
     with caplog.at_level("INFO", logger="rlvr.rollout.server"):
         options = engine_options(args)
     assert options == {"decode_steps": 4, "max_slots": 4, "max_len": 104, "page_size": 8, "num_pages": 26,
-                       "prefill_chunk": 104, "dtype": "bfloat16", "seed": 7, "replicas": 2, "schedule_policy": "fcfs"}
+                       "prefill_chunk": 104, "dtype": "bfloat16", "seed": 7, "replicas": 2, "schedule_policy": "fcfs",
+                       "prefix_cache": False}
     assert args.served_model_name == "tiny" and args.hf_dir == str(tmp_path)
     assert {"--trust-remote-code", "--mem-fraction-static"} <= {r.getMessage().split()[0] for r in caplog.records}
     engine = build_engine(args.hf_dir, options)
@@ -210,10 +212,35 @@ def test_sglang_launch_flags_configure_the_engine(tmp_path, caplog):
     assert engine.model_info()["server_args"] == {  # what /server_info reports, under SGLang's names
         "max_running_requests": 4, "context_length": 104, "page_size": 8, "max_total_num_tokens": 2 * 12 * 8,
         "chunked_prefill_size": 104, "dtype": "bfloat16", "kv_cache_dtype": "bfloat16", "schedule_policy": "fcfs",
-        "random_seed": 7, "dp_size": 2}
+        "random_seed": 7, "dp_size": 2, "tp_size": 1, "disable_radix_cache": True}
 
     with pytest.raises(SystemExit, match="page_size"):
         engine_options(parse_args(["--model-path", "m", "--page-size", "8", "--engine_option", "page_size=16"]))
     for bad in (["--kv-cache-dtype", "fp8_e4m3"], ["--schedule-policy", "lpm"]):
         with pytest.raises(SystemExit):
             parse_args(["--model-path", "m", *bad])
+
+
+def test_tp_size_shards_the_checkpoint_over_the_tensor_axis_with_the_same_outputs(tmp_path):
+    """`--tp 2` (SGLang's tensor parallelism) reads the weights split over two devices' tensor axis;
+    greedy tokens and log-probs equal the one-device engine's; /server_info says tp_size 2; more
+    devices than the host has is an error naming the flag."""
+    from rlvr.rollout.server import build_engine, engine_options, parse_args
+
+    export_hf_checkpoint(CFG, make_params(0), str(tmp_path))
+    args = parse_args(["--model-path", str(tmp_path), "--tp", "2", "--max-running-requests", "4",
+                       "--context-length", "64"])
+    assert args.tp_size == 2
+    split, whole = build_engine(args.hf_dir, engine_options(args), args.tp_size), build_engine(args.hf_dir, {
+        "max_slots": 4, "max_len": 64})
+    kernel = split.params["layers_0"]["mlp"]["up_proj"]["kernel"]  # (a split engine keeps the projections unfused)
+    assert kernel.sharding.mesh.shape["tensor"] == 2 and len(kernel.sharding.device_set) == 2
+    assert kernel.sharding.spec != jax.sharding.PartitionSpec()  # split, not replicated on both
+    assert split.server_args()["tp_size"] == 2 and whole.server_args()["tp_size"] == 1
+    requests = [Request(rid=str(i), input_ids=list(range(3 + i, 14 + 2 * i)), sampling=SamplingParams(
+        max_new_tokens=6, temperature=0.0)) for i in range(3)]
+    got, want = split.generate(requests), whole.generate(requests)
+    assert [c.output_ids for c in got] == [c.output_ids for c in want]
+    np.testing.assert_allclose([c.output_logprobs for c in got], [c.output_logprobs for c in want], atol=1e-5)
+    with pytest.raises(SystemExit, match="--tp-size 16"):
+        build_engine(args.hf_dir, {}, 16)

@@ -86,13 +86,16 @@ class Engine(Slots, Dispatch):
     requests submitted together, between two steps, as `generate` or an RL step's batch does, and
     those batches in arrival order, so a request never waits for one submitted after it). Draws
     do not depend on the order (sampling is seeded by position), but logits computed beside other
-    rows can differ in the last bits and flip a draw; with equal max_new_tokens all three are fcfs."""
+    rows can differ in the last bits and flip a draw; with equal max_new_tokens all three are fcfs.
+    prefix_cache: False turns the prefix cache off (SGLang's --disable-radix-cache): every request
+    prefills its whole prompt, even a group's samples (for A/B timing, or to rule the cache out)."""
 
     def __init__(self, cfg: ModelConfig, params, tokenizer=None, *, max_slots: int = 32, max_len: int = 512,
                  page_size: int = 16, num_pages: int | None = None, decode_steps: int = 8,
                  prefill_rows: int = 4, prefill_chunk: int = 64, seed: int = 0, model_path: str = "",
                  dtype: str = "float32", kv_dtype: str | None = None, decode_attention: str = "auto",
-                 image_max_pixels: int = 28 * 28 * 1280, schedule_policy: str = "batch_lof"):
+                 image_max_pixels: int = 28 * 28 * 1280, schedule_policy: str = "batch_lof",
+                 prefix_cache: bool = True):
         if max_len % page_size:
             raise ValueError(f"max_len={max_len} must be a multiple of page_size={page_size}")
         if decode_attention not in DECODE_ATTENTION:
@@ -119,7 +122,7 @@ class Engine(Slots, Dispatch):
         self.decode_window = decode_attention == "window" or (decode_attention == "auto" and
                                                               window_bytes <= WINDOW_AUTO_BYTES)
         self.pages = PagePool(num_pages or max_slots * self.pages_per_row + 1)
-        self.prefix = PrefixCache(self.pages, page_size)
+        self.prefix = PrefixCache(self.pages, page_size, enabled=prefix_cache)
         self.pool = self._new_pool()
         self.page_table = np.zeros((max_slots, self.pages_per_row), np.int32)
         self.state = self.on_mesh(device_fns.init_state(max_slots))
@@ -381,7 +384,13 @@ class Engine(Slots, Dispatch):
                 "max_total_num_tokens": (self.pages.capacity - 1) * self.page_size,
                 "chunked_prefill_size": self.prefill_chunk, "dtype": str(jnp.dtype(self.decode_cfg.dtype)),
                 "kv_cache_dtype": str(jnp.dtype(self.kv_dtype)), "schedule_policy": self.schedule_policy,
-                "random_seed": self.seed, "dp_size": 1}
+                "random_seed": self.seed, "dp_size": 1, "tp_size": self._tensor_parallel(),
+                "disable_radix_cache": not self.prefix.enabled}
+
+    def _tensor_parallel(self) -> int:
+        """The params' `tensor` mesh axis size (1 when they are not on a mesh that has one)."""
+        sharding = jax.tree.leaves(self._shardings)[0]
+        return dict(getattr(sharding, "mesh", None) and sharding.mesh.shape or {}).get("tensor", 1)
 
     def metrics(self) -> dict[str, Any]:
         """Compile counts, prefix-cache hits, host vs device-wait time, calls and tokens so far, and

@@ -71,8 +71,10 @@ class PrefixCache:
     """Radix tree of full KV pages over a `PagePool` (see the module docstring). The tree holds
     one pool reference per cached page."""
 
-    def __init__(self, pool: PagePool, page_size: int):
-        self.pool, self.page_size = pool, page_size
+    def __init__(self, pool: PagePool, page_size: int, enabled: bool = True):
+        """`enabled=False` (SGLang's --disable-radix-cache): nothing is cached or matched; every
+        request prefills its whole prompt."""
+        self.pool, self.page_size, self.enabled = pool, page_size, enabled
         self._clock = itertools.count(1)
         self.reset()
 
@@ -96,7 +98,7 @@ class PrefixCache:
         """The cached pages that start `tokens` (full pages only), in order; marks them used
         (`touch`; a look that places nothing does not)."""
         nodes, node, now = [], self.root, next(self._clock)
-        for key in self._keys(tokens):
+        for key in self._keys(tokens) if self.enabled else ():
             node = node.children.get(key)
             if node is None:
                 break
@@ -114,7 +116,7 @@ class PrefixCache:
         cached for the same tokens is kept and the new one left to its owner. Returns the nodes
         on the path (the caller's to lock while it reads them)."""
         nodes, node, now = [], self.root, next(self._clock)
-        for key, page in zip(self._keys(tokens), pages, strict=False):
+        for key, page in zip(self._keys(tokens) if self.enabled else (), pages, strict=False):
             child = node.children.get(key)
             if child is None:
                 child = node.children[key] = _Node(key, page, node)

@@ -12,7 +12,7 @@ SGLang server, so the embedded JAX engine and GPU SGLang servers are interchange
   `/release_memory_occupation`, `/resume_memory_occupation` (tags "kv_cache", "weights");
 * status: `/health`, `/health_generate`, `/ready`, `/model_info` (`/get_model_info`),
   `/server_info` (`/get_server_info`: the engine's sizes under SGLang's server-arg names, e.g.
-  max_running_requests, max_total_num_tokens, page_size, dp_size), `/v1/loads`, `/get_load`.
+  max_running_requests, max_total_num_tokens, page_size, dp_size, tp_size), `/v1/loads`, `/get_load`.
 
 Every finished request can be recorded for training: `serve(..., recorder=fn)` calls `fn(record)`
 with the exact prompt / output ids, logprobs, weight versions, finish reason, endpoint and request
@@ -31,8 +31,9 @@ record appended to FILE as one JSON line, e.g. to audit which rids a server answ
 traffic and `POST /v1/feedback` captured for the flywheel, see `rlvr.flywheel`). SGLang's launch flags that
 have an engine counterpart (`--model-path`, `--max-running-requests`, `--context-length`, `--page-size`,
 `--max-total-tokens`, `--chunked-prefill-size`, `--dtype`, `--kv-cache-dtype`, `--random-seed`, `--dp-size`,
-`--schedule-policy`, `--served-model-name`) set it, and a few without one are accepted and logged
-(`SGLANG_NO_OP_FLAGS`), so a `python -m sglang.launch_server ...` command line starts this server as is;
+`--tp-size`, `--disable-radix-cache`, `--schedule-policy`, `--served-model-name`) set it, and a few without
+one are accepted and logged (`SGLANG_NO_OP_FLAGS`), so a `python -m sglang.launch_server ...` command line
+starts this server as is;
 `--engine_option KEY=JSON` sets any other Engine keyword.
 """
 
@@ -478,14 +479,22 @@ def _both(first: Recorder | None, second: Recorder) -> Recorder:
     return record
 
 
-def build_engine(hf_dir: str, options: dict[str, Any]) -> Any:
-    """Engine(cfg, params, tokenizer) from a Hugging Face checkpoint directory."""
+def build_engine(hf_dir: str, options: dict[str, Any], tp_size: int = 1) -> Any:
+    """Engine(cfg, params, tokenizer) from a Hugging Face checkpoint directory; `tp_size` > 1 reads
+    the weights sharded over that many devices' `tensor` mesh axis (tensor parallelism: heads, MLP
+    and vocabulary split; the engine's calls run on that mesh)."""
+    import jax
+
+    from rlvr import sharding
     from rlvr.models.hf import load_hf_checkpoint
     from rlvr.models.tokenizer import Tokenizer
     from rlvr.rollout.engine import Engine
     from rlvr.rollout.replicas import build_engine as engine_for
 
-    cfg, params = load_hf_checkpoint(hf_dir)
+    if tp_size > len(jax.devices()):
+        raise SystemExit(f"--tp-size {tp_size}: only {len(jax.devices())} {jax.default_backend()} devices here; "
+                         f"use at most that many")
+    cfg, params = load_hf_checkpoint(hf_dir, sharding.make_mesh({"tensor": tp_size}, devices=jax.devices()[:tp_size]))
     has_tok = os.path.exists(os.path.join(hf_dir, "tokenizer.json"))
     if "model_path" in inspect.signature(Engine).parameters:
         options.setdefault("model_path", hf_dir)
@@ -518,8 +527,11 @@ def add_sglang_flags(parser: argparse.ArgumentParser) -> None:
                        help="-> dtype of the rollout weights (auto: the engine's float32)")
     group.add_argument("--kv-cache-dtype", choices=("auto", "bfloat16", "bf16"), help="-> kv_dtype (auto: --dtype)")
     group.add_argument("--random-seed", type=int, help="-> seed")
-    group.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int,
+    group.add_argument("--dp-size", "--data-parallel-size", "--dp", dest="dp_size", type=int,
                        help="-> replicas: engines sharing --max-running-requests, stepped at once")
+    group.add_argument("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size", type=int, default=1,
+                       help="the weights sharded over this many devices (the mesh's tensor axis)")
+    group.add_argument("--disable-radix-cache", action="store_true", help="-> prefix_cache=False")
     group.add_argument("--schedule-policy", choices=("fcfs", "lof", "batch_lof"), help="-> schedule_policy")
     for flag, why in SGLANG_NO_OP_FLAGS.items():
         group.add_argument(flag, **({"action": "store_true"} if flag in SGLANG_SWITCHES else {}),
@@ -551,6 +563,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "prefill_chunk": chunk, "dtype": None if args.dtype == "auto" else args.dtype,
         "kv_dtype": {"auto": None, "bf16": "bfloat16"}.get(args.kv_cache_dtype, args.kv_cache_dtype),
         "seed": args.random_seed, "replicas": args.dp_size, "schedule_policy": args.schedule_policy,
+        "prefix_cache": False if args.disable_radix_cache else None,
     }
     for key, value in from_flags.items():
         if value is not None:
@@ -584,7 +597,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    driver = EngineDriver(build_engine(args.hf_dir, engine_options(args)))
+    driver = EngineDriver(build_engine(args.hf_dir, engine_options(args), args.tp_size))
     recorder = jsonl_recorder(args.request_log) if args.request_log else None
     routes = None
     if args.traffic_dir:

@@ -73,7 +73,7 @@ class Slots:
     def _prefix_pending(self, seq: Sequence, cached: int) -> bool:
         """True if a running prefill will soon cache more of this prompt than is cached now
         (a page more, or all of it but the last token for an identical prompt)."""
-        for other in self._running():
+        for other in self._running() if self.prefix.enabled else ():
             if other.prefilled >= len(other.prompt) or other.weights_epoch != self.weights_epoch:
                 continue
             usable = min(_common_prefix(seq.key, other.key), len(seq.prompt) - 1)
@@ -82,8 +82,9 @@ class Slots:
         return False
 
     def _twin(self, seq: Sequence) -> Sequence | None:
-        """A running sequence with the same prompt (and images) whose prompt (but the last token) is written."""
-        for other in self._running():
+        """A running sequence with the same prompt (and images) whose prompt (but the last token) is
+        written (none without the prefix cache: its partial page would be shared KV too)."""
+        for other in self._running() if self.prefix.enabled else ():
             if (other.key == seq.key and other.prefilled >= len(seq.prompt) - 1
                     and other.weights_epoch == self.weights_epoch):
                 return other
