@@ -280,6 +280,9 @@ def rl_config() -> ml_collections.ConfigDict:
             "min_group_size": 2,  # degradation 2: cut groups at this many finished samples
             "skip": True}),  # degradation 3: skip the lowest-priority domain
         "pack": False,  # several rollouts per train row
+        # train rows as wide as the batch's longest, rounded up to a power of two (<= seq_len), not seq_len:
+        # the loss is the same, short rollouts cost what they hold (one train-step compile per width)
+        "trim_columns": True,
         "updates_per_batch": 1,  # PPO mini-batches: optimizer steps per rollout batch (proximal = weights before)
         # evaluation (held-out greedy) and the SFT warm start
         "eval_examples": 128, "eval_every": 0,

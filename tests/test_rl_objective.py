@@ -23,7 +23,7 @@ from rlvr.models.tokenizer import byte_level_tokenizer
 from rlvr.models.transformer import forward
 from rlvr.rl import advantages as adv_lib
 from rlvr.rl import policy_loss as pl
-from rlvr.rl.batching import AGGREGATIONS, Sample, build_batch
+from rlvr.rl.batching import AGGREGATIONS, Sample, bucket_columns, build_batch
 from rlvr.rl.objective import Objective, rl_loss, token_means
 from rlvr.rl.producer import Producer, ProducerSettings, ScoredBatch, sample_seed
 from rlvr.rollout.types import Completion
@@ -180,6 +180,26 @@ def test_packed_equals_unpacked(setup, obj):
             close(aux_p[key], aux_u[key], 1e-4)
         # the TIS weights matter: some tokens are capped, and not all
         assert 0 < float(aux_u["tis_capped_fraction"]) < float(aux_u["tokens"])
+
+
+def test_trimmed_columns_give_the_full_width_loss(setup):
+    """rl.trim_columns: rows cut to the longest sample's power-of-two width (here 64 of 160 columns)
+    give the full-width batch's loss, gradients and metrics (padding columns weigh nothing)."""
+    params, samples = setup["params"], setup["samples"]
+    assert [bucket_columns(n, 160) for n in (1, 64, 65, 129, 400)] == [64, 64, 128, 160, 160]
+    results = []
+    for trim in (False, True):
+        arrays = build_batch(samples, 160, PAD, "token_mean", NORM_LEN, trim=trim)
+        loss_sum, aux, grads = loss_and_grad(PPO_TIS_TOKEN, params, {k: jnp.asarray(v) for k, v in arrays.items()},
+                                             None, 1)
+        results.append((arrays["tokens"].shape, loss_sum / aux["weight"], scaled(grads, aux["weight"]), aux))
+    (shape_full, loss_full, grads_full, aux_full), (shape_trim, loss_trim, grads_trim, aux_trim) = results
+    assert shape_full == (N, 160) and shape_trim == (N, 64)
+    assert abs(float(loss_full)) > 1e-2
+    close(loss_trim, loss_full)
+    tree_close(grads_trim, grads_full)
+    for key in ("tokens", "tis_capped_fraction", "logprob_mismatch", "entropy", "ratio_mean"):
+        close(aux_trim[key], aux_full[key], 1e-4)
 
 
 # ---------------------------------------------------------------- 2. rl_loss == row-based reference

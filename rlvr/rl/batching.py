@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm")
+MIN_COLUMNS = 64  # the narrowest trimmed batch (`bucket_columns`)
 
 
 @dataclasses.dataclass
@@ -71,14 +72,23 @@ def _bucket_rows(needed: int, multiple: int, limit: int) -> int:
     return max(min(rows, -(-limit // multiple) * multiple), -(-needed // multiple) * multiple)
 
 
+def bucket_columns(longest: int, seq_len: int) -> int:
+    """Columns for rows whose longest holds `longest` tokens: the next power of two (at least
+    MIN_COLUMNS), at most `seq_len`. Few distinct widths, so few compiles of the train step."""
+    return min(seq_len, max(MIN_COLUMNS, 1 << max(longest - 1, 0).bit_length()))
+
+
 def build_batch(samples: list[Sample], seq_len: int, pad_id: int, aggregation: str = "token_mean",
                 norm_len: int = 1, pack: bool = False, row_multiple: int = 1,
-                min_rows: int = 0, vision=None) -> dict[str, np.ndarray]:
+                min_rows: int = 0, vision=None, trim: bool = False) -> dict[str, np.ndarray]:
     """The train batch for `samples` (see the module docstring). Unpacked batches have at least
     `min_rows` rows (empty rows weigh nothing), so a batch the scheduler made smaller keeps the
     compiled shape. Raises ValueError when a sample does not fit `seq_len` (rl.seq_len must
-    cover prompt + max_new_tokens). `vision` (a VLM policy's VisionConfig): the samples' images
-    join the batch as `image_*` arrays (`image_arrays`)."""
+    cover prompt + max_new_tokens). `trim` (rl.trim_columns): the rows are `bucket_columns` of
+    the longest row wide instead of `seq_len` (padding columns weigh nothing and attend to
+    nothing, so the loss is the same; a batch of short rollouts costs what they hold). `vision`
+    (a VLM policy's VisionConfig): the samples' images join the batch as `image_*` arrays
+    (`image_arrays`)."""
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"rl.aggregation={aggregation!r}: choose one of {AGGREGATIONS}")
     rows: list[list[int]] = []  # sample indices per row
@@ -98,7 +108,7 @@ def build_batch(samples: list[Sample], seq_len: int, pad_id: int, aggregation: s
     if num_rows % row_multiple:
         raise ValueError(f"{num_rows} sequences per step is not a multiple of {row_multiple} (data shards × "
                          "micro-batches); change rl.prompts_per_step × rl.group_size or train.micro_batches")
-    shape = (num_rows, seq_len)
+    shape = (num_rows, bucket_columns(max(used, default=0), seq_len) if trim else seq_len)
     out = {k: np.zeros(shape, np.int32) for k in ("tokens", "positions", "segment_ids", "loss_mask")}
     out["tokens"][:] = pad_id
     out["seq_index"] = np.full(shape, len(samples), np.int32)

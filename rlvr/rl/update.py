@@ -50,7 +50,7 @@ def reference_logprobs_fn(cfg, ref_params, seq_len: int, pad_id: int, sampling: 
     logprobs = logprobs_fn(cfg, sampling, chunk_size)
 
     def fn(samples):
-        lp = logprobs(ref_params, build_batch(samples, seq_len, pad_id, vision=cfg.vision))
+        lp = logprobs(ref_params, build_batch(samples, seq_len, pad_id, vision=cfg.vision, trim=True))
         return [lp[i, len(s.prompt_ids): len(s.prompt_ids) + len(s.output_ids)] for i, s in enumerate(samples)]
     return fn
 
