@@ -390,7 +390,7 @@ class Engine(Slots, Dispatch):
     def _tensor_parallel(self) -> int:
         """The params' `tensor` mesh axis size (1 when they are not on a mesh that has one)."""
         sharding = jax.tree.leaves(self._shardings)[0]
-        return dict(getattr(sharding, "mesh", None) and sharding.mesh.shape or {}).get("tensor", 1)
+        return sharding.mesh.shape.get("tensor", 1) if isinstance(sharding, jax.sharding.NamedSharding) else 1
 
     def metrics(self) -> dict[str, Any]:
         """Compile counts, prefix-cache hits, host vs device-wait time, calls and tokens so far, and
