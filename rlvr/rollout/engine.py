@@ -162,10 +162,15 @@ class Engine(Slots, Dispatch):
         """`tree` replicated on the params' mesh, where the device functions return the page pool and
         the decode state: created uncommitted instead, the first call would compile a program that no
         later call (taking the previous call's outputs) uses, and the next call would compile again."""
-        sharding = jax.tree.leaves(self._shardings)[0]
-        if not isinstance(sharding, jax.sharding.NamedSharding):
+        mesh = self._mesh()
+        if mesh is None:
             return tree
-        return jax.device_put(tree, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
+        return jax.device_put(tree, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+    def _mesh(self) -> jax.sharding.Mesh | None:
+        """The params' mesh (None when they are not on one)."""
+        sharding = jax.tree.leaves(self._shardings)[0]
+        return sharding.mesh if isinstance(sharding, jax.sharding.NamedSharding) else None
 
     def _decode_params(self, params):
         params = unstack_layers(params)
@@ -384,13 +389,9 @@ class Engine(Slots, Dispatch):
                 "max_total_num_tokens": (self.pages.capacity - 1) * self.page_size,
                 "chunked_prefill_size": self.prefill_chunk, "dtype": str(jnp.dtype(self.decode_cfg.dtype)),
                 "kv_cache_dtype": str(jnp.dtype(self.kv_dtype)), "schedule_policy": self.schedule_policy,
-                "random_seed": self.seed, "dp_size": 1, "tp_size": self._tensor_parallel(),
+                "random_seed": self.seed, "dp_size": 1,
+                "tp_size": 1 if self._mesh() is None else self._mesh().shape.get("tensor", 1),
                 "disable_radix_cache": not self.prefix.enabled}
-
-    def _tensor_parallel(self) -> int:
-        """The params' `tensor` mesh axis size (1 when they are not on a mesh that has one)."""
-        sharding = jax.tree.leaves(self._shardings)[0]
-        return sharding.mesh.shape.get("tensor", 1) if isinstance(sharding, jax.sharding.NamedSharding) else 1
 
     def metrics(self) -> dict[str, Any]:
         """Compile counts, prefix-cache hits, host vs device-wait time, calls and tokens so far, and

@@ -91,14 +91,15 @@ class PrefixCache:
         self.pages = 0
 
     def _keys(self, tokens: list[int]):
+        """The full pages' token tuples of `tokens`, which `match` and `insert` walk (none when disabled)."""
         p = self.page_size
-        return (tuple(tokens[i:i + p]) for i in range(0, len(tokens) - p + 1, p))
+        return (tuple(tokens[i:i + p]) for i in range(0, len(tokens) - p + 1 if self.enabled else 0, p))
 
     def match(self, tokens: list[int], touch: bool = True) -> list[_Node]:
         """The cached pages that start `tokens` (full pages only), in order; marks them used
         (`touch`; a look that places nothing does not)."""
         nodes, node, now = [], self.root, next(self._clock)
-        for key in self._keys(tokens) if self.enabled else ():
+        for key in self._keys(tokens):
             node = node.children.get(key)
             if node is None:
                 break
@@ -116,7 +117,7 @@ class PrefixCache:
         cached for the same tokens is kept and the new one left to its owner. Returns the nodes
         on the path (the caller's to lock while it reads them)."""
         nodes, node, now = [], self.root, next(self._clock)
-        for key, page in zip(self._keys(tokens) if self.enabled else (), pages, strict=False):
+        for key, page in zip(self._keys(tokens), pages, strict=False):
             child = node.children.get(key)
             if child is None:
                 child = node.children[key] = _Node(key, page, node)
