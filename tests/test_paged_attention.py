@@ -1,5 +1,5 @@
-"""Paged decode attention (rlvr.kernels.paged_attention): the Pallas kernel (interpret mode on CPU)
-and the XLA implementation against a dense numpy reference built by gathering each row's pages,
+"""Paged decode attention (rlvr.kernels.paged_attention): the Pallas kernel (interpret mode on CPU),
+the native CPU kernel and the XLA implementations against a dense numpy reference built by gathering each row's pages,
 over drawn page sizes, lengths, GQA groups, query counts and sliding windows; against the model's
 own decode attention on its paged cache; implementation choice and shape errors."""
 
@@ -50,7 +50,8 @@ def dense_reference(q, k_pool, v_pool, table, lengths, window=0, softcap=0.0):
 def _all(q, k, v, table, lengths, layer, ragged, *, window, softcap, layered):
     kw = dict(layer=layer if layered else None, sliding_window=window, softcap=softcap)
     outs = [paged_attention(q, k, v, table, lengths, implementation="pallas", interpret=True, **kw),
-            paged_attention(q, k, v, table, lengths, implementation="xla", **kw)]
+            paged_attention(q, k, v, table, lengths, implementation="xla", **kw),
+            paged_attention(q, k, v, table, lengths, implementation="native", **kw)]
     if q.shape[1] == 1:  # the ragged implementation: one query per row, pages as a flat list
         outs.append(paged_attention(q, k, v, table, lengths, implementation="ragged", ragged=ragged, **kw))
     return outs
@@ -113,6 +114,46 @@ def test_ragged_reads_a_shared_prefix_once_for_its_rows():
             np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("pool_dtype", ["float32", "bfloat16", "bits"])
+def test_native_reads_shared_pages_once_per_cluster_and_matches_the_reference(pool_dtype):
+    """The native kernel attends rows sharing their first pages together (a group's prompt) and
+    reads a page once for the rows that hold it at that position. Here 19 rows share their first
+    3 pages (more than one cluster of 16 holds), rows 3-6 share two more pages than the others (a
+    subset), row 9 also holds the shared pages at other positions, row 10 is idle, lengths differ;
+    with and without a sliding window, pools of float32, bfloat16 and bf16 stored as uint16 bits:
+    every row equals the dense reference (mutation: a page read for every row of its pass,
+    whether it holds the page or not, fails)."""
+    from rlvr.kernels.bits import as_bits
+
+    rng = np.random.default_rng(4)
+    rows, page_size, kv_heads, group, head_dim, width, pages = 21, 4, 2, 4, 16, 9, 120
+    table = rng.integers(1, pages, (rows, width)).astype(np.int32)
+    table[:19, :3] = table[0, :3]
+    table[3:7, 3:5] = table[3, 3:5]
+    table[9, 4:7] = table[0, :3]
+    lengths = rng.integers(13, width * page_size + 1, rows).astype(np.int32)
+    lengths[10] = 0
+    for row in range(rows):
+        table[row, -(-int(lengths[row]) // page_size):] = 0
+    shape = (2, pages, page_size, kv_heads, head_dim)
+    k, v = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+    k[:, 0], v[:, 0] = 1e4, 1e4
+    if pool_dtype != "float32":
+        k, v = (np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)) for x in (k, v))
+    pool_k, pool_v = jnp.asarray(k), jnp.asarray(v)
+    if pool_dtype != "float32":
+        pool_k, pool_v = pool_k.astype(jnp.bfloat16), pool_v.astype(jnp.bfloat16)
+    if pool_dtype == "bits":
+        pool_k, pool_v = as_bits(pool_k), as_bits(pool_v)
+    q = rng.standard_normal((rows, kv_heads * group, head_dim)).astype(np.float32)
+    for window in (0, 10):
+        got = paged_attention(q, pool_k, pool_v, table, lengths, layer=1, implementation="native",
+                              sliding_window=window)
+        want = dense_reference(q[:, None], k[1], v[1], table, lengths, window)[:, 0]
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+        np.testing.assert_array_equal(np.asarray(got)[10], 0.0)
+
+
 def test_single_query_bfloat16_traced_layer():
     """q [B, H, D] in bfloat16, the layer index traced (as in a scan over layers); the ragged
     path's products take bf16 inputs from bf16 pages (float32 accumulation)."""
@@ -129,7 +170,7 @@ def test_single_query_bfloat16_traced_layer():
         def layer_out(_, layer):
             return None, [paged_attention(q, k, v, table, lengths, layer=layer, implementation=impl, interpret=True,
                                           ragged=ragged if impl == "ragged" else None)
-                          for impl in ("pallas", "xla", "ragged")]
+                          for impl in ("pallas", "xla", "ragged", "native")]
         return jax.lax.scan(layer_out, None, jnp.arange(2))[1]
 
     outs = run(jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16))
@@ -210,7 +251,7 @@ def test_prefill_attention_reads_keys_up_to_the_chunks_reach(window, key_block):
     np.testing.assert_array_equal(got[0, counts[0]:], 0.0)  # padding queries see nothing
 
 
-def test_implementation_choice(caplog):
+def test_implementation_choice(caplog, monkeypatch):
     rng = np.random.default_rng(3)
     k = jnp.asarray(rng.standard_normal((4, 2, 1, 8)), jnp.float32)
     q, table, lengths = jnp.ones((1, 2, 8)), jnp.asarray([[1, 2]], jnp.int32), jnp.asarray([3], jnp.int32)
@@ -226,6 +267,13 @@ def test_implementation_choice(caplog):
             auto = paged_attention(q, k, k, table, lengths)
         assert "using the XLA implementation" in caplog.text
         np.testing.assert_allclose(auto, paged_attention(q, k, k, table, lengths, implementation="xla"))
+        from rlvr.kernels.paged_attention import NativeDecode
+
+        native_out = paged_attention(q, k, k, table, lengths, ragged=NativeDecode())  # the engine's request
+        np.testing.assert_allclose(native_out, auto, atol=1e-6)
+        monkeypatch.setattr(api, "native_unavailable_reason", lambda: "no C++ compiler 'g++' on PATH")
+        with pytest.raises(RuntimeError, match="implementation='native' was requested but cannot run: no C"):
+            paged_attention(q, k, k, table, lengths, implementation="native")
 
 
 @pytest.mark.parametrize("change, message", [
@@ -256,9 +304,9 @@ def test_layer_out_of_range():
 
 
 def test_engine_decodes_through_the_paged_kernel_identically():
-    """The engine's decode steps through the ragged kernel (decode_attention="ragged") and over
-    the contiguous per-call window ("window", `implementation="xla"`'s attention without the
-    gather): the same greedy tokens and log-probs."""
+    """The engine's decode steps through the ragged kernel (decode_attention="ragged"), the native
+    CPU kernel ("native") and over the contiguous per-call window ("window", `implementation="xla"`'s
+    attention without the gather): the same greedy tokens and log-probs."""
 
     from rlvr import api, config_lib
     from rlvr.models.tokenizer import byte_level_tokenizer
@@ -269,7 +317,7 @@ def test_engine_decodes_through_the_paged_kernel_identically():
     model = api.build_model(config)
     tokenizer = byte_level_tokenizer()
     outputs = {}
-    for attention in ("ragged", "window"):
+    for attention in ("ragged", "window", "native"):
         engine = Engine(model.cfg, model.params, tokenizer, max_slots=4, max_len=64, page_size=8,
                         decode_attention=attention)
         requests = [Request(f"r{i}", tokenizer.encode(f"{i}+{3 * i}="), SamplingParams(max_new_tokens=12,
@@ -278,6 +326,7 @@ def test_engine_decodes_through_the_paged_kernel_identically():
                     for i in range(3)]
         outputs[attention] = {c.rid: c for c in engine.generate(requests)}
     for rid, ref in outputs["ragged"].items():
-        got = outputs["window"][rid]
-        assert got.output_ids == ref.output_ids
-        np.testing.assert_allclose(got.output_logprobs, ref.output_logprobs, atol=2e-5)
+        for other in ("window", "native"):
+            got = outputs[other][rid]
+            assert got.output_ids == ref.output_ids
+            np.testing.assert_allclose(got.output_logprobs, ref.output_logprobs, atol=2e-5)

@@ -57,7 +57,7 @@ def _req(rid, prompt, **sampling):
     return Request(rid, prompt, SamplingParams(**{"max_new_tokens": 10, "temperature": 0.0, **sampling}))
 
 
-@pytest.mark.parametrize("decode_attention", ["window", "ragged"])
+@pytest.mark.parametrize("decode_attention", ["window", "ragged", "native"])
 def test_greedy_equals_naive_loop_for_ragged_batch_with_chunked_prefill(params, decode_attention):
     prompts = _prompts([5, 20, 37, 3, 16, 9])  # more requests than slots, prompts longer than a chunk
     engine = Engine(CFG, params, **OPTS, decode_attention=decode_attention)
@@ -90,17 +90,19 @@ SAMPLING = [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temper
             dict(temperature=0.5, top_k=40, top_p=0.8, min_p=0.2)]
 
 
-def test_engine_logprobs_equal_trainer_logprobs(params):
+@pytest.mark.parametrize("decode_attention", ["auto", "native"])
+def test_engine_logprobs_equal_trainer_logprobs(params, decode_attention):
     """One batch of requests with four sampling settings (raw; temperature 0.7 + top-p 0.9; top-k +
     min-p; all four): the engine reports each token's log-prob under the distribution it sampled
     from, and the trainer's objective (chunked log-probs) scores the same distribution: equal to
-    1e-5 in fp32 (its reported `logprob_mismatch`), and to an independent NumPy reference."""
+    1e-5 in fp32 (its reported `logprob_mismatch`), and to an independent NumPy reference; with the
+    small test engine's default decode attention (its contiguous window) and the native kernel."""
     from rlvr.kernels.chunked_logprob import Sampling
 
     from rlvr.rl.batching import Sample, build_batch
     from rlvr.rl.objective import Objective, rl_loss
 
-    engine = Engine(CFG, params, **OPTS)
+    engine = Engine(CFG, params, **OPTS, decode_attention=decode_attention)
     prompts = _prompts([7, 19, 30, 12], seed=1)
     outs = engine.generate([_req(f"s{i}", p, max_new_tokens=16, sampling_seed=i, **sampling)
                             for i, (p, sampling) in enumerate(zip(prompts, SAMPLING, strict=True))])
@@ -460,7 +462,7 @@ def test_bfloat16_rollout_weights_and_kv_pages_stay_close_to_float32(params):
     np.testing.assert_allclose(half.output_logprobs[:2], full.output_logprobs[:2], atol=0.05)
 
 
-@pytest.mark.parametrize("decode_attention", ["window", "ragged"])
+@pytest.mark.parametrize("decode_attention", ["window", "ragged", "native"])
 def test_a_bf16_pool_stored_as_bits_samples_what_a_bf16_pool_samples(params, monkeypatch, decode_attention):
     """On CPU the engine stores a bf16 page pool as its uint16 bits (rlvr.kernels.bits: XLA:CPU copied
     the whole pool at every bitcast inside the decode loop). The same requests (a group sharing its
@@ -482,3 +484,19 @@ def test_a_bf16_pool_stored_as_bits_samples_what_a_bf16_pool_samples(params, mon
     for a, b in zip(bits, floats, strict=True):
         assert a.output_ids == b.output_ids
         np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=1e-6)
+
+
+def test_auto_decode_attention_takes_the_native_kernel_where_it_builds(params, monkeypatch):
+    """decode_attention="auto" beyond the contiguous window's size: the native CPU kernel when it
+    builds here, else the ragged XLA path; "native" asked for where it cannot run is an error that
+    says why (and what to use instead)."""
+    import rlvr.rollout.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "WINDOW_AUTO_BYTES", 0)
+    engine = Engine(CFG, params, **OPTS)
+    assert (engine.decode_window, engine.native_decode) == (False, True)
+    monkeypatch.setattr(engine_module, "native_unavailable_reason", lambda: "no C++ compiler 'g++' on PATH")
+    assert (Engine(CFG, params, **OPTS).native_decode, Engine(CFG, params, **OPTS, decode_attention="window")
+            .decode_window) == (False, True)
+    with pytest.raises(ValueError, match="decode_attention='native' cannot run: no C.*use 'ragged' or 'auto'"):
+        Engine(CFG, params, **OPTS, decode_attention="native")

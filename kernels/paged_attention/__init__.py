@@ -5,7 +5,8 @@ softcap=0.0, scale=None, implementation=None, interpret=False)`: attention of on
 a few (q [B, Q, H, D], the last Q tokens of each row, causal) new tokens per sequence over the
 rollout engine's KV page pool, read through the page table, with per-row lengths and GQA.
 Implementations: "pallas" (`pallas.py`, a Mosaic TPU kernel with the page table, lengths and
-layer scalar-prefetched; runs anywhere with interpret=True), "ragged" (`ragged.py`, plain jnp over
+layer scalar-prefetched; runs anywhere with interpret=True), "native" (`native.py` + `native.cc`,
+a C++ XLA:CPU custom call compiled on first use: the rollout engine's CPU decode), "ragged" (`ragged.py`, plain jnp over
 a flat list of the rows' pages: work follows the tokens cached; one query per row) and "xla"
 (`reference.py`, plain jnp: gather the row's pages, masked float32 softmax).
 `paged_attention_reference` is the latter.
@@ -23,13 +24,15 @@ and lengths = position of the last query + 1 (0 for idle rows):
     out = paged_attention(q, cache["k"], cache["v"], cache["page_table"], positions[:, -1] + 1,
                           layer=layer_id, sliding_window=cfg.sliding_window)   # [B, 1, H, D]
 
-`implementation=None` uses Pallas on TPU and XLA elsewhere (logged once); asking for "pallas"
+`implementation=None` uses Pallas on TPU and XLA elsewhere (logged once; "native" with
+`ragged=NativeDecode()`); asking for "pallas" or "native"
 where it cannot run raises RuntimeError. Bad shapes raise ValueError naming the argument.
 """
 
 from rlvr.kernels.paged_attention.api import IMPLEMENTATIONS, paged_attention, pallas_unavailable_reason
+from rlvr.kernels.paged_attention.native import NativeDecode, native_unavailable_reason
 from rlvr.kernels.paged_attention.ragged import RaggedPages, ragged_pages
 from rlvr.kernels.paged_attention.reference import contiguous_attention, paged_attention_reference
 
-__all__ = ["IMPLEMENTATIONS", "RaggedPages", "contiguous_attention", "paged_attention", "paged_attention_reference",
-           "pallas_unavailable_reason", "ragged_pages"]
+__all__ = ["IMPLEMENTATIONS", "NativeDecode", "RaggedPages", "contiguous_attention", "native_unavailable_reason",
+           "paged_attention", "paged_attention_reference", "pallas_unavailable_reason", "ragged_pages"]

@@ -7,19 +7,20 @@ import logging
 import jax
 import jax.numpy as jnp
 from rlvr.kernels.bits import from_bits
+from rlvr.kernels.paged_attention.native import NativeDecode, native_paged_attention, native_unavailable_reason
 from rlvr.kernels.paged_attention.pallas import paged_attention_pallas
 from rlvr.kernels.paged_attention.ragged import RaggedPages, ragged_paged_attention
 from rlvr.kernels.paged_attention.reference import paged_attention_reference
 
 logger = logging.getLogger(__name__)
-IMPLEMENTATIONS = ("pallas", "ragged", "xla")
+IMPLEMENTATIONS = ("pallas", "native", "ragged", "xla")
 _logged: set[tuple[str, str]] = set()
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                     lengths: jax.Array, *, layer=None, sliding_window: int = 0, softcap: float = 0.0,
                     scale: float | None = None, implementation: str | None = None,
-                    interpret: bool = False, ragged: RaggedPages | None = None) -> jax.Array:
+                    interpret: bool = False, ragged: RaggedPages | NativeDecode | None = None) -> jax.Array:
     """Decode attention of a few new tokens per row over a paged KV cache.
 
     q: [B, H, D] (one query per row) or [B, Q, H, D] (the last Q tokens of each row, e.g. a
@@ -33,10 +34,12 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_t
 
     ragged: the rows' pages as one flat list (`ragged.ragged_pages`, built by the caller); with one
     query per row it enables the "ragged" implementation, whose work follows the pages the rows
-    hold rather than the table width.
+    hold rather than the table width. `NativeDecode()` instead asks for the "native" kernel.
 
-    implementation: None picks "pallas" on TPU (or anywhere with `interpret=True`), else "ragged"
-    when `ragged` is given with one query per row, else "xla" (logged once); an explicit "pallas"
+    implementation: None picks "pallas" on TPU (or anywhere with `interpret=True`), else "native"
+    when `ragged` is NativeDecode(), else "ragged" when `ragged` is a page list with one query per
+    row, else "xla" (logged once). "native" (`native.py`: a C++ XLA:CPU custom call, built on first
+    use; any number of queries) also runs when asked for by name. An explicit "pallas" or "native"
     that cannot run here raises RuntimeError. Returns q's shape and dtype; softmax and accumulation
     are float32.
     """
@@ -47,9 +50,14 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_t
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
     page_table = page_table.astype(jnp.int32)
     options = dict(layer=layer, sliding_window=int(sliding_window), softcap=float(softcap), scale=scale)
-    choice = _choose(implementation, interpret, ragged is not None and q4.shape[1] == 1)
-    if choice == "ragged":
-        if ragged is None or q4.shape[1] != 1:
+    native = isinstance(ragged, NativeDecode)
+    if native and implementation is None and pallas_unavailable_reason(interpret):
+        implementation = "native"
+    choice = _choose(implementation, interpret, ragged is not None and not native and q4.shape[1] == 1)
+    if choice == "native":
+        out = native_paged_attention(q4, k_pages, v_pages, page_table, lengths, **options)
+    elif choice == "ragged":
+        if not isinstance(ragged, RaggedPages) or q4.shape[1] != 1:
             raise ValueError("paged_attention: implementation='ragged' needs ragged= and one query per row.")
         out = ragged_paged_attention(q4[:, 0], k_pages, v_pages, ragged, lengths, **options)[:, None]
     elif choice == "pallas":  # (a bits pool, see rlvr.kernels.bits, is read as its bf16 values)
@@ -78,6 +86,11 @@ def _choose(implementation: str | None, interpret: bool, can_ragged: bool = Fals
                          f"{(None, *IMPLEMENTATIONS)}.")
     if implementation in ("xla", "ragged"):
         return implementation
+    if implementation == "native":
+        reason = native_unavailable_reason()
+        if reason:
+            raise RuntimeError(f"paged_attention: implementation='native' was requested but cannot run: {reason}.")
+        return "native"
     reason = pallas_unavailable_reason(interpret)
     if implementation == "pallas":
         if reason:

@@ -349,7 +349,8 @@ def _zigzag_order(cfg: ModelConfig, length: int) -> np.ndarray | None:
 def _paged_decode(cfg: ModelConfig, q, pool, read_idx, columns, layer_id, ragged=None) -> jax.Array:
     """Decode attention read straight from the page pool (rlvr.kernels.paged_attention): the
     rows' page tables and lengths come from the engine's gather indices; no [B, S] k/v copy.
-    With `ragged` (the rows' pages as a flat list) the XLA path works on those pages only."""
+    With `ragged` (the rows' pages as a flat list) the XLA path works on those pages only;
+    NativeDecode() runs the native CPU kernel over the page table."""
     from rlvr.kernels.paged_attention import paged_attention
 
     page_size = pool["k"].shape[2]

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlvr.kernels.paged_attention import ragged_pages
+from rlvr.kernels.paged_attention import NativeDecode, ragged_pages
 from rlvr.rollout import device_fns
 from rlvr.rollout import extras as extras_lib
 from rlvr.rollout.sequence import Sequence
@@ -232,7 +232,8 @@ class Dispatch:
     def _dispatch_decode(self, seqs: list, reach: np.ndarray | None = None, filters: bool | None = None,
                          steps: int | None = None) -> None:
         reach = np.zeros(self.max_slots, np.int64) if reach is None else reach
-        ragged = None if self.decode_window else ragged_pages(self.page_table, reach, self.page_size)
+        ragged = None if self.decode_window else NativeDecode() if self.native_decode else \
+            ragged_pages(self.page_table, reach, self.page_size)
         active = active_host = np.array([s is not None for s in seqs]) & self.active
         # NumPy copies: on CPU, device_put aliases an aligned host array and copies a large one in the
         # background (benchmarks/results/host_aliasing_probe.json), and the host edits these tables.

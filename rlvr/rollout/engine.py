@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlvr.kernels.bits import bits_pool
+from rlvr.kernels.paged_attention import native_unavailable_reason
 from rlvr.models.config import ModelConfig
 from rlvr.models.transformer import fuse_projections, init_paged_cache, unstack_layers
 from rlvr.rollout import device_fns
@@ -58,7 +59,7 @@ from rlvr.rollout.slots import Slots
 from rlvr.rollout.stops import StopStrings
 from rlvr.rollout.types import Completion, Request
 
-DECODE_ATTENTION = ("auto", "window", "ragged")
+DECODE_ATTENTION = ("auto", "window", "ragged", "native")
 # SGLang's names (first come first served, longest output first) and lof per batch of requests
 # submitted together (`Slots._admission_key`)
 SCHEDULE_POLICIES = ("batch_lof", "fcfs", "lof")
@@ -121,6 +122,7 @@ class Engine(Slots, Dispatch):
             jnp.dtype(self.kv_dtype).itemsize
         self.decode_window = decode_attention == "window" or (decode_attention == "auto" and
                                                               window_bytes <= WINDOW_AUTO_BYTES)
+        self.native_decode = not self.decode_window and self._native_decode(decode_attention)
         self.pages = PagePool(num_pages or max_slots * self.pages_per_row + 1)
         self.prefix = PrefixCache(self.pages, page_size, enabled=prefix_cache)
         self.pool = self._new_pool()
@@ -166,6 +168,17 @@ class Engine(Slots, Dispatch):
         if mesh is None:
             return tree
         return jax.device_put(tree, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+    def _native_decode(self, decode_attention: str) -> bool:
+        """Whether paged decode runs the native CPU kernel: when asked for (an error naming why it
+        cannot run here, if so), or by "auto" where it can (not on a multi-device mesh: the custom
+        call has no partitioning rule, so XLA would gather the pool onto every device)."""
+        reason = native_unavailable_reason()
+        if decode_attention == "native" and reason:
+            raise ValueError(f"decode_attention='native' cannot run: {reason}; use 'ragged' or 'auto'")
+        mesh = self._mesh()
+        return decode_attention == "native" or (decode_attention == "auto" and reason is None and
+                                                (mesh is None or mesh.size == 1))
 
     def _mesh(self) -> jax.sharding.Mesh | None:
         """The params' mesh (None when they are not on one)."""

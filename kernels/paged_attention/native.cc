@@ -1,0 +1,397 @@
+// Paged decode attention for XLA:CPU as an XLA FFI custom call (the "native" implementation).
+//
+// What: out[b, i, h, :] = softmax over the visible keys of row b of (q[b, i, h] . k) times v, the
+// keys and values read where they lie in the page pool [L, N, P, KVH, D] through the row's page
+// table; query i of Q sees positions <= lengths[b] - Q + i (and, with a sliding window W, > that - W).
+// Why: XLA:CPU runs the plain-jnp decode attention (gathers, products a few columns wide, a
+// softmax along a short axis) far below the machine's FMA rate and memory bandwidth: 4-5 ms per
+// layer and step at the realistic rollout shape, a third of the decode time.
+// How: rows that share the start of their page lists (a group's prompt, kept once by the prefix
+// cache) form a cluster; a cluster is one work item on XLA's intra-op threads. Its query rows sit
+// along the lanes of 8-float vectors (per kv head), so scoring a page is, per key token and
+// channel, one broadcast key value times a vector of queries (no horizontal sums, no transpose of
+// the keys), and the weighted values likewise. Per page index, the rows holding the same page are
+// one pass (a shared prompt page is read once for all of them, every kv head while it is in
+// cache); per pass an online softmax (running max, exp-sum, weighted values) per lane. Float32
+// softmax and accumulation; pages may be float32, bfloat16, or bfloat16 stored as uint16 bits
+// (rlvr.kernels.bits).
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr float kMask = -0.7f * 3.4028234663852886e38f;  // reference.py's MASK_VALUE
+
+typedef float v8 __attribute__((vector_size(32)));  // 8 query rows side by side (any ISA: GCC/Clang split it)
+typedef int32_t v8i __attribute__((vector_size(32)));
+constexpr int kLanes = 8;
+
+inline float Load(const float* p) { return *p; }
+inline float Load(const uint16_t* p) {
+  const uint32_t bits = static_cast<uint32_t>(*p) << 16;  // bfloat16 bits -> float32
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+inline v8 Splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
+inline v8i SplatInt(int32_t x) { return v8i{x, x, x, x, x, x, x, x}; }
+inline v8 Max(v8 a, v8 b) { return a > b ? a : b; }
+
+// exp(x) for x <= 0 (the softmax's exponents), 8 at a time: Cody-Waite range reduction and a
+// degree-6 polynomial (Cephes' expf), ~2 ulp; round-to-nearest by the 1.5 * 2^23 trick.
+inline v8 ExpNonPositive(v8 x) {
+  x = Max(x, Splat(-87.0f));
+  const v8 shifted = x * Splat(1.44269504088896341f) + Splat(12582912.0f);
+  const v8 n = shifted - Splat(12582912.0f);
+  v8 r = x - n * Splat(0.693359375f);
+  r = r - n * Splat(-2.12194440e-4f);
+  v8 p = Splat(1.9875691500e-4f);
+  p = p * r + Splat(1.3981999507e-3f);
+  p = p * r + Splat(8.3334519073e-3f);
+  p = p * r + Splat(4.1665795894e-2f);
+  p = p * r + Splat(1.6666665459e-1f);
+  p = p * r + Splat(5.0000001201e-1f);
+  p = p * r * r + r + Splat(1.0f);
+  v8i exponent;
+  std::memcpy(&exponent, &shifted, sizeof(exponent));
+  exponent = (exponent - SplatInt(0x4B400000) + SplatInt(127)) << 23;  // the integer n, as 2^n's bits
+  v8 scale;
+  std::memcpy(&scale, &exponent, sizeof(scale));
+  return p * scale;
+}
+
+struct Shape {
+  int64_t batch, queries, heads, dim, layers, pages, page_size, kv_heads, table_width;
+};
+
+struct Options {
+  int64_t sliding_window;
+  float softcap, scale;
+};
+
+constexpr int kTile = 8;  // independent accumulators per loop (hides the multiply-add latency)
+
+// score[t, b] = sum_c key[t, c] * query[c, b] for the page's `tokens` keys (rows `stride` apart)
+// and blocks [lo, hi): kTile tokens at a time, their sums in registers.
+template <typename T>
+void Scores(const T* key, int64_t stride, int64_t tokens, int64_t d, const v8* query, int64_t blocks, int64_t lo,
+            int64_t hi, v8* score) {
+  int64_t t0 = 0;
+  for (; t0 + kTile <= tokens; t0 += kTile) {
+    for (int64_t b = lo; b < hi; ++b) {
+      v8 sum[kTile] = {};
+      for (int64_t c = 0; c < d; ++c) {
+        const v8 qc = query[c * blocks + b];
+        for (int u = 0; u < kTile; ++u) sum[u] += Splat(Load(key + (t0 + u) * stride + c)) * qc;
+      }
+      for (int u = 0; u < kTile; ++u) score[(t0 + u) * blocks + b] = sum[u];
+    }
+  }
+  for (; t0 < tokens; ++t0) {
+    for (int64_t b = lo; b < hi; ++b) {
+      v8 sum = {};
+      for (int64_t c = 0; c < d; ++c) sum += Splat(Load(key + t0 * stride + c)) * query[c * blocks + b];
+      score[t0 * blocks + b] = sum;
+    }
+  }
+}
+
+// acc[c, b] += sum_t value[t, c] * weight[t, b]: kTile channels at a time, their sums in registers.
+template <typename T>
+void Values(const T* value, int64_t stride, int64_t tokens, int64_t d, const v8* weight, int64_t blocks, int64_t lo,
+            int64_t hi, v8* acc) {
+  for (int64_t b = lo; b < hi; ++b) {
+    int64_t c0 = 0;
+    for (; c0 + kTile <= d; c0 += kTile) {
+      v8 sum[kTile];
+      for (int u = 0; u < kTile; ++u) sum[u] = acc[(c0 + u) * blocks + b];
+      for (int64_t t = 0; t < tokens; ++t) {
+        const v8 w = weight[t * blocks + b];
+        for (int u = 0; u < kTile; ++u) sum[u] += Splat(Load(value + t * stride + c0 + u)) * w;
+      }
+      for (int u = 0; u < kTile; ++u) acc[(c0 + u) * blocks + b] = sum[u];
+    }
+    for (; c0 < d; ++c0) {
+      v8 sum = acc[c0 * blocks + b];
+      for (int64_t t = 0; t < tokens; ++t) sum += Splat(Load(value + t * stride + c0)) * weight[t * blocks + b];
+      acc[c0 * blocks + b] = sum;
+    }
+  }
+}
+
+// Rows attended together: rows that share at least a quarter of the shorter one's pages from the
+// start (a group's prompt, kept once by the prefix cache: a shared system prompt alone is not
+// enough), at most kMaxCluster of them; every other row alone. Idle rows are left out. The rows
+// are sorted by their page lists, so rows sharing a prefix are neighbours.
+constexpr int64_t kMaxCluster = 16;
+
+std::vector<std::vector<int64_t>> Clusters(const Shape& s, const int32_t* table, const int32_t* lengths) {
+  auto held = [&](int64_t b) {
+    return std::min<int64_t>((static_cast<int64_t>(lengths[b]) + s.page_size - 1) / s.page_size, s.table_width);
+  };
+  auto pages = [&](int64_t b) { return table + b * s.table_width; };
+  std::vector<int64_t> order;
+  for (int64_t b = 0; b < s.batch; ++b) {
+    if (lengths[b] > 0) order.push_back(b);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return std::lexicographical_compare(pages(a), pages(a) + held(a), pages(b), pages(b) + held(b));
+  });
+  std::vector<std::vector<int64_t>> clusters;
+  for (int64_t b : order) {
+    bool join = !clusters.empty() && static_cast<int64_t>(clusters.back().size()) < kMaxCluster;
+    if (join) {
+      const int64_t first = clusters.back().front(), shorter = std::min(held(first), held(b));
+      const int64_t common = std::mismatch(pages(first), pages(first) + shorter, pages(b)).first - pages(first);
+      join = 4 * common >= shorter;
+    }
+    if (!join) clusters.emplace_back();
+    clusters.back().push_back(b);
+  }
+  auto work = [&](const std::vector<int64_t>& rows) {
+    int64_t sum = 0;
+    for (int64_t b : rows) sum += lengths[b];
+    return sum;
+  };
+  // The largest first: threads that take the next cluster as they finish end close together.
+  std::stable_sort(clusters.begin(), clusters.end(), [&](const auto& a, const auto& b) { return work(a) > work(b); });
+  return clusters;
+}
+
+// One cluster of rows: per kv head h, the cluster's query rows that read it (row m, query i, head
+// j of h's group: lane (m * Q + i) * G + j) in `blocks` blocks of 8 lanes (block h * blocks + b of
+// the state), the scores and the weighted values kept with query rows along the vector lanes, so
+// no product needs a horizontal sum. Per page index, the rows holding the same page are scored
+// against its keys once (lanes of the others masked): a shared prompt page is read once for the
+// whole cluster, and all its kv heads while it is in cache.
+template <typename T>
+void AttendCluster(const Shape& s, const Options& o, const float* q, const T* k_pool, const T* v_pool,
+                   const int32_t* table, const int32_t* lengths, int32_t layer, const std::vector<int64_t>& rows,
+                   float* out, std::vector<v8>& scratch) {
+  const int64_t g = s.heads / s.kv_heads, nq = s.queries, d = s.dim, p = s.page_size, m = rows.size();
+  const int64_t lanes = m * nq * g, blocks = (lanes + kLanes - 1) / kLanes, all = s.kv_heads * blocks;
+  scratch.assign(all * (2 * d + p + 2) + 3 * blocks, Splat(0.0f));
+  v8* query = scratch.data();          // [D, all]: query rows transposed, scaled
+  v8* acc = query + d * all;           // [D, all]: their weighted values, transposed
+  v8* score = acc + d * all;           // [P, all]
+  v8* peak = score + p * all;          // [all]
+  v8* total = peak + all;              // [all]
+  v8* lo = total + all;                // [blocks] first visible position (as float: exact below 2^24)
+  v8* hi = lo + blocks;                // [blocks] one past the last
+  v8* holds = hi + blocks;             // [blocks] 1 where the lane's row holds the page being read
+  std::vector<int64_t> length(m);
+  int64_t last = 0, first = INT64_MAX;
+  for (int64_t r = 0; r < m; ++r) {
+    length[r] = std::min<int64_t>(lengths[rows[r]], s.table_width * p);
+    last = std::max(last, length[r]);
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t top = length[r] - nq + i + 1;
+      const int64_t bottom = o.sliding_window > 0 ? std::max<int64_t>(0, top - o.sliding_window) : 0;
+      first = std::min(first, bottom);
+      for (int64_t j = 0; j < g; ++j) {
+        const int64_t lane = (r * nq + i) * g + j;
+        for (int64_t h = 0; h < s.kv_heads; ++h) {
+          const float* src = q + ((rows[r] * nq + i) * s.heads + h * g + j) * d;
+          for (int64_t c = 0; c < d; ++c) query[c * all + h * blocks + lane / kLanes][lane % kLanes] = src[c] * o.scale;
+        }
+        lo[lane / kLanes][lane % kLanes] = static_cast<float>(bottom);
+        hi[lane / kLanes][lane % kLanes] = static_cast<float>(top);
+      }
+    }
+  }
+  for (int64_t b = 0; b < all; ++b) peak[b] = Splat(kMask);
+  for (int64_t lane = lanes; lane < blocks * kLanes; ++lane) hi[blocks - 1][lane % kLanes] = -1.0f;  // no query row
+  const int64_t token_stride = s.kv_heads * d, page_stride = p * token_stride;
+  const T* k_layer = k_pool + layer * s.pages * page_stride;
+  const T* v_layer = v_pool + layer * s.pages * page_stride;
+  const int64_t lane_rows = nq * g;  // lanes per row
+  // The passes, in order: per page index, one per distinct page among the rows holding that index
+  // (its rows as a bit mask), so that the pages of the passes ahead can be prefetched.
+  struct Pass {
+    int64_t page_index, page;
+    uint32_t rows;
+  };
+  std::vector<Pass> passes;
+  for (int64_t page_index = first / p; page_index * p < last; ++page_index) {
+    uint32_t left = 0;
+    for (int64_t r = 0; r < m; ++r) left |= (length[r] > page_index * p ? 1u : 0u) << r;
+    while (left) {
+      const int32_t page_id = table[rows[__builtin_ctz(left)] * s.table_width + page_index];
+      uint32_t holders = 0;
+      for (uint32_t bits = left; bits; bits &= bits - 1) {
+        const int64_t r = __builtin_ctz(bits);
+        if (table[rows[r] * s.table_width + page_index] == page_id) holders |= 1u << r;
+      }
+      passes.push_back({page_index, std::clamp<int64_t>(page_id, 0, s.pages - 1), holders});
+      left &= ~holders;
+    }
+  }
+  auto prefetch = [&](const Pass& pass) {  // its keys and values into cache, not waited for
+    for (const T* base : {k_layer + pass.page * page_stride, v_layer + pass.page * page_stride}) {
+      const char* line = reinterpret_cast<const char*>(base);
+      for (int64_t byte = 0; byte < page_stride * static_cast<int64_t>(sizeof(T)); byte += 64) __builtin_prefetch(line + byte);
+    }
+  };
+  constexpr size_t kAhead = 2;  // passes prefetched ahead of the one computed
+  for (size_t i = 0; i < std::min(kAhead, passes.size()); ++i) prefetch(passes[i]);
+  for (size_t i = 0; i < passes.size(); ++i) {
+    const Pass& pass = passes[i];
+    if (i + kAhead < passes.size()) prefetch(passes[i + kAhead]);
+    const int64_t start = pass.page_index * p, page = pass.page;
+    int64_t block_lo = blocks, block_hi = 0;  // the blocks holding the lanes of the pass's rows
+    for (int64_t b = 0; b < blocks; ++b) holds[b] = Splat(0.0f);
+    for (uint32_t bits = pass.rows; bits; bits &= bits - 1) {
+      const int64_t r = __builtin_ctz(bits);
+      for (int64_t lane = r * lane_rows; lane < (r + 1) * lane_rows; ++lane) holds[lane / kLanes][lane % kLanes] = 1.0f;
+      block_lo = std::min(block_lo, r * lane_rows / kLanes);
+      block_hi = std::max(block_hi, ((r + 1) * lane_rows - 1) / kLanes + 1);
+    }
+    {
+      const T* k_page = k_layer + page * page_stride;
+      const T* v_page = v_layer + page * page_stride;
+      const int64_t tokens = std::min<int64_t>(p, last - start);
+      for (int64_t h = 0; h < s.kv_heads; ++h) {
+        const int64_t lo_block = h * blocks + block_lo, hi_block = h * blocks + block_hi;
+        Scores(k_page + h * d, token_stride, tokens, d, query, all, lo_block, hi_block, score);
+        for (int64_t b = lo_block; b < hi_block; ++b) {  // mask, online softmax
+          const int64_t lane_block = b - h * blocks;
+          v8 page_peak = Splat(kMask);
+          for (int64_t t = 0; t < tokens; ++t) {
+            v8 x = score[t * all + b];
+            if (o.softcap > 0.0f) {
+              for (int l = 0; l < kLanes; ++l) x[l] = o.softcap * std::tanh(x[l] / o.softcap);
+            }
+            const v8 pos = Splat(static_cast<float>(start + t));
+            x = (pos >= lo[lane_block]) & (pos < hi[lane_block]) & (holds[lane_block] > Splat(0.0f)) ? x : Splat(kMask);
+            score[t * all + b] = x;
+            page_peak = Max(page_peak, x);
+          }
+          const v8 new_peak = Max(peak[b], page_peak);
+          const v8 correction = ExpNonPositive(peak[b] - new_peak);
+          peak[b] = new_peak;
+          v8 sum = Splat(0.0f);
+          for (int64_t t = 0; t < tokens; ++t) {
+            const v8 x = score[t * all + b];
+            const v8 w = x == Splat(kMask) ? Splat(0.0f) : ExpNonPositive(x - new_peak);
+            score[t * all + b] = w;
+            sum += w;
+          }
+          total[b] = total[b] * correction + sum;
+          for (int64_t c = 0; c < d; ++c) acc[c * all + b] *= correction;
+        }
+        Values(v_page + h * d, token_stride, tokens, d, score, all, lo_block, hi_block, acc);
+      }
+    }
+  }
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t i = 0; i < nq; ++i) {
+      for (int64_t j = 0; j < g; ++j) {
+        const int64_t lane = (r * nq + i) * g + j, l = lane % kLanes;
+        for (int64_t h = 0; h < s.kv_heads; ++h) {
+          const int64_t b = h * blocks + lane / kLanes;
+          float* dst = out + ((rows[r] * nq + i) * s.heads + h * g + j) * d;
+          const float inverse = total[b][l] > 0.0f ? 1.0f / total[b][l] : 0.0f;
+          for (int64_t c = 0; c < d; ++c) dst[c] = acc[c * all + b][l] * inverse;
+        }
+      }
+    }
+  }
+}
+
+// Runs work(item) for item in [0, count) on the caller and up to `threads` - 1 pool tasks, each
+// taking items from a shared counter; returns when all are done. The shared state is reference
+// counted: a task that starts after the caller finished everything finds no work and exits.
+template <typename F>
+void ParallelFor(ffi::ThreadPool& pool, int64_t count, F work) {
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto state = std::make_shared<State>();
+  auto drain = [state, count, work]() {
+    std::vector<v8> scratch;
+    for (int64_t item; (item = state->next.fetch_add(1)) < count;) {
+      work(item, scratch);
+      state->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), count) - 1;
+  for (int64_t t = 0; t < helpers; ++t) {
+    auto task = drain;
+    pool.Schedule(std::move(task));
+  }
+  drain();
+  while (state->done.load(std::memory_order_acquire) < count) std::this_thread::yield();
+}
+
+template <typename T>
+ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                  ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> layer,
+                  const Options& options, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  const auto qd = q.dimensions();
+  const auto kd = k_pages.dimensions();
+  Shape s{qd[0], qd[1], qd[2], qd[3], kd[0], kd[1], kd[2], kd[3], page_table.dimensions()[1]};
+  const int32_t layer_id = std::clamp<int32_t>(layer.typed_data()[0], 0, static_cast<int32_t>(s.layers - 1));
+  const float* qp = q.typed_data();
+  const T* kp = reinterpret_cast<const T*>(k_pages.untyped_data());
+  const T* vp = reinterpret_cast<const T*>(v_pages.untyped_data());
+  const int32_t* table = page_table.typed_data();
+  const int32_t* lens = lengths.typed_data();
+  float* op = out->typed_data();
+  std::fill(op, op + s.batch * s.queries * s.heads * s.dim, 0.0f);  // idle rows: zeros
+  const auto clusters = Clusters(s, table, lens);
+  ParallelFor(pool, static_cast<int64_t>(clusters.size()), [=, &clusters](int64_t item, std::vector<v8>& scratch) {
+    AttendCluster<T>(s, options, qp, kp, vp, table, lens, layer_id, clusters[item], op, scratch);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
+                          ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> lengths,
+                          ffi::Buffer<ffi::S32> layer, int64_t sliding_window, float softcap, float scale,
+                          ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  const auto qd = q.dimensions();
+  const auto kd = k_pages.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || page_table.dimensions().size() != 2 || qd[3] != kd[4] ||
+      kd[3] == 0 || qd[2] % kd[3] != 0 || lengths.dimensions().size() != 1 || lengths.dimensions()[0] != qd[0]) {
+    return ffi::Error::InvalidArgument("rlvr_paged_attention: q [B, Q, H, D], pages [L, N, P, KVH, D], "
+                                       "page_table [B, R], lengths [B] expected");
+  }
+  const Options options{sliding_window, softcap, scale};
+  switch (k_pages.element_type()) {
+    case ffi::F32:
+      return Attend<float>(pool, q, k_pages, v_pages, page_table, lengths, layer, options, out);
+    case ffi::BF16:
+    case ffi::U16:
+      return Attend<uint16_t>(pool, q, k_pages, v_pages, page_table, lengths, layer, options, out);
+    default:
+      return ffi::Error::InvalidArgument("rlvr_paged_attention: pages must be float32, bfloat16 or uint16 bits");
+  }
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlvrPagedAttention, PagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("softcap")
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
