@@ -203,7 +203,7 @@ def rl_config() -> ml_collections.ConfigDict:
         # KV page size, decode steps per host round trip, prefill rows and chunk length; the rollout
         # weights' dtype and the KV pages' ("" = dtype): "bfloat16" halves the engine's memory, and its
         # log-probs then differ from the trainer's float32 ones (rl.tis_cap corrects that); the decode
-        # attention ("auto" | "window" | "ragged") and the order waiting requests take free slots
+        # attention ("auto" | "window" | "ragged" | "native") and the order waiting requests take free slots
         # ("batch_lof" | "fcfs" | "lof"; see rlvr.rollout.engine.Engine); replicas: the slots split over
         # that many engines stepped at once (a CPU host's idle cores; keep 1 on TPU/GPU:
         # rlvr.rollout.replicas)
