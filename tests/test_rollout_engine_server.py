@@ -196,13 +196,13 @@ def test_sglang_launch_flags_configure_the_engine(tmp_path, caplog):
             "--page-size", "8", "--max-total-tokens", "200", "--chunked-prefill-size", "-1", "--dtype", "bfloat16",
             "--kv-cache-dtype", "auto", "--random-seed", "7", "--dp-size", "2", "--schedule-policy", "fcfs",
             "--served-model-name", "tiny", "--trust-remote-code", "--mem-fraction-static", "0.8",
-            "--disable-radix-cache", "--engine_option", "decode_steps=4"]
+            "--disable-radix-cache", "--attention-backend", "ragged", "--engine_option", "decode_steps=4"]
     args = parse_args(argv)
     with caplog.at_level("INFO", logger="rlvr.rollout.server"):
         options = engine_options(args)
     assert options == {"decode_steps": 4, "max_slots": 4, "max_len": 104, "page_size": 8, "num_pages": 26,
                        "prefill_chunk": 104, "dtype": "bfloat16", "seed": 7, "replicas": 2, "schedule_policy": "fcfs",
-                       "prefix_cache": False}
+                       "prefix_cache": False, "decode_attention": "ragged"}
     assert args.served_model_name == "tiny" and args.hf_dir == str(tmp_path)
     assert {"--trust-remote-code", "--mem-fraction-static"} <= {r.getMessage().split()[0] for r in caplog.records}
     engine = build_engine(args.hf_dir, options)
@@ -212,7 +212,13 @@ def test_sglang_launch_flags_configure_the_engine(tmp_path, caplog):
     assert engine.model_info()["server_args"] == {  # what /server_info reports, under SGLang's names
         "max_running_requests": 4, "context_length": 104, "page_size": 8, "max_total_num_tokens": 2 * 12 * 8,
         "chunked_prefill_size": 104, "dtype": "bfloat16", "kv_cache_dtype": "bfloat16", "schedule_policy": "fcfs",
-        "random_seed": 7, "dp_size": 2, "tp_size": 1, "disable_radix_cache": True}
+        "random_seed": 7, "dp_size": 2, "tp_size": 1, "disable_radix_cache": True, "attention_backend": "ragged"}
+    with caplog.at_level("INFO", logger="rlvr.rollout.server"):  # SGLang's GPU kernels: the engine's own choice
+        assert "decode_attention" not in engine_options(parse_args(["--model-path", "m", "--attention-backend", "fa3"]))
+    assert "--attention-backend fa3 is an SGLang GPU kernel" in caplog.text
+    with pytest.raises(SystemExit, match="--attention-backend both set"):
+        engine_options(parse_args(["--model-path", "m", "--attention-backend", "native",
+                                   "--engine_option", "decode_attention=ragged"]))
 
     with pytest.raises(SystemExit, match="page_size"):
         engine_options(parse_args(["--model-path", "m", "--page-size", "8", "--engine_option", "page_size=16"]))

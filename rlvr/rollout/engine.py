@@ -407,7 +407,14 @@ class Engine(Slots, Dispatch):
                 "kv_cache_dtype": str(jnp.dtype(self.kv_dtype)), "schedule_policy": self.schedule_policy,
                 "random_seed": self.seed, "dp_size": 1,
                 "tp_size": 1 if self._mesh() is None else self._mesh().shape.get("tensor", 1),
-                "disable_radix_cache": not self.prefix.enabled}
+                "disable_radix_cache": not self.prefix.enabled, "attention_backend": self.attention_backend()}
+
+    def attention_backend(self) -> str:
+        """What decode calls attend with: "window", "native", or the page list's kernel ("pallas" on
+        TPU, else "ragged")."""
+        if self.decode_window or self.native_decode:
+            return "window" if self.decode_window else "native"
+        return "pallas" if jax.default_backend() == "tpu" else "ragged"
 
     def metrics(self) -> dict[str, Any]:
         """Compile counts, prefix-cache hits, host vs device-wait time, calls and tokens so far, and

@@ -31,7 +31,8 @@ record appended to FILE as one JSON line, e.g. to audit which rids a server answ
 traffic and `POST /v1/feedback` captured for the flywheel, see `rlvr.flywheel`). SGLang's launch flags that
 have an engine counterpart (`--model-path`, `--max-running-requests`, `--context-length`, `--page-size`,
 `--max-total-tokens`, `--chunked-prefill-size`, `--dtype`, `--kv-cache-dtype`, `--random-seed`, `--dp-size`,
-`--tp-size`, `--disable-radix-cache`, `--schedule-policy`, `--served-model-name`) set it, and a few without
+`--tp-size`, `--disable-radix-cache`, `--schedule-policy`, `--served-model-name`, `--attention-backend` for the
+engine's own decode attentions) set it, and a few without
 one are accepted and logged (`SGLANG_NO_OP_FLAGS`), so a `python -m sglang.launch_server ...` command line
 starts this server as is;
 `--engine_option KEY=JSON` sets any other Engine keyword.
@@ -533,6 +534,9 @@ def add_sglang_flags(parser: argparse.ArgumentParser) -> None:
                        help="the weights sharded over this many devices (the mesh's tensor axis)")
     group.add_argument("--disable-radix-cache", action="store_true", help="-> prefix_cache=False")
     group.add_argument("--schedule-policy", choices=("fcfs", "lof", "batch_lof"), help="-> schedule_policy")
+    group.add_argument("--attention-backend", help="-> decode_attention for the engine's own names (auto, window, "
+                       "ragged, native); SGLang's GPU backends (flashinfer, triton, fa3, ...) are logged and left "
+                       "to 'auto'")
     for flag, why in SGLANG_NO_OP_FLAGS.items():
         group.add_argument(flag, **({"action": "store_true"} if flag in SGLANG_SWITCHES else {}),
                            help=f"no effect: {why}")
@@ -548,7 +552,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             options[key] = json.loads(value)
         except ValueError:
             options[key] = value
-    from rlvr.rollout.engine import Engine
+    from rlvr.rollout.engine import DECODE_ATTENTION, Engine
 
     defaults = {name: p.default for name, p in inspect.signature(Engine).parameters.items()}
     page_size = args.page_size or options.get("page_size", defaults["page_size"])
@@ -573,6 +577,15 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     for flag, why in SGLANG_NO_OP_FLAGS.items():
         if getattr(args, flag[2:].replace("-", "_")) not in (None, False):
             logger.info("%s has no effect on the rlvr engine: %s", flag, why)
+    backend = args.attention_backend
+    if backend in DECODE_ATTENTION:
+        if "decode_attention" in options:
+            raise SystemExit("--engine_option decode_attention=... and --attention-backend both set the engine's "
+                             "decode attention: keep one")
+        options["decode_attention"] = backend
+    elif backend is not None:
+        logger.info("--attention-backend %s is an SGLang GPU kernel; the rlvr engine picks its own ('auto': one of "
+                    "%s)", backend, ", ".join(DECODE_ATTENTION[1:]))
     return options
 
 
