@@ -269,7 +269,7 @@ void AttendCluster(const Shape& s, const Options& o, const float* q, const T* k_
       ahead.Step(1 << 30);  // what is left of this pass's pages
       ahead.Reset(k_layer + passes[i + 1].page * page_stride, v_layer + passes[i + 1].page * page_stride, page_bytes);
     }
-    const int64_t start = pass.page_index * p, page = pass.page;
+    const int64_t start = pass.page_index * p;
     int64_t block_lo = blocks, block_hi = 0;  // the blocks holding the lanes of the pass's rows
     for (int64_t b = 0; b < blocks; ++b) holds[b] = Splat(0.0f);
     for (uint32_t bits = pass.rows; bits; bits &= bits - 1) {
@@ -278,41 +278,39 @@ void AttendCluster(const Shape& s, const Options& o, const float* q, const T* k_
       block_lo = std::min(block_lo, r * lane_rows / kLanes);
       block_hi = std::max(block_hi, ((r + 1) * lane_rows - 1) / kLanes + 1);
     }
-    {
-      const T* k_page = k_layer + page * page_stride;
-      const T* v_page = v_layer + page * page_stride;
-      const int64_t tokens = std::min<int64_t>(p, last - start);
-      for (int64_t h = 0; h < s.kv_heads; ++h) {
-        const int64_t lo_block = h * blocks + block_lo, hi_block = h * blocks + block_hi;
-        Scores(k_page + h * d, token_stride, tokens, d, query, all, lo_block, hi_block, score, ahead);
-        for (int64_t b = lo_block; b < hi_block; ++b) {  // mask, online softmax
-          const int64_t lane_block = b - h * blocks;
-          v8 page_peak = Splat(kMask);
-          for (int64_t t = 0; t < tokens; ++t) {
-            v8 x = score[t * all + b];
-            if (o.softcap > 0.0f) {
-              for (int l = 0; l < kLanes; ++l) x[l] = o.softcap * std::tanh(x[l] / o.softcap);
-            }
-            const v8 pos = Splat(static_cast<float>(start + t));
-            x = (pos >= lo[lane_block]) & (pos < hi[lane_block]) & (holds[lane_block] > Splat(0.0f)) ? x : Splat(kMask);
-            score[t * all + b] = x;
-            page_peak = Max(page_peak, x);
+    const T* k_page = k_layer + pass.page * page_stride;
+    const T* v_page = v_layer + pass.page * page_stride;
+    const int64_t tokens = std::min<int64_t>(p, last - start);
+    for (int64_t h = 0; h < s.kv_heads; ++h) {
+      const int64_t lo_block = h * blocks + block_lo, hi_block = h * blocks + block_hi;
+      Scores(k_page + h * d, token_stride, tokens, d, query, all, lo_block, hi_block, score, ahead);
+      for (int64_t b = lo_block; b < hi_block; ++b) {  // mask, online softmax
+        const int64_t lane_block = b - h * blocks;
+        v8 page_peak = Splat(kMask);
+        for (int64_t t = 0; t < tokens; ++t) {
+          v8 x = score[t * all + b];
+          if (o.softcap > 0.0f) {
+            for (int l = 0; l < kLanes; ++l) x[l] = o.softcap * std::tanh(x[l] / o.softcap);
           }
-          const v8 new_peak = Max(peak[b], page_peak);
-          const v8 correction = ExpNonPositive(peak[b] - new_peak);
-          peak[b] = new_peak;
-          v8 sum = Splat(0.0f);
-          for (int64_t t = 0; t < tokens; ++t) {
-            const v8 x = score[t * all + b];
-            const v8 w = x == Splat(kMask) ? Splat(0.0f) : ExpNonPositive(x - new_peak);
-            score[t * all + b] = w;
-            sum += w;
-          }
-          total[b] = total[b] * correction + sum;
-          for (int64_t c = 0; c < d; ++c) acc[c * all + b] *= correction;
+          const v8 pos = Splat(static_cast<float>(start + t));
+          x = (pos >= lo[lane_block]) & (pos < hi[lane_block]) & (holds[lane_block] > Splat(0.0f)) ? x : Splat(kMask);
+          score[t * all + b] = x;
+          page_peak = Max(page_peak, x);
         }
-        Values(v_page + h * d, token_stride, tokens, d, score, all, lo_block, hi_block, acc, ahead);
+        const v8 new_peak = Max(peak[b], page_peak);
+        const v8 correction = ExpNonPositive(peak[b] - new_peak);
+        peak[b] = new_peak;
+        v8 sum = Splat(0.0f);
+        for (int64_t t = 0; t < tokens; ++t) {
+          const v8 x = score[t * all + b];
+          const v8 w = x == Splat(kMask) ? Splat(0.0f) : ExpNonPositive(x - new_peak);
+          score[t * all + b] = w;
+          sum += w;
+        }
+        total[b] = total[b] * correction + sum;
+        for (int64_t c = 0; c < d; ++c) acc[c * all + b] *= correction;
       }
+      Values(v_page + h * d, token_stride, tokens, d, score, all, lo_block, hi_block, acc, ahead);
     }
   }
   for (int64_t r = 0; r < m; ++r) {

@@ -176,6 +176,8 @@ class Engine(Slots, Dispatch):
         """Whether paged decode runs the native CPU kernel: when asked for (an error naming why it
         cannot run here, if so), or by "auto" where it can (not on a multi-device mesh: the custom
         call has no partitioning rule, so XLA would gather the pool onto every device)."""
+        if decode_attention not in ("native", "auto"):
+            return False  # "ragged" asked for: the kernel is not even built
         reason = native_unavailable_reason()
         if decode_attention == "native" and reason:
             raise ValueError(f"decode_attention='native' cannot run: {reason}; use 'ragged' or 'auto'")
