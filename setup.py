@@ -30,7 +30,8 @@ setup(
     packages=PACKAGES,
     package_dir=PACKAGE_DIR,
     package_data={"rlvr.envs": ["humaneval_bugs.jsonl"], "rlvr.explore": ["static/*"],
-                  "rlvr.kernels.paged_attention": ["native.cc"]},  # built on first use (native.py)
+                  "rlvr.kernels": ["native_parallel.h"],  # the native kernels, built on first use
+                  "rlvr.kernels.paged_attention": ["native.cc"], "rlvr.kernels.packed_matmul": ["native.cc"]},
     install_requires=[
         "jax>=0.10",
         "flax>=0.12",

@@ -289,7 +289,8 @@ def sampler(args) -> dict:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 1024, 64).tolist() for _ in range(32)]
     engine = _engine(cfg, params, args.replicas, max_slots=32, max_len=192, page_size=16,
-                     decode_steps=args.decode_steps, prefill_rows=8, prefill_chunk=64)
+                     decode_steps=args.decode_steps, prefill_rows=8, prefill_chunk=64,
+                     **({"decode_matmul": args.decode_matmul} if args.decode_matmul != "auto" else {}))
     call = _fresh(engine, lambda: engine.generate(_requests(prompts, [64] * 32)))
     first, _ = time_calls(call, 1)
     _, times = time_calls(call, 7)
@@ -301,19 +302,22 @@ def sampler(args) -> dict:
 
 def decode_variants(args) -> dict:
     """The sampler workload under each decode attention ("window", "ragged", "native") x decode_steps (16,
-    64), interleaved round by round in one process (same window): per variant the median wall
-    seconds and the median CPU seconds of the process (steadier than wall time on a shared box)."""
+    64), and the 64-step window and native ones with XLA's products (`decode_matmul="xla"`, suffix
+    `_xla_matmul`; the others take "auto": the packed native matmul), interleaved round by round in
+    one process (same window): per variant the median wall seconds and the median CPU seconds of
+    the process (steadier than wall time on a shared box)."""
     cfg = ModelConfig(**PRESETS["bench"])
     params = _params(cfg)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 1024, 64).tolist() for _ in range(32)]
     calls = {}
-    for attention in ("window", "ragged", "native"):
-        for steps in (16, 64):
-            engine = Engine(cfg, params, max_slots=32, max_len=192, page_size=16, decode_steps=steps,
-                            prefill_rows=8, prefill_chunk=64, decode_attention=attention)
-            calls[f"{attention}_{steps}"] = _fresh(engine, lambda e=engine: e.generate(_requests(prompts, [64] * 32)))
-            time_calls(calls[f"{attention}_{steps}"], 2)
+    variants = [(attention, steps, "auto") for attention in ("window", "ragged", "native") for steps in (16, 64)]
+    for attention, steps, matmul in variants + [("window", 64, "xla"), ("native", 64, "xla")]:
+        engine = Engine(cfg, params, max_slots=32, max_len=192, page_size=16, decode_steps=steps,
+                        prefill_rows=8, prefill_chunk=64, decode_attention=attention, decode_matmul=matmul)
+        name = f"{attention}_{steps}" + ("_xla_matmul" if matmul == "xla" else "")
+        calls[name] = _fresh(engine, lambda e=engine: e.generate(_requests(prompts, [64] * 32)))
+        time_calls(calls[name], 2)
     wall, cpu = {name: [] for name in calls}, {name: [] for name in calls}
     for _ in range(args.repeats):
         for name, call in calls.items():
@@ -390,7 +394,8 @@ def realistic_timing(args) -> dict:
     engine = _engine(cfg, params, args.replicas, max_slots=args.slots, max_len=1536, page_size=16,
                      decode_steps=args.decode_steps, prefill_rows=4, prefill_chunk=256, dtype=args.dtype,
                      **({"kv_dtype": args.kv_dtype} if args.kv_dtype else {}),
-                     **({"decode_attention": args.decode_attention} if args.decode_attention != "auto" else {}))
+                     **({"decode_attention": args.decode_attention} if args.decode_attention != "auto" else {}),
+                     **({"decode_matmul": args.decode_matmul} if args.decode_matmul != "auto" else {}))
     groups, outputs = range(args.chat_prompts), {}
 
     def continuous():
@@ -603,6 +608,8 @@ def main() -> None:
     parser.add_argument("--kv_dtype", default="", help="realistic: KV pages only (default: --dtype), e.g. bfloat16")
     parser.add_argument("--decode_attention", default="auto",
                         help="realistic: the engine's decode attention (auto: native on CPU where it builds)")
+    parser.add_argument("--decode_matmul", default="auto", choices=("auto", "native", "xla"),
+                        help="realistic, sampler: the engine's decode products (auto: native for float32 on CPU)")
     parser.add_argument("--model_json", default="", help="realistic_timing: the model's ModelConfig fields")
     parser.add_argument("--replicas", type=int, default=1,
                         help="sampler, realistic: the slots split over this many engines stepped at once")

@@ -1,7 +1,7 @@
 """Where a fixed-config rollout's device time goes: per-op profile of one decode call and one prefill call.
 
     .venv/bin/python benchmarks/rollout_profile.py [--calls 5] [--shape fixed|realistic] [--out FILE]
-        [--dtype float32|bfloat16] [--attention native,ragged]
+        [--dtype float32|bfloat16] [--attention native,ragged] [--matmul auto|native,xla]
 
 The fixed workload of `rollout.py` (32 prompts x 64 -> 64 tokens, bench preset, decode_steps 64:
 four 8-row prefill calls, then one decode call of 63 steps). One generate call runs with the
@@ -21,7 +21,10 @@ call (`common.decode_roofline`'s formulas, machine peaks measured here).
 `--shape realistic`: `rollout.py`'s realistic shape (bench_32k, 8 chat prompts x groups of 8 on 64
 slots, decode_steps 16, 96 new tokens each so that every slot is decoding): the first decode call
 with all 64 rows active, profiled under each decode attention ("native", the engine's choice
-there on CPU, "ragged", its plain-XLA form, and "window", which it would take below WINDOW_AUTO_BYTES).
+there on CPU, "ragged", its plain-XLA form, and "window", which it would take below WINDOW_AUTO_BYTES),
+and with `--matmul native,xla` under each decode matmul too (the packed native kernel, the
+engine's "auto" for float32 on CPU, against XLA's products; its custom calls count as their
+projection's matmul).
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ def _category(op_name: str) -> str:
     name = op_name.lower()
     for proj in PROJECTIONS:
         if proj in name or (proj == "lm_head" and "...e,ev->...v" in name):
-            return f"matmul_{proj}" if "dot_general" in name else "elementwise"
+            matmul = "dot_general" in name or "ffi_call" in name  # XLA's, or the packed native kernel's
+            return f"matmul_{proj}" if matmul else "elementwise"
     if "self_attn" in name or "contiguous_attention" in name:
         return "attention"
     if "layernorm" in name or "/norm/" in name or "q_norm" in name or "k_norm" in name:
@@ -129,17 +133,19 @@ def _profile(fn, args, calls: int) -> dict:
             "share": {k: round(v / total, 3) for k, v in sorted(per_category.items(), key=lambda kv: -kv[1])}}
 
 
-def realistic(calls: int, dtype: str = "float32", attentions: tuple[str, ...] = ("ragged", "window")) -> dict:
-    """The realistic shape's full-batch decode call, profiled per decode attention (`dtype`: the
-    engine's weights and KV pages)."""
+def realistic(calls: int, dtype: str = "float32", attentions: tuple[str, ...] = ("ragged", "window"),
+              matmuls: tuple[str, ...] = ("auto",)) -> dict:
+    """The realistic shape's full-batch decode call, profiled per decode attention and decode
+    matmul (`dtype`: the engine's weights and KV pages); keyed "attention" or, with more than one
+    matmul, "attention/matmul"."""
     from rollout import SLOTS, _chat_requests, chat_workload
 
     cfg = ModelConfig(**PRESETS["bench_32k"])
     params, (prompts, _) = _params(cfg), chat_workload(8)
     out = {"workload": f"bench_32k, 8 chat prompts x 8 on 64 slots, 96 new tokens, decode_steps 16, {dtype}"}
-    for attention in attentions:
+    for attention, matmul in ((a, m) for a in attentions for m in matmuls):
         engine = Engine(cfg, params, max_slots=SLOTS, max_len=1536, page_size=16, decode_steps=16, prefill_rows=4,
-                        prefill_chunk=256, decode_attention=attention, dtype=dtype)
+                        prefill_chunk=256, decode_attention=attention, decode_matmul=matmul, dtype=dtype)
         full, decode = [], device_fns.decode
 
         def keep_full(*args, decode=decode, full=full):
@@ -153,8 +159,9 @@ def realistic(calls: int, dtype: str = "float32", attentions: tuple[str, ...] = 
         finally:
             device_fns.decode = decode
         args = full[0]
-        out[attention] = {"context_mean": round(float(np.asarray(args[7]["position"]).mean()), 1),
-                          **_profile(device_fns.decode, args, calls)}
+        key = attention if len(matmuls) == 1 else f"{attention}/{matmul}"
+        out[key] = {"context_mean": round(float(np.asarray(args[7]["position"]).mean()), 1),
+                    **_profile(device_fns.decode, args, calls)}
     return out
 
 
@@ -165,10 +172,12 @@ def main() -> None:
     parser.add_argument("--out", default="")
     parser.add_argument("--dtype", default="float32", help="realistic: the engine's weights and KV pages")
     parser.add_argument("--attention", default="native,ragged", help="realistic: decode attentions to profile")
+    parser.add_argument("--matmul", default="auto", help="realistic: decode matmuls to profile (auto, native, xla)")
     args = parser.parse_args()
     if args.shape == "realistic":
         emit({"benchmark": "rollout_profile", "realistic_decode_call": realistic(
-            args.calls, args.dtype, tuple(args.attention.split(",")))}, args.out)
+            args.calls, args.dtype, tuple(args.attention.split(",")), tuple(args.matmul.split(",")))},
+            args.out)
         return
     cfg = ModelConfig(**PRESETS["bench"])
     rng = np.random.default_rng(0)

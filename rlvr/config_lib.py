@@ -203,13 +203,14 @@ def rl_config() -> ml_collections.ConfigDict:
         # KV page size, decode steps per host round trip, prefill rows and chunk length; the rollout
         # weights' dtype and the KV pages' ("" = dtype): "bfloat16" halves the engine's memory, and its
         # log-probs then differ from the trainer's float32 ones (rl.tis_cap corrects that); the decode
-        # attention ("auto" | "window" | "ragged" | "native") and the order waiting requests take free slots
-        # ("batch_lof" | "fcfs" | "lof"; see rlvr.rollout.engine.Engine); replicas: the slots split over
-        # that many engines stepped at once (a CPU host's idle cores; keep 1 on TPU/GPU:
-        # rlvr.rollout.replicas)
+        # attention ("auto" | "window" | "ragged" | "native"), its products ("auto" | "native" | "xla":
+        # float32 weights packed once for the native CPU matmul, Engine's decode_matmul) and the order
+        # waiting requests take free slots ("batch_lof" | "fcfs" | "lof"; see rlvr.rollout.engine.Engine);
+        # replicas: the slots split over that many engines stepped at once (a CPU host's idle cores;
+        # keep 1 on TPU/GPU: rlvr.rollout.replicas)
         "engine": ml_collections.ConfigDict({"max_slots": 128, "max_len": 0, "page_size": 16, "decode_steps": 8,
                                              "prefill_rows": 16, "prefill_chunk": 32, "dtype": "float32",
-                                             "kv_dtype": "", "decode_attention": "auto",
+                                             "kv_dtype": "", "decode_attention": "auto", "decode_matmul": "auto",
                                              "schedule_policy": "batch_lof", "replicas": 1}),
         # what happens: samples_per_step completions of each step (with their reward components) go to
         # samples.jsonl; the first and every print_samples_every steps, two are printed (0 = never)
@@ -403,11 +404,12 @@ ENGINE_DTYPES = ("float32", "bfloat16")
 
 def _validate_engine(engine: ml_collections.ConfigDict) -> None:
     """The embedded engine's choices (a typo would otherwise fail deep in the engine's first call)."""
-    from rlvr.rollout.engine import DECODE_ATTENTION, SCHEDULE_POLICIES
+    from rlvr.rollout.engine import DECODE_ATTENTION, DECODE_MATMUL, SCHEDULE_POLICIES
 
     for field, value, choices in (("dtype", engine.dtype, ENGINE_DTYPES),
                                   ("kv_dtype", engine.kv_dtype, ("",) + ENGINE_DTYPES),
                                   ("decode_attention", engine.decode_attention, DECODE_ATTENTION),
+                                  ("decode_matmul", engine.decode_matmul, DECODE_MATMUL),
                                   ("schedule_policy", engine.schedule_policy, SCHEDULE_POLICIES)):
         if value not in choices:
             raise ConfigError(f"rl.engine.{field}={value!r}: use one of {', '.join(map(repr, choices))}.")

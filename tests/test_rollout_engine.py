@@ -486,6 +486,34 @@ def test_a_bf16_pool_stored_as_bits_samples_what_a_bf16_pool_samples(params, mon
         np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=1e-6)
 
 
+def test_native_decode_matmul_packs_the_projections_and_samples_what_xla_samples(params, monkeypatch):
+    """decode_matmul "auto" (float32, one CPU device): every decoder and output projection of the
+    decode tree is packed (no plain `kernel` left there) and multiplied by the native kernel; the
+    greedy and sampled tokens equal an engine multiplying with XLA ("xla") and its log-probs agree
+    to 1e-5. "native" where it cannot run (bf16 weights, no compiler) is an error saying why."""
+    import rlvr.rollout.engine as engine_module
+
+    native, xla = Engine(CFG, params, **OPTS), Engine(CFG, params, **OPTS, decode_matmul="xla")
+    assert (native.native_matmul, xla.native_matmul) == (True, False)
+    names = {jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(native.params)}
+    packed = {n for n in names if n.endswith("['kernel_packed']")}
+    assert not {n for n in names if n.endswith("['kernel']")} and len(packed) == 4 * CFG.num_layers + 1
+    assert native.params["layers_0"]["self_attn"]["o_proj"]["kernel_packed"].shape == (2, 64, 32)  # [h·d, e]
+    assert native.params["lm_head"]["kernel_packed"].shape == (10, 64, 32)  # 300 columns: 9 panels + 12
+    requests = [_req(f"r{i}", p, max_new_tokens=12, temperature=t, sampling_seed=i)
+                for i, (p, t) in enumerate(zip(_prompts([5, 19, 40, 9]), [0.0, 1.0, 0.0, 1.0], strict=True))]
+    for got, ref in zip(native.generate(requests), xla.generate(requests), strict=True):
+        assert got.output_ids == ref.output_ids
+        np.testing.assert_allclose(got.output_logprobs, ref.output_logprobs, atol=1e-5)
+    assert not Engine(CFG, params, **OPTS, dtype="bfloat16").native_matmul
+    with pytest.raises(ValueError, match="decode_matmul='native' cannot run: it multiplies float32 weights"):
+        Engine(CFG, params, **OPTS, dtype="bfloat16", decode_matmul="native")
+    monkeypatch.setattr(engine_module, "packed_matmul_unavailable_reason", lambda: "no C++ compiler 'g++' on PATH")
+    assert not Engine(CFG, params, **OPTS).native_matmul
+    with pytest.raises(ValueError, match="decode_matmul='native' cannot run: no C.*use 'xla' or 'auto'"):
+        Engine(CFG, params, **OPTS, decode_matmul="native")
+
+
 def test_auto_decode_attention_takes_the_native_kernel_where_it_builds(params, monkeypatch):
     """decode_attention="auto" beyond the contiguous window's size: the native CPU kernel when it
     builds here, else the ragged XLA path; "native" asked for where it cannot run is an error that

@@ -17,14 +17,12 @@
 // (rlvr.kernels.bits).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "native_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -328,31 +326,6 @@ void AttendCluster(const Shape& s, const Options& o, const float* q, const T* k_
   }
 }
 
-// Runs work(item) for item in [0, count) on the caller and up to `threads` - 1 pool tasks, each
-// taking items from a shared counter; returns when all are done. The shared state is reference
-// counted: a task that starts after the caller finished everything finds no work and exits.
-template <typename F>
-void ParallelFor(ffi::ThreadPool& pool, int64_t count, F work) {
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto state = std::make_shared<State>();
-  auto drain = [state, count, work]() {
-    std::vector<v8> scratch;
-    for (int64_t item; (item = state->next.fetch_add(1)) < count;) {
-      work(item, scratch);
-      state->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), count) - 1;
-  for (int64_t t = 0; t < helpers; ++t) {
-    auto task = drain;
-    pool.Schedule(std::move(task));
-  }
-  drain();
-  while (state->done.load(std::memory_order_acquire) < count) std::this_thread::yield();
-}
-
 template <typename T>
 ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                   ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> layer,
@@ -369,7 +342,8 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
   float* op = out->typed_data();
   std::fill(op, op + s.batch * s.queries * s.heads * s.dim, 0.0f);  // idle rows: zeros
   const auto clusters = Clusters(s, table, lens);
-  ParallelFor(pool, static_cast<int64_t>(clusters.size()), [=, &clusters](int64_t item, std::vector<v8>& scratch) {
+  rlvr::ParallelFor<std::vector<v8>>(pool, static_cast<int64_t>(clusters.size()),
+                                    [=, &clusters](int64_t item, std::vector<v8>& scratch) {
     AttendCluster<T>(s, options, qp, kp, vp, table, lens, layer_id, clusters[item], op, scratch);
   });
   return ffi::Error::Success();

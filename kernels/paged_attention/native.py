@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 SOURCE = Path(__file__).with_name("native.cc")
+HEADER = Path(__file__).parent.parent / "native_parallel.h"  # shared by the native kernels
 TARGET = "rlvr_paged_attention"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
 _lock = threading.Lock()
@@ -62,34 +63,42 @@ def kernel_cache_dir() -> Path:
 
 
 def _build_and_register() -> str | None:
+    return build_and_register(SOURCE, "RlvrPagedAttention", TARGET)
+
+
+def build_and_register(source: Path, symbol: str, target: str) -> str | None:
+    """Compiles `source` (cached, `_library`) and registers its FFI handler `symbol` as the CPU
+    custom-call target `target`; returns None, or why it cannot (no compiler, the build's error)."""
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
-        return (f"no C++ compiler {os.environ.get('CXX', 'g++')!r} on PATH to build {SOURCE.name} "
+        return (f"no C++ compiler {os.environ.get('CXX', 'g++')!r} on PATH to build {source.name} "
                 f"(apt-get install -y g++, or set CXX)")
     try:
-        library = _library(compiler)
+        library = _library(compiler, source)
     except (OSError, subprocess.SubprocessError) as error:
-        return f"building {SOURCE.name} failed: {str(error)[-2000:]}"
-    handler = ctypes.cdll.LoadLibrary(str(library)).RlvrPagedAttention
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+        return f"building {source.name} failed: {str(error)[-2000:]}"
+    handler = getattr(ctypes.cdll.LoadLibrary(str(library)), symbol)
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     return None
 
 
-def _library(compiler: str) -> Path:
-    """The compiled kernel, built into the cache directory if not there yet (atomically: a
+def _library(compiler: str, source: Path) -> Path:
+    """The compiled `source`, built into the cache directory if not there yet (atomically: a
     concurrent build by another process leaves one complete file)."""
     import jaxlib
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), jaxlib.__version__.encode(), version.encode(),
-                                     " ".join(FLAGS).encode(), _cpu_flags().encode()])).hexdigest()[:16]
-    path = kernel_cache_dir() / f"paged_attention_{key}.so"
+    parts = [source.read_bytes(), HEADER.read_bytes(), jaxlib.__version__.encode(), version.encode(),
+             " ".join(FLAGS).encode(), _cpu_flags().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    path = kernel_cache_dir() / f"{source.parent.name}_{key}.so"
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         built = Path(scratch) / path.name
-        command = [compiler, *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(built)]
+        command = [compiler, *FLAGS, "-I", jax.ffi.include_dir(), "-I", str(HEADER.parent), str(source), "-o",
+                   str(built)]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode:
             raise subprocess.SubprocessError(f"{' '.join(command)}: {result.stderr}")

@@ -31,6 +31,7 @@ import numpy as np
 
 from rlvr.kernels.bits import as_bits, from_bits, kv_float, take_rows
 from rlvr.kernels.chunked_logprob.reference import project
+from rlvr.kernels.packed_matmul import pack_weight, packed_matmul
 from rlvr.models.config import QUANTIZE, LoraConfig, ModelConfig
 from rlvr.sharding import constrain
 
@@ -99,8 +100,11 @@ class Linear(nn.Module):
         n_in = len(self.in_shape)
         lead = x.shape[: x.ndim - n_in]
         x2 = x.reshape(-1, math.prod(self.in_shape)).astype(self.dtype)
-        w2 = self._weight_2d()
-        y = (project(x2, w2) if self.float32_output else _matmul(x2, w2)).reshape(*lead, *self.out_shape)
+        if self.has_variable("params", "kernel_packed"):  # the rollout engine's packed tree (`pack_projections`)
+            y = self._packed(x2).reshape(*lead, *self.out_shape)
+        else:
+            w2 = self._weight_2d()
+            y = (project(x2, w2) if self.float32_output else _matmul(x2, w2)).reshape(*lead, *self.out_shape)
         if self.use_bias:
             bias = _param(self, "bias", nn.initializers.zeros, self.out_shape, self.out_axes,
                           _dtype(self.param_dtype))
@@ -109,6 +113,14 @@ class Linear(nn.Module):
             delta = self._adapter(x2)
             y = y if delta is None else y + delta.reshape(y.shape)
         return y
+
+    def _packed(self, x2: jax.Array) -> jax.Array:
+        """x2 @ the kernel held as `kernel_packed` (`pack_projections`), float32 through the native kernel."""
+        packed = self.get_variable("params", "kernel_packed")
+        if packed.shape[1] != x2.shape[1]:
+            raise ValueError(f"{self.name}: kernel_packed {packed.shape} packs {packed.shape[1]} inputs, the layer "
+                             f"takes {x2.shape[1]} (in_shape {self.in_shape}); pack with pack_projections")
+        return packed_matmul(x2, packed, math.prod(self.out_shape)).astype(self.dtype)
 
     def _weight_2d(self) -> jax.Array:
         """The kernel as [in, out] in the compute dtype (dequantised when the base is quantised)."""
@@ -768,6 +780,31 @@ def fuse_projections(params: Params) -> Params:
         return tree
 
     return {name: fuse(sub) if name.startswith("layers_") else sub for name, sub in params.items()}
+
+
+PACKED_IN_DIMS = {"o_proj": 2}  # a packed kernel's input dims (`Linear.in_shape`'s length), 1 when not named
+
+
+def pack_projections(params: Params) -> Params:
+    """The rollout engine's decode tree (`unstack_layers`, `fuse_projections`) with every float32
+    `kernel` of the decoder layers and of `lm_head` replaced by `kernel_packed`, its [K, N] matrix
+    in column panels (`rlvr.kernels.packed_matmul.pack_weight`), which `Linear` multiplies through
+    the native kernel: packed once per weight load instead of by XLA:CPU at every decode step.
+    Adapters, biases and a quantised base are left as they are (a module holding `kernel_scale`
+    keeps its kernel); the vision tower too."""
+    def pack(name, tree):
+        if not isinstance(tree, dict):
+            return tree
+        tree = {key: pack(key, sub) for key, sub in tree.items()}
+        kernel = tree.get("kernel")
+        if isinstance(kernel, jax.Array) and kernel.dtype == jnp.float32 and "kernel_scale" not in tree:
+            n_in = PACKED_IN_DIMS.get(name, 1)
+            tree["kernel_packed"] = pack_weight(kernel.reshape(math.prod(kernel.shape[:n_in]), -1))
+            del tree["kernel"]
+        return tree
+
+    return {name: pack(name, sub) if name.startswith("layers_") or name == "lm_head" else sub
+            for name, sub in params.items()}
 
 
 def dropout_rngs(cfg: ModelConfig, rng: jax.Array | None) -> dict[str, jax.Array] | None:

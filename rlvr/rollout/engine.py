@@ -46,9 +46,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlvr.kernels.bits import bits_pool
+from rlvr.kernels.packed_matmul import native_unavailable_reason as packed_matmul_unavailable_reason
 from rlvr.kernels.paged_attention import native_unavailable_reason
 from rlvr.models.config import ModelConfig
-from rlvr.models.transformer import fuse_projections, init_paged_cache, unstack_layers
+from rlvr.models.transformer import fuse_projections, init_paged_cache, pack_projections, unstack_layers
 from rlvr.rollout import device_fns
 from rlvr.rollout import extras as extras_lib
 from rlvr.rollout import images as images_lib
@@ -60,6 +61,7 @@ from rlvr.rollout.stops import StopStrings
 from rlvr.rollout.types import Completion, Request
 
 DECODE_ATTENTION = ("auto", "window", "ragged", "native")
+DECODE_MATMUL = ("auto", "native", "xla")
 # SGLang's names (first come first served, longest output first) and lof per batch of requests
 # submitted together (`Slots._admission_key`)
 SCHEDULE_POLICIES = ("batch_lof", "fcfs", "lof")
@@ -83,6 +85,11 @@ class Engine(Slots, Dispatch):
     layer-step at the realistic benchmark's shape, 1.25x its generate), CPU only; "auto" (default): "window"
     when that window (k and v, all layers) is at most WINDOW_AUTO_BYTES, else "native" on CPU with
     the params on one device where the kernel builds, else "ragged".
+    decode_matmul: how the decode tree's projections are multiplied. "native": float32 weights packed
+    once per weight load into column panels and multiplied by the C++ XLA:CPU kernel
+    (kernels/packed_matmul, `pack_projections`), where XLA:CPU's matmul packs every weight again at
+    every decode step; "xla": plain `x @ w`; "auto" (default): "native" for float32 weights on one
+    CPU device where the kernel builds, else "xla".
     schedule_policy: the order waiting requests take free slots: "fcfs" (submission order), "lof"
     (longest output first: the largest max_new_tokens first, as SGLang's --schedule-policy lof;
     long requests start early instead of running alone at the end of a batch of varied lengths,
@@ -99,11 +106,13 @@ class Engine(Slots, Dispatch):
                  prefill_rows: int = 4, prefill_chunk: int = 64, seed: int = 0, model_path: str = "",
                  dtype: str = "float32", kv_dtype: str | None = None, decode_attention: str = "auto",
                  image_max_pixels: int = 28 * 28 * 1280, schedule_policy: str = "batch_lof",
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, decode_matmul: str = "auto"):
         if max_len % page_size:
             raise ValueError(f"max_len={max_len} must be a multiple of page_size={page_size}")
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention={decode_attention!r}: use one of {DECODE_ATTENTION}")
+        if decode_matmul not in DECODE_MATMUL:
+            raise ValueError(f"decode_matmul={decode_matmul!r}: use one of {DECODE_MATMUL}")
         if schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy={schedule_policy!r}: use one of {SCHEDULE_POLICIES}")
         self.schedule_policy = schedule_policy
@@ -117,6 +126,7 @@ class Engine(Slots, Dispatch):
         # Committed to their devices as `update_weights` commits new ones: uncommitted params (a
         # notebook's jnp arrays) would key every compiled program differently from the updated ones,
         # so the first weight update would recompile them all.
+        self.native_matmul = self._native_matmul(decode_matmul, dtype)
         self.params = self._decode_params(jax.tree.map(jax.device_put, params, self._shardings))
         self.max_slots, self.max_len, self.page_size = max_slots, max_len, page_size
         self.decode_steps, self.prefill_rows, self.prefill_chunk = decode_steps, prefill_rows, prefill_chunk
@@ -185,6 +195,22 @@ class Engine(Slots, Dispatch):
         return decode_attention == "native" or (decode_attention == "auto" and reason is None and
                                                 (mesh is None or mesh.size == 1))
 
+    def _native_matmul(self, decode_matmul: str, dtype: str) -> bool:
+        """Whether the decode tree's float32 projections are packed for the native matmul
+        (`pack_projections`): when asked for (an error naming why it cannot run, if so), or by
+        "auto" where it can: float32 weights on one CPU device, the kernel built."""
+        if decode_matmul == "xla":
+            return False
+        reason = packed_matmul_unavailable_reason()
+        mesh = self._mesh()
+        if reason is None and jnp.dtype(dtype) != jnp.float32:
+            reason = f"it multiplies float32 weights and the engine's dtype is {dtype!r}"
+        if reason is None and mesh is not None and mesh.size > 1:
+            reason = f"the params are on a {mesh.size}-device mesh (the custom call has no partitioning rule)"
+        if decode_matmul == "native" and reason:
+            raise ValueError(f"decode_matmul='native' cannot run: {reason}; use 'xla' or 'auto'")
+        return reason is None
+
     def _mesh(self) -> jax.sharding.Mesh | None:
         """The params' mesh (None when they are not on one)."""
         sharding = jax.tree.leaves(self._shardings)[0]
@@ -195,8 +221,9 @@ class Engine(Slots, Dispatch):
         if self.cfg.tie_word_embeddings:
             params["lm_head"] = {"kernel": params["embed_tokens"].T}
         dtype = jnp.dtype(self.decode_cfg.param_dtype)
-        return fuse_projections(jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
-                                             else x, params))
+        params = fuse_projections(jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+                                               else x, params))
+        return pack_projections(params) if self.native_matmul else params
 
     # --- public API ----------------------------------------------------------------------
 

@@ -149,7 +149,8 @@ def build_backend(config: ml_collections.ConfigDict, model: api.Model, params, t
                                         max_len=e.max_len, page_size=e.page_size, decode_steps=e.decode_steps,
                                         prefill_rows=e.prefill_rows, prefill_chunk=e.prefill_chunk,
                                         dtype=e.dtype, kv_dtype=e.kv_dtype or None,
-                                        decode_attention=e.decode_attention, schedule_policy=e.schedule_policy,
+                                        decode_attention=e.decode_attention, decode_matmul=e.decode_matmul,
+                                        schedule_policy=e.schedule_policy,
                                         replicas=e.replicas, seed=config.seed)
     urls = [u.strip() for u in rl.sglang_urls.split(",") if u.strip()]
     backend = backends.SGLangBackend(urls, model.cfg, os.path.join(workdir, "weights"),

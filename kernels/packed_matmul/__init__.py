@@ -1,0 +1,75 @@
+"""A float32 matmul with weights packed once into column panels, as a native XLA:CPU custom call.
+
+What: `pack_weight(w)` turns a [K, N] weight into panels [ceil(N/32), K, 32] (zero past N);
+`packed_matmul(x, packed, n)` is `x @ w` from them ([..., K] -> [..., N], float32), computed by
+`native.cc` through XLA's FFI; `unpack_weight` and `packed_matmul_reference` are the plain-XLA
+inverse and reference.
+Why: in the rollout engine's decode loop XLA:CPU's matmul re-packs every weight at every step (a
+pass over the weights with no arithmetic in it, which does not overlap the products), so the
+decode's products ran at ~0.55-0.7 of the machine's FMA rate. The engine packs its decode weights
+once per weight load (`rlvr.models.transformer.pack_projections`) and `Linear` multiplies through
+this kernel when its params hold `kernel_packed`.
+How: built on first use like the native paged-attention kernel (`native_unavailable_reason`,
+same compiler, flags and cache).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from rlvr.kernels.paged_attention import native as _native
+
+SOURCE = Path(__file__).with_name("native.cc")
+TARGET = "rlvr_packed_matmul"
+PANEL = 32  # output columns per panel (native.cc's kCols)
+_lock = threading.Lock()
+_built: dict[str, str | None] = {}
+
+
+def native_unavailable_reason() -> str | None:
+    """Why the packed matmul cannot run natively on the default backend (None if it can); builds
+    and registers it on the first call."""
+    backend = jax.default_backend()
+    if backend != "cpu":
+        return f"the native packed matmul is an XLA:CPU custom call and the default backend is {backend!r}"
+    with _lock:
+        if "reason" not in _built:
+            _built["reason"] = _native.build_and_register(SOURCE, "RlvrPackedMatmul", TARGET)
+        return _built["reason"]
+
+
+def pack_weight(w: jax.Array) -> jax.Array:
+    """[K, N] -> float32 panels [ceil(N/32), K, 32]: packed[p, k, j] = w[k, 32 p + j], zero past N."""
+    k, n = w.shape
+    panels = -(-n // PANEL)
+    w = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, panels * PANEL - n)))
+    return w.reshape(k, panels, PANEL).transpose(1, 0, 2)
+
+
+def unpack_weight(packed: jax.Array, n: int) -> jax.Array:
+    """`pack_weight`'s inverse: [K, n]."""
+    panels, k, _ = packed.shape
+    return packed.transpose(1, 0, 2).reshape(k, panels * PANEL)[:, :n]
+
+
+def packed_matmul_reference(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
+    """x [..., K] @ the unpacked weight in plain XLA, float32."""
+    return x.astype(jnp.float32) @ unpack_weight(packed, n)
+
+
+def packed_matmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
+    """x [..., K] @ w, w given as `pack_weight(w)` with n columns; float32 [..., n]. Runs the native
+    kernel where it builds (XLA:CPU), else `packed_matmul_reference`."""
+    if native_unavailable_reason() is not None:
+        return packed_matmul_reference(x, packed, n)
+    if packed.ndim != 3 or packed.shape[2] != PANEL or packed.shape[1] != x.shape[-1] or \
+            not (packed.shape[0] - 1) * PANEL < n <= packed.shape[0] * PANEL:
+        raise ValueError(f"packed_matmul: x {x.shape} and packed {packed.shape} for n={n}: expected packed "
+                         f"[ceil(n/{PANEL}), x.shape[-1], {PANEL}] (pack_weight of a [K, n] weight)")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32), vmap_method="sequential")
+    return call(x2, packed.astype(jnp.float32)).reshape(*lead, n)
