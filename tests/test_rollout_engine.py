@@ -205,7 +205,7 @@ class _EosTokenizer:
 
 
 def test_continuous_batching_refills_freed_slots(params):
-    engine = Engine(CFG, params, **{**OPTS, "max_slots": 2})
+    engine = Engine(CFG, params, **{**OPTS, "max_slots": 2}, decode_attention="window")  # window metrics below
     for i, n in enumerate([2, 30, 2, 2]):
         engine.submit(_req(f"c{i}", _prompts([5], seed=i)[0], max_new_tokens=n))
     finished_order, outputs = [], {}
@@ -361,21 +361,22 @@ def test_a_weight_update_drops_the_prefix_cache_and_old_kv_never_enters_it(param
     assert np.max(np.abs(np.subtract(old.output_logprobs, reference.output_logprobs))) > 1e-3  # stale KV shows
 
 
-def test_compilation_is_bounded_and_paid_up_front(params):
+@pytest.mark.parametrize("decode_attention, buckets", [("window", [4, 8, 16]), ("auto", [16])])
+def test_compilation_is_bounded_and_paid_up_front(params, decode_attention, buckets):
     """`warmup()` compiles the decode programs (one per window length, `window_buckets`: 4, 8
-    and 16 pages here) and the prefill shapes (rows 1, 2 x chunks 4, 16 here), once each: the page pool
+    and 16 pages here; one for "auto", the native kernel on CPU) and the prefill shapes (rows 1, 2 x chunks 4, 16 here), once each: the page pool
     and decode state start on the params' mesh, as every call returns them (created uncommitted, the
     first call's program was one no later call used: 5 prefill compiles); workloads of other ids,
     seeds, prompt lengths and output lengths then compile nothing new."""
     def counts():
         return device_fns.decode._cache_size(), device_fns.prefill._cache_size()
 
-    engine = Engine(CFG, params, **OPTS)
+    engine = Engine(CFG, params, **OPTS, decode_attention=decode_attention)
     start = counts()
     engine.warmup()
     warm = counts()
-    assert engine.window_buckets() == [4, 8, 16]
-    assert warm[0] - start[0] <= 3 and warm[1] - start[1] <= 4
+    assert engine.window_buckets() == buckets
+    assert warm[0] - start[0] <= len(buckets) and warm[1] - start[1] <= 4
 
     def workload(tag, seed):
         engine.generate([_req(f"{tag}s", _prompts([5], seed=seed)[0])])
@@ -515,16 +516,20 @@ def test_native_decode_matmul_packs_the_projections_and_samples_what_xla_samples
 
 
 def test_auto_decode_attention_takes_the_native_kernel_where_it_builds(params, monkeypatch):
-    """decode_attention="auto" beyond the contiguous window's size: the native CPU kernel when it
-    builds here, else the ragged XLA path; "native" asked for where it cannot run is an error that
-    says why (and what to use instead)."""
+    """decode_attention="auto": the native CPU kernel when it builds here (whatever the window's
+    size); else the contiguous window up to WINDOW_AUTO_BYTES and the ragged XLA path beyond; "native"
+    asked for where it cannot run is an error that says why (and what to use instead)."""
     import rlvr.rollout.engine as engine_module
 
-    monkeypatch.setattr(engine_module, "WINDOW_AUTO_BYTES", 0)
-    engine = Engine(CFG, params, **OPTS)
-    assert (engine.decode_window, engine.native_decode) == (False, True)
+    def choice(**options):
+        engine = Engine(CFG, params, **OPTS, **options)
+        return engine.decode_window, engine.native_decode, engine.attention_backend()
+
+    assert choice() == (False, True, "native")
     monkeypatch.setattr(engine_module, "native_unavailable_reason", lambda: "no C++ compiler 'g++' on PATH")
-    assert (Engine(CFG, params, **OPTS).native_decode, Engine(CFG, params, **OPTS, decode_attention="window")
-            .decode_window) == (False, True)
+    assert choice() == (True, False, "window")
+    monkeypatch.setattr(engine_module, "WINDOW_AUTO_BYTES", 0)
+    assert choice() == (False, False, "ragged")
+    assert choice(decode_attention="window") == (True, False, "window")
     with pytest.raises(ValueError, match="decode_attention='native' cannot run: no C.*use 'ragged' or 'auto'"):
         Engine(CFG, params, **OPTS, decode_attention="native")

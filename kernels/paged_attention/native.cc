@@ -14,7 +14,9 @@
 // one pass (a shared prompt page is read once for all of them, every kv head while it is in
 // cache); per pass an online softmax (running max, exp-sum, weighted values) per lane. Float32
 // softmax and accumulation; pages may be float32, bfloat16, or bfloat16 stored as uint16 bits
-// (rlvr.kernels.bits).
+// (rlvr.kernels.bits). A row alone with at most 4 queries per kv head (lanes the cluster layout
+// would mostly leave empty: 2 of 8 with a 4:2 GQA model) runs AttendRow instead, its products
+// along the head dimension (1.3-1.5x faster at the fixed benchmark's 32 unshared rows).
 
 #include <algorithm>
 #include <cmath>
@@ -326,6 +328,144 @@ void AttendCluster(const Shape& s, const Options& o, const float* q, const T* k_
   }
 }
 
+inline v8 LoadVector(const float* p) {
+  v8 out;
+  std::memcpy(&out, p, sizeof(out));
+  return out;
+}
+inline v8 LoadVector(const uint16_t* p) {  // 8 bfloat16 bits -> float32
+  typedef uint16_t v8u16 __attribute__((vector_size(16)));
+  v8u16 bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  const v8i wide = __builtin_convertvector(bits, v8i) << 16;
+  v8 out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+inline float Sum(v8 x) {
+  typedef float v4 __attribute__((vector_size(16)));
+  v4 half = __builtin_shufflevector(x, x, 0, 1, 2, 3) + __builtin_shufflevector(x, x, 4, 5, 6, 7);
+  half += __builtin_shufflevector(half, half, 2, 3, 0, 1);
+  half += __builtin_shufflevector(half, half, 1, 0, 3, 2);
+  return half[0];
+}
+
+// Queries of one kv head per row that AttendRow takes (lanes AttendCluster would leave empty).
+constexpr int64_t kRowQueries = 4;
+
+// A row alone (a cluster of one) whose N queries per kv head are at most kRowQueries:
+// AttendCluster would fill at most half of each vector's lanes, so here the products run along the
+// head dimension instead, 8 channels per vector: a key row is loaded once for all of the head's
+// queries (each score a horizontal sum), and per 8 channels the weighted values of the page's
+// tokens are summed in registers for every query (2 queries per kv head: 4x fewer multiply-adds
+// than AttendCluster). Same masks, softcap and online softmax per page.
+template <int N, typename T>
+void AttendRowHead(const Shape& s, const Options& o, const float* q, const T* k_layer, const T* v_layer,
+                   const int32_t* table, int64_t row, int64_t length, int64_t h, float* out, v8* scratch) {
+  const int64_t g = s.heads / s.kv_heads, nq = s.queries, d = s.dim, p = s.page_size, dv = d / kLanes;
+  const int64_t token_stride = s.kv_heads * d, page_stride = p * token_stride;
+  const int64_t width = (p + kLanes - 1) / kLanes * kLanes;  // a query's scores, padded to whole vectors
+  v8* query = scratch;         // [N][dv], scaled
+  v8* acc = query + N * dv;    // [N][dv]
+  float* score = reinterpret_cast<float*>(acc + N * dv);  // [N][width]
+  int64_t bottom[N], top[N], first = length;
+  float peak[N], total[N];
+  for (int qi = 0; qi < N; ++qi) {
+    const float* src = q + ((row * nq + qi / g) * s.heads + h * g + qi % g) * d;
+    for (int64_t c = 0; c < d; ++c) query[qi * dv + c / kLanes][c % kLanes] = src[c] * o.scale;
+    for (int64_t c = 0; c < dv; ++c) acc[qi * dv + c] = Splat(0.0f);
+    top[qi] = length - nq + qi / g + 1;
+    bottom[qi] = o.sliding_window > 0 ? std::max<int64_t>(0, top[qi] - o.sliding_window) : 0;
+    first = std::min(first, bottom[qi]);
+    peak[qi] = kMask, total[qi] = 0.0f;
+  }
+  for (int64_t start = first / p * p; start < length; start += p) {
+    const int64_t page = std::clamp<int64_t>(table[row * s.table_width + start / p], 0, s.pages - 1);
+    const T* k_page = k_layer + page * page_stride + h * d;
+    const T* v_page = v_layer + page * page_stride + h * d;
+    const int64_t tokens = std::min<int64_t>(p, length - start);
+    const bool ahead = start + p < length;  // the next page's rows of this head, a row per key scored
+    const int64_t next = ahead ? std::clamp<int64_t>(table[row * s.table_width + start / p + 1], 0, s.pages - 1) : 0;
+    const char* k_next = reinterpret_cast<const char*>(k_layer + next * page_stride + h * d);
+    const char* v_next = reinterpret_cast<const char*>(v_layer + next * page_stride + h * d);
+    const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T)), stride_bytes = token_stride * sizeof(T);
+    for (int64_t t = 0; t < tokens; ++t) {  // scores: the key row once for every query
+      if (ahead) {
+        for (int64_t b = 0; b < row_bytes; b += 64) {
+          __builtin_prefetch(k_next + t * stride_bytes + b);
+          __builtin_prefetch(v_next + t * stride_bytes + b);
+        }
+      }
+      v8 sum[N] = {};
+      for (int64_t c = 0; c < dv; ++c) {
+        const v8 key = LoadVector(k_page + t * token_stride + c * kLanes);
+        for (int qi = 0; qi < N; ++qi) sum[qi] += key * query[qi * dv + c];
+      }
+      for (int qi = 0; qi < N; ++qi) {
+        float x = Sum(sum[qi]);
+        if (o.softcap > 0.0f) x = o.softcap * std::tanh(x / o.softcap);
+        score[qi * width + t] = start + t >= bottom[qi] && start + t < top[qi] ? x : kMask;
+      }
+    }
+    for (int qi = 0; qi < N; ++qi) {  // online softmax, 8 tokens at a time
+      float* x = score + qi * width;
+      for (int64_t t = tokens; t < width; ++t) x[t] = kMask;
+      float page_peak = kMask;
+      for (int64_t t = 0; t < tokens; ++t) page_peak = std::max(page_peak, x[t]);
+      if (page_peak == kMask) {  // nothing visible here: weights 0
+        for (int64_t t = 0; t < tokens; ++t) x[t] = 0.0f;
+        continue;
+      }
+      const float new_peak = std::max(peak[qi], page_peak);
+      const float correction = ExpNonPositive(Splat(peak[qi] - new_peak))[0];
+      peak[qi] = new_peak;
+      v8 sum = Splat(0.0f);
+      for (int64_t b = 0; b < width; b += kLanes) {
+        const v8 xs = LoadVector(x + b);
+        const v8 w = xs == Splat(kMask) ? Splat(0.0f) : ExpNonPositive(xs - Splat(new_peak));
+        std::memcpy(x + b, &w, sizeof(w));
+        sum += w;
+      }
+      total[qi] = total[qi] * correction + Sum(sum);
+      for (int64_t c = 0; c < dv; ++c) acc[qi * dv + c] *= Splat(correction);
+    }
+    for (int64_t c = 0; c < dv; ++c) {  // weighted values: per 8 channels, every token and query
+      v8 sum[N];
+      for (int qi = 0; qi < N; ++qi) sum[qi] = acc[qi * dv + c];
+      for (int64_t t = 0; t < tokens; ++t) {
+        const v8 value = LoadVector(v_page + t * token_stride + c * kLanes);
+        for (int qi = 0; qi < N; ++qi) sum[qi] += Splat(score[qi * width + t]) * value;
+      }
+      for (int qi = 0; qi < N; ++qi) acc[qi * dv + c] = sum[qi];
+    }
+  }
+  for (int qi = 0; qi < N; ++qi) {
+    float* dst = out + ((row * nq + qi / g) * s.heads + h * g + qi % g) * d;
+    const float inverse = total[qi] > 0.0f ? 1.0f / total[qi] : 0.0f;
+    for (int64_t c = 0; c < d; ++c) dst[c] = acc[qi * dv + c / kLanes][c % kLanes] * inverse;
+  }
+}
+
+template <typename T>
+void AttendRow(const Shape& s, const Options& o, const float* q, const T* k_pool, const T* v_pool,
+               const int32_t* table, const int32_t* lengths, int32_t layer, int64_t row, float* out,
+               std::vector<v8>& scratch) {
+  const int64_t n = s.queries * (s.heads / s.kv_heads), dv = s.dim / kLanes;
+  const int64_t page_stride = s.page_size * s.kv_heads * s.dim;
+  scratch.assign(2 * n * dv + n * ((s.page_size + kLanes - 1) / kLanes), Splat(0.0f));
+  const int64_t length = std::min<int64_t>(lengths[row], s.table_width * s.page_size);
+  const T* k_layer = k_pool + layer * s.pages * page_stride;
+  const T* v_layer = v_pool + layer * s.pages * page_stride;
+  for (int64_t h = 0; h < s.kv_heads; ++h) {
+    switch (n) {
+      case 1: AttendRowHead<1>(s, o, q, k_layer, v_layer, table, row, length, h, out, scratch.data()); break;
+      case 2: AttendRowHead<2>(s, o, q, k_layer, v_layer, table, row, length, h, out, scratch.data()); break;
+      case 3: AttendRowHead<3>(s, o, q, k_layer, v_layer, table, row, length, h, out, scratch.data()); break;
+      default: AttendRowHead<4>(s, o, q, k_layer, v_layer, table, row, length, h, out, scratch.data()); break;
+    }
+  }
+}
+
 template <typename T>
 ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                   ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> layer,
@@ -344,7 +484,12 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
   const auto clusters = Clusters(s, table, lens);
   rlvr::ParallelFor<std::vector<v8>>(pool, static_cast<int64_t>(clusters.size()),
                                     [=, &clusters](int64_t item, std::vector<v8>& scratch) {
-    AttendCluster<T>(s, options, qp, kp, vp, table, lens, layer_id, clusters[item], op, scratch);
+    const auto& rows = clusters[item];
+    if (rows.size() == 1 && s.queries * (s.heads / s.kv_heads) <= kRowQueries && s.dim % kLanes == 0) {
+      AttendRow<T>(s, options, qp, kp, vp, table, lens, layer_id, rows[0], op, scratch);
+    } else {
+      AttendCluster<T>(s, options, qp, kp, vp, table, lens, layer_id, rows, op, scratch);
+    }
   });
   return ffi::Error::Success();
 }

@@ -65,8 +65,9 @@ DECODE_MATMUL = ("auto", "native", "xla")
 # SGLang's names (first come first served, longest output first) and lof per batch of requests
 # submitted together (`Slots._admission_key`)
 SCHEDULE_POLICIES = ("batch_lof", "fcfs", "lof")
-# "auto" decode attention uses the contiguous window up to this size (k + v, all layers): the
-# fixed benchmark config's 32 slots x 192 tokens is 25 MB; the realistic one's 64 x 1,536, 600 MB.
+# "auto" decode attention, where the native kernel cannot run (TPU, GPU, no compiler, a sharded
+# engine), uses the contiguous window up to this size (k + v, all layers): the fixed benchmark
+# config's 32 slots x 192 tokens is 25 MB; the realistic one's 64 x 1,536, 600 MB.
 WINDOW_AUTO_BYTES = 64 * 2**20
 
 
@@ -82,9 +83,10 @@ class Engine(Slots, Dispatch):
     hold); "ragged": each step loops over the pages the rows hold (work follows the lengths,
     with a gather per layer and step); "native": as "ragged", through the C++ XLA:CPU kernel
     (kernels/paged_attention/native.cc, built on first use; 2.85x faster than "ragged" per
-    layer-step at the realistic benchmark's shape, 1.25x its generate), CPU only; "auto" (default): "window"
-    when that window (k and v, all layers) is at most WINDOW_AUTO_BYTES, else "native" on CPU with
-    the params on one device where the kernel builds, else "ragged".
+    layer-step at the realistic benchmark's shape, 1.25x its generate; 1.04-1.09x the window on
+    the fixed config's sampler with the native matmul), CPU only; "auto" (default): "native" on CPU
+    with the params on one device where the kernel builds, else "window" when that window (k and v,
+    all layers) is at most WINDOW_AUTO_BYTES, else "ragged".
     decode_matmul: how the decode tree's projections are multiplied. "native": float32 weights packed
     once per weight load into column panels and multiplied by the C++ XLA:CPU kernel
     (kernels/packed_matmul, `pack_projections`), where XLA:CPU's matmul packs every weight again at
@@ -133,9 +135,9 @@ class Engine(Slots, Dispatch):
         self.pages_per_row = max_len // page_size
         window_bytes = 2 * cfg.num_layers * max_slots * max_len * cfg.num_kv_heads * cfg.head_dim * \
             jnp.dtype(self.kv_dtype).itemsize
-        self.decode_window = decode_attention == "window" or (decode_attention == "auto" and
-                                                              window_bytes <= WINDOW_AUTO_BYTES)
-        self.native_decode = not self.decode_window and self._native_decode(decode_attention)
+        self.native_decode = self._native_decode(decode_attention)
+        self.decode_window = decode_attention == "window" or (decode_attention == "auto" and not self.native_decode
+                                                              and window_bytes <= WINDOW_AUTO_BYTES)
         self.pages = PagePool(num_pages or max_slots * self.pages_per_row + 1)
         self.prefix = PrefixCache(self.pages, page_size, enabled=prefix_cache)
         self.pool = self._new_pool()
