@@ -364,10 +364,11 @@ def test_a_weight_update_drops_the_prefix_cache_and_old_kv_never_enters_it(param
 @pytest.mark.parametrize("decode_attention, buckets", [("window", [4, 8, 16]), ("auto", [16])])
 def test_compilation_is_bounded_and_paid_up_front(params, decode_attention, buckets):
     """`warmup()` compiles the decode programs (one per window length, `window_buckets`: 4, 8
-    and 16 pages here; one for "auto", the native kernel on CPU) and the prefill shapes (rows 1, 2 x chunks 4, 16 here), once each: the page pool
-    and decode state start on the params' mesh, as every call returns them (created uncommitted, the
-    first call's program was one no later call used: 5 prefill compiles); workloads of other ids,
-    seeds, prompt lengths and output lengths then compile nothing new."""
+    and 16 pages here; one for "auto", the native kernel on CPU) and the prefill shapes (rows 1, 2
+    x chunks 4, 16 here), once each: the page pool and decode state start on the params' mesh, as
+    every call returns them (created uncommitted, the first call's program was one no later call
+    used: 5 prefill compiles); workloads of other ids, seeds, prompt lengths and output lengths then
+    compile nothing new."""
     def counts():
         return device_fns.decode._cache_size(), device_fns.prefill._cache_size()
 
