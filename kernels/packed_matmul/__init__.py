@@ -9,36 +9,27 @@ pass over the weights with no arithmetic in it, which does not overlap the produ
 decode's products ran at ~0.55-0.7 of the machine's FMA rate. The engine packs its decode weights
 once per weight load (`rlvr.models.transformer.pack_projections`) and `Linear` multiplies through
 this kernel when its params hold `kernel_packed`.
-How: built on first use like the native paged-attention kernel (`native_unavailable_reason`,
-same compiler, flags and cache).
+How: built on first use (`native_unavailable_reason`, `rlvr.kernels.native_build`: the host's C++
+compiler, cached).
 """
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from rlvr.kernels.paged_attention import native as _native
+from rlvr.kernels import native_build
 
 SOURCE = Path(__file__).with_name("native.cc")
 TARGET = "rlvr_packed_matmul"
 PANEL = 32  # output columns per panel (native.cc's kCols)
-_lock = threading.Lock()
-_built: dict[str, str | None] = {}
 
 
 def native_unavailable_reason() -> str | None:
     """Why the packed matmul cannot run natively on the default backend (None if it can); builds
-    and registers it on the first call."""
-    backend = jax.default_backend()
-    if backend != "cpu":
-        return f"the native packed matmul is an XLA:CPU custom call and the default backend is {backend!r}"
-    with _lock:
-        if "reason" not in _built:
-            _built["reason"] = _native.build_and_register(SOURCE, "RlvrPackedMatmul", TARGET)
-        return _built["reason"]
+    and registers it on the first call (`rlvr.kernels.native_build`)."""
+    return native_build.unavailable_reason(SOURCE, "RlvrPackedMatmul", TARGET, "the native packed matmul")
 
 
 def pack_weight(w: jax.Array) -> jax.Array:
@@ -63,12 +54,12 @@ def packed_matmul_reference(x: jax.Array, packed: jax.Array, n: int) -> jax.Arra
 def packed_matmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
     """x [..., K] @ w, w given as `pack_weight(w)` with n columns; float32 [..., n]. Runs the native
     kernel where it builds (XLA:CPU), else `packed_matmul_reference`."""
-    if native_unavailable_reason() is not None:
-        return packed_matmul_reference(x, packed, n)
     if packed.ndim != 3 or packed.shape[2] != PANEL or packed.shape[1] != x.shape[-1] or \
             not (packed.shape[0] - 1) * PANEL < n <= packed.shape[0] * PANEL:
         raise ValueError(f"packed_matmul: x {x.shape} and packed {packed.shape} for n={n}: expected packed "
                          f"[ceil(n/{PANEL}), x.shape[-1], {PANEL}] (pack_weight of a [K, n] weight)")
+    if native_unavailable_reason() is not None:
+        return packed_matmul_reference(x, packed, n)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32), vmap_method="sequential")

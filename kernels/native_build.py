@@ -1,0 +1,95 @@
+"""Building and registering the native XLA:CPU kernels (`paged_attention/native.cc`,
+`packed_matmul/native.cc`, both including `native_parallel.h`).
+
+What: `unavailable_reason(source, symbol, target, what)` builds `source` on first use and registers
+its FFI handler `symbol` as the CPU custom-call target `target`; it returns None once registered, or
+why the kernel cannot run (not a CPU backend, no compiler, the build's error), remembered per target.
+How: the host's C++ compiler (`$CXX`, default g++; `-O3 -march=native`, ~4 s) into a cache directory
+(`$RLVR_KERNEL_CACHE`, default ~/.cache/rlvr/kernels), keyed by the source, the shared header,
+jaxlib's version, the compiler and the CPU's flags.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+
+HEADER = Path(__file__).with_name("native_parallel.h")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
+_lock = threading.Lock()
+_built: dict[str, str | None] = {}  # per target: None once registered, else why not
+
+
+def unavailable_reason(source: Path, symbol: str, target: str, what: str) -> str | None:
+    """Why the kernel `what` (built from `source`) cannot run on the default backend, None if it
+    can; builds and registers it on the first call for `target`."""
+    backend = jax.default_backend()
+    if backend != "cpu":
+        return f"{what} is an XLA:CPU custom call and the default backend is {backend!r}"
+    with _lock:
+        if target not in _built:
+            _built[target] = build_and_register(source, symbol, target)
+        return _built[target]
+
+
+def kernel_cache_dir() -> Path:
+    return Path(os.environ.get("RLVR_KERNEL_CACHE") or Path.home() / ".cache" / "rlvr" / "kernels")
+
+
+def build_and_register(source: Path, symbol: str, target: str) -> str | None:
+    """Compiles `source` (cached, `_library`) and registers its FFI handler `symbol` as the CPU
+    custom-call target `target`; returns None, or why it cannot (no compiler, the build's error)."""
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if compiler is None:
+        return (f"no C++ compiler {os.environ.get('CXX', 'g++')!r} on PATH to build {source.name} "
+                f"(apt-get install -y g++, or set CXX)")
+    try:
+        library = _library(compiler, source)
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"building {source.name} failed: {str(error)[-2000:]}"
+    handler = getattr(ctypes.cdll.LoadLibrary(str(library)), symbol)
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+    return None
+
+
+def _library(compiler: str, source: Path) -> Path:
+    """The compiled `source`, built into the cache directory if not there yet (atomically: a
+    concurrent build by another process leaves one complete file)."""
+    import jaxlib
+
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    parts = [source.read_bytes(), HEADER.read_bytes(), jaxlib.__version__.encode(), version.encode(),
+             " ".join(FLAGS).encode(), _cpu_flags().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    path = kernel_cache_dir() / f"{source.parent.name}_{key}.so"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+        built = Path(scratch) / path.name
+        command = [compiler, *FLAGS, "-I", jax.ffi.include_dir(), "-I", str(HEADER.parent), str(source), "-o",
+                   str(built)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode:
+            raise subprocess.SubprocessError(f"{' '.join(command)}: {result.stderr}")
+        os.replace(built, path)
+    return path
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (-march=native code must not run on a CPU without them)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
