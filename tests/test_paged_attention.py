@@ -154,6 +154,40 @@ def test_native_reads_shared_pages_once_per_cluster_and_matches_the_reference(po
         np.testing.assert_array_equal(np.asarray(got)[10], 0.0)
 
 
+@pytest.mark.parametrize("pool_dtype", ["float32", "bfloat16"])
+def test_native_kernel_at_model_shapes_with_prefill_chunks(pool_dtype):
+    """The native kernel at model shapes (16-token pages, head_dim 64 and 128: 8 and 16 channel
+    blocks): lone rows with 1-4 queries per kv head (its row path), and prefill-like chunks of 40
+    queries per row (work items of a slice of a row's or a cluster's queries, each reading only
+    the keys its queries see), with rows 0-2 sharing their first two pages in the chunked cases;
+    lengths that end mid-block, an idle row, a sliding window, and query ends past the table
+    (`lengths` > R·P: a prefill chunk's padded end, whose queries there are padding and read only
+    the table's keys). Equals the dense reference."""
+    from rlvr.kernels.paged_attention.native import native_paged_attention
+
+    rng = np.random.default_rng(7)
+    rows, page_size, kv_heads, width = 7, 16, 2, 5
+    for head_dim, group, queries in ((64, 2, 1), (64, 1, 1), (128, 4, 1), (64, 1, 3), (64, 2, 2), (64, 2, 40),
+                                     (64, 4, 40)):
+        table = rng.permutation(np.arange(1, rows * width + 1)).reshape(rows, width).astype(np.int32)
+        if queries > 4:
+            table[1:3, :2] = table[0, :2]
+        lengths = np.array([41, 57, 46, 37, 80, 0, 80 + queries - 1], np.int32)
+        lengths[:4] = np.maximum(lengths[:4], queries) if queries > 4 else [1, 9, 16, 37]
+        shape = (3, rows * width + 1, page_size, kv_heads, head_dim)
+        k, v = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+        if pool_dtype != "float32":
+            k, v = (np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)) for x in (k, v))
+        q = rng.standard_normal((rows, queries, kv_heads * group, head_dim)).astype(np.float32)
+        for window in (0, 21):
+            got = native_paged_attention(jnp.asarray(q), jnp.asarray(k, pool_dtype), jnp.asarray(v, pool_dtype),
+                                         jnp.asarray(table), jnp.asarray(lengths), layer=2, sliding_window=window)
+            want = dense_reference(q, k[2], v[2], table, lengths, window)
+            np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5,
+                                       err_msg=f"head_dim {head_dim}, group {group}, queries {queries}, "
+                                               f"window {window}")
+
+
 def test_single_query_bfloat16_traced_layer():
     """q [B, H, D] in bfloat16, the layer index traced (as in a scan over layers); the ragged
     path's products take bf16 inputs from bf16 pages (float32 accumulation)."""

@@ -2,12 +2,16 @@
 //
 // What: out[b, i, h, :] = softmax over the visible keys of row b of (q[b, i, h] . k) times v, the
 // keys and values read where they lie in the page pool [L, N, P, KVH, D] through the row's page
-// table; query i of Q sees positions <= lengths[b] - Q + i (and, with a sliding window W, > that - W).
+// table; query i of Q sees positions <= lengths[b] - Q + i (and, with a sliding window W, > that - W),
+// the keys read up to the table's R·P positions (lengths may go past it: the padded end of a
+// prefill chunk, whose queries there are padding).
 // Why: XLA:CPU runs the plain-jnp decode attention (gathers, products a few columns wide, a
 // softmax along a short axis) far below the machine's FMA rate and memory bandwidth: 4-5 ms per
 // layer and step at the realistic rollout shape, a third of the decode time.
 // How: rows that share the start of their page lists (a group's prompt, kept once by the prefix
-// cache) form a cluster; a cluster is one work item on XLA's intra-op threads. Its query rows sit
+// cache) form a cluster; a cluster's queries are work items on XLA's intra-op threads (a decode's
+// one query per row: the whole cluster; a prefill chunk's: slices of ~64 lanes, each reading only
+// the keys its queries see, so the threads share a chunk and skip its causal upper half). Its query rows sit
 // along the lanes of 8-float vectors (per kv head), so scoring a page is, per key token and
 // channel, one broadcast key value times a vector of queries (no horizontal sums, no transpose of
 // the keys), and the weighted values likewise. Per page index, the rows holding the same page are
@@ -16,7 +20,9 @@
 // softmax and accumulation; pages may be float32, bfloat16, or bfloat16 stored as uint16 bits
 // (rlvr.kernels.bits). A row alone with at most 4 queries per kv head (lanes the cluster layout
 // would mostly leave empty: 2 of 8 with a 4:2 GQA model) runs AttendRow instead, its products
-// along the head dimension (1.3-1.5x faster at the fixed benchmark's 32 unshared rows).
+// along the head dimension, pages outer and kv heads inner with the next page prefetched (at the
+// fixed benchmark's 32 unshared rows: 1.4x the first version's, which went head by head, one
+// multiply-add chain per query).
 
 #include <algorithm>
 #include <cmath>
@@ -155,6 +161,8 @@ void Values(const T* value, int64_t stride, int64_t tokens, int64_t d, const v8*
 // enough), at most kMaxCluster of them; every other row alone. Idle rows are left out. The rows
 // are sorted by their page lists, so rows sharing a prefix are neighbours.
 constexpr int64_t kMaxCluster = 16;
+// Query lanes per work item (rows x queries x GQA group; see Attend): 8 vectors per kv head.
+constexpr int64_t kItemLanes = 64;
 
 std::vector<std::vector<int64_t>> Clusters(const Shape& s, const int32_t* table, const int32_t* lengths) {
   auto held = [&](int64_t b) {
@@ -198,9 +206,10 @@ std::vector<std::vector<int64_t>> Clusters(const Shape& s, const int32_t* table,
 template <typename T>
 void AttendCluster(const Shape& s, const Options& o, const float* q, const T* k_pool, const T* v_pool,
                    const int32_t* table, const int32_t* lengths, int32_t layer, const std::vector<int64_t>& rows,
-                   float* out, std::vector<v8>& scratch) {
+                   int64_t q_lo, int64_t q_hi, float* out, std::vector<v8>& scratch) {
   const int64_t g = s.heads / s.kv_heads, nq = s.queries, d = s.dim, p = s.page_size, m = rows.size();
-  const int64_t lanes = m * nq * g, blocks = (lanes + kLanes - 1) / kLanes, all = s.kv_heads * blocks;
+  const int64_t count = q_hi - q_lo;  // the queries [q_lo, q_hi) of each row
+  const int64_t lanes = m * count * g, blocks = (lanes + kLanes - 1) / kLanes, all = s.kv_heads * blocks;
   scratch.assign(all * (2 * d + p + 2) + 3 * blocks, Splat(0.0f));
   v8* query = scratch.data();          // [D, all]: query rows transposed, scaled
   v8* acc = query + d * all;           // [D, all]: their weighted values, transposed
@@ -210,17 +219,18 @@ void AttendCluster(const Shape& s, const Options& o, const float* q, const T* k_
   v8* lo = total + all;                // [blocks] first visible position (as float: exact below 2^24)
   v8* hi = lo + blocks;                // [blocks] one past the last
   v8* holds = hi + blocks;             // [blocks] 1 where the lane's row holds the page being read
-  std::vector<int64_t> length(m);
+  std::vector<int64_t> length(m), reach(m);  // one past the row's last query; the keys its queries see
   int64_t last = 0, first = INT64_MAX;
   for (int64_t r = 0; r < m; ++r) {
-    length[r] = std::min<int64_t>(lengths[rows[r]], s.table_width * p);
-    last = std::max(last, length[r]);
-    for (int64_t i = 0; i < nq; ++i) {
+    length[r] = lengths[rows[r]];
+    reach[r] = std::clamp<int64_t>(length[r] - nq + q_hi, 0, s.table_width * p);
+    last = std::max(last, reach[r]);
+    for (int64_t i = q_lo; i < q_hi; ++i) {
       const int64_t top = length[r] - nq + i + 1;
       const int64_t bottom = o.sliding_window > 0 ? std::max<int64_t>(0, top - o.sliding_window) : 0;
       first = std::min(first, bottom);
       for (int64_t j = 0; j < g; ++j) {
-        const int64_t lane = (r * nq + i) * g + j;
+        const int64_t lane = (r * count + i - q_lo) * g + j;
         for (int64_t h = 0; h < s.kv_heads; ++h) {
           const float* src = q + ((rows[r] * nq + i) * s.heads + h * g + j) * d;
           for (int64_t c = 0; c < d; ++c) query[c * all + h * blocks + lane / kLanes][lane % kLanes] = src[c] * o.scale;
@@ -235,7 +245,7 @@ void AttendCluster(const Shape& s, const Options& o, const float* q, const T* k_
   const int64_t token_stride = s.kv_heads * d, page_stride = p * token_stride;
   const T* k_layer = k_pool + layer * s.pages * page_stride;
   const T* v_layer = v_pool + layer * s.pages * page_stride;
-  const int64_t lane_rows = nq * g;  // lanes per row
+  const int64_t lane_rows = count * g;  // lanes per row
   // The passes, in order: per page index, one per distinct page among the rows holding that index
   // (its rows as a bit mask), so that the pages of the passes ahead can be prefetched.
   struct Pass {
@@ -245,7 +255,7 @@ void AttendCluster(const Shape& s, const Options& o, const float* q, const T* k_
   std::vector<Pass> passes;
   for (int64_t page_index = first / p; page_index * p < last; ++page_index) {
     uint32_t left = 0;
-    for (int64_t r = 0; r < m; ++r) left |= (length[r] > page_index * p ? 1u : 0u) << r;
+    for (int64_t r = 0; r < m; ++r) left |= (reach[r] > page_index * p ? 1u : 0u) << r;
     while (left) {
       const int32_t page_id = table[rows[__builtin_ctz(left)] * s.table_width + page_index];
       uint32_t holders = 0;
@@ -314,9 +324,9 @@ void AttendCluster(const Shape& s, const Options& o, const float* q, const T* k_
     }
   }
   for (int64_t r = 0; r < m; ++r) {
-    for (int64_t i = 0; i < nq; ++i) {
+    for (int64_t i = q_lo; i < q_hi; ++i) {
       for (int64_t j = 0; j < g; ++j) {
-        const int64_t lane = (r * nq + i) * g + j, l = lane % kLanes;
+        const int64_t lane = (r * count + i - q_lo) * g + j, l = lane % kLanes;
         for (int64_t h = 0; h < s.kv_heads; ++h) {
           const int64_t b = h * blocks + lane / kLanes;
           float* dst = out + ((rows[r] * nq + i) * s.heads + h * g + j) * d;
@@ -353,96 +363,196 @@ inline float Sum(v8 x) {
 // Queries of one kv head per row that AttendRow takes (lanes AttendCluster would leave empty).
 constexpr int64_t kRowQueries = 4;
 
+// The sums of 8 vectors' lanes, as one vector (lane u: x[u]'s sum): three levels of pairwise
+// shuffles and adds (14 shuffles for 8 sums, not 8 separate horizontal sums).
+inline v8 Sums8(const v8* x) {
+  v8 pair[4], quad[2];
+  for (int i = 0; i < 4; ++i) {
+    pair[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+              __builtin_shufflevector(x[2 * i], x[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  for (int i = 0; i < 2; ++i) {
+    quad[i] = __builtin_shufflevector(pair[2 * i], pair[2 * i + 1], 0, 2, 8, 10, 4, 6, 12, 14) +
+              __builtin_shufflevector(pair[2 * i], pair[2 * i + 1], 1, 3, 9, 11, 5, 7, 13, 15);
+  }
+  return __builtin_shufflevector(quad[0], quad[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(quad[0], quad[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+inline float Peak(v8 x) {
+  float m = x[0];
+  for (int l = 1; l < kLanes; ++l) m = std::max(m, x[l]);
+  return m;
+}
+
+// The raw scores of 8 key rows (`keys[u]`, d = 8 * dv channels) against M queries [M][dv]: per
+// channel block a key vector is loaded once for the M queries, 8 * M independent sums in flight.
+template <int M, typename T>
+inline void ScoreKeys(const T* const* keys, int64_t dv, const v8* query, v8* out) {
+  v8 sum[M][kLanes] = {};
+  for (int64_t c = 0; c < dv; ++c) {
+    for (int u = 0; u < kLanes; ++u) {
+      const v8 key = LoadVector(keys[u] + c * kLanes);
+      for (int m = 0; m < M; ++m) sum[m][u] += key * query[m * dv + c];
+    }
+  }
+  for (int m = 0; m < M; ++m) out[m] = Sums8(sum[m]);
+}
+
+// acc[m][c0 + u] += sum_t weight[m][t] * value[t][c0 + u] for K channel blocks from c0 and M
+// queries: K * M sums held in registers across the page's tokens.
+template <int M, int K, typename T>
+inline void WeighValues(const T* value, int64_t stride, int64_t tokens, int64_t c0, int64_t dv, const float* weight,
+                        int64_t width, v8* acc) {
+  v8 sum[M][K];
+  for (int m = 0; m < M; ++m) {
+    for (int u = 0; u < K; ++u) sum[m][u] = acc[m * dv + c0 + u];
+  }
+  for (int64_t t = 0; t < tokens; ++t) {
+    v8 w[M];
+    for (int m = 0; m < M; ++m) w[m] = Splat(weight[m * width + t]);
+    for (int u = 0; u < K; ++u) {
+      const v8 v = LoadVector(value + t * stride + (c0 + u) * kLanes);
+      for (int m = 0; m < M; ++m) sum[m][u] += w[m] * v;
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int u = 0; u < K; ++u) acc[m * dv + c0 + u] = sum[m][u];
+  }
+}
+
+template <int M, typename T>
+inline void WeighAllValues(const T* value, int64_t stride, int64_t tokens, int64_t dv, const float* weight,
+                           int64_t width, v8* acc) {
+  int64_t c0 = 0;
+  for (; c0 + kLanes <= dv; c0 += kLanes) WeighValues<M, kLanes>(value, stride, tokens, c0, dv, weight, width, acc);
+  for (; c0 < dv; ++c0) WeighValues<M, 1>(value, stride, tokens, c0, dv, weight, width, acc);
+}
+
 // A row alone (a cluster of one) whose N queries per kv head are at most kRowQueries:
 // AttendCluster would fill at most half of each vector's lanes, so here the products run along the
-// head dimension instead, 8 channels per vector: a key row is loaded once for all of the head's
-// queries (each score a horizontal sum), and per 8 channels the weighted values of the page's
-// tokens are summed in registers for every query (2 queries per kv head: 4x fewer multiply-adds
-// than AttendCluster). Same masks, softcap and online softmax per page.
+// head dimension instead, 8 channels per vector. Scores: 8 keys at a time, each key vector loaded
+// once for (at most 2 of) the head's queries, their sums reduced together (`Sums8`); weighted
+// values: per token, every query's weight times the value vectors, the sums in registers. So
+// neither product waits on one multiply-add chain (the first version's, one chain per query).
+// Pages outer, kv heads inner: a page's keys and values are read once, in address order, while
+// the next page's are prefetched a few lines per block of products. Same masks, softcap and
+// online softmax per page as AttendCluster.
 template <int N, typename T>
-void AttendRowHead(const Shape& s, const Options& o, const float* q, const T* k_layer, const T* v_layer,
-                   const int32_t* table, int64_t row, int64_t length, int64_t h, float* out, v8* scratch) {
-  const int64_t g = s.heads / s.kv_heads, nq = s.queries, d = s.dim, p = s.page_size, dv = d / kLanes;
-  const int64_t token_stride = s.kv_heads * d, page_stride = p * token_stride;
-  const int64_t width = (p + kLanes - 1) / kLanes * kLanes;  // a query's scores, padded to whole vectors
-  v8* query = scratch;         // [N][dv], scaled
-  v8* acc = query + N * dv;    // [N][dv]
-  float* score = reinterpret_cast<float*>(acc + N * dv);  // [N][width]
+void AttendRowPages(const Shape& s, const Options& o, const float* q, const T* k_layer, const T* v_layer,
+                    const int32_t* table, int64_t row, int64_t length, int64_t end, float* out, v8* scratch) {
+  const int64_t kvh = s.kv_heads, g = s.heads / kvh, nq = s.queries, d = s.dim, p = s.page_size, dv = d / kLanes;
+  const int64_t token_stride = kvh * d, page_stride = p * token_stride;
+  const int64_t blocks = (p + kLanes - 1) / kLanes, width = blocks * kLanes;  // a query's scores per page
+  v8* query = scratch;               // [KVH][N][dv], scaled
+  v8* acc = query + kvh * N * dv;    // [KVH][N][dv]
+  v8* score = acc + kvh * N * dv;    // [N][blocks], one head at a time
+  float* peak = reinterpret_cast<float*>(score + N * blocks);  // [KVH][N]
+  float* total = peak + kvh * N;                                // [KVH][N]
   int64_t bottom[N], top[N], first = length;
-  float peak[N], total[N];
   for (int qi = 0; qi < N; ++qi) {
-    const float* src = q + ((row * nq + qi / g) * s.heads + h * g + qi % g) * d;
-    for (int64_t c = 0; c < d; ++c) query[qi * dv + c / kLanes][c % kLanes] = src[c] * o.scale;
-    for (int64_t c = 0; c < dv; ++c) acc[qi * dv + c] = Splat(0.0f);
     top[qi] = length - nq + qi / g + 1;
     bottom[qi] = o.sliding_window > 0 ? std::max<int64_t>(0, top[qi] - o.sliding_window) : 0;
     first = std::min(first, bottom[qi]);
-    peak[qi] = kMask, total[qi] = 0.0f;
   }
-  for (int64_t start = first / p * p; start < length; start += p) {
+  for (int64_t h = 0; h < kvh; ++h) {
+    for (int qi = 0; qi < N; ++qi) {
+      const float* src = q + ((row * nq + qi / g) * s.heads + h * g + qi % g) * d;
+      v8* dst = query + (h * N + qi) * dv;
+      for (int64_t c = 0; c < dv; ++c) {
+        acc[(h * N + qi) * dv + c] = Splat(0.0f);
+        dst[c] = LoadVector(src + c * kLanes) * Splat(o.scale);
+      }
+      peak[h * N + qi] = kMask, total[h * N + qi] = 0.0f;
+    }
+  }
+  const v8i lane = v8i{0, 1, 2, 3, 4, 5, 6, 7};
+  const int64_t page_bytes = page_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t stops = kvh * (blocks + (N + 1) / 2);  // prefetch points per page
+  const int lines = static_cast<int>((2 * page_bytes / 64 + stops - 1) / stops);
+  Prefetcher ahead;
+  for (int64_t start = first / p * p; start < end; start += p) {
     const int64_t page = std::clamp<int64_t>(table[row * s.table_width + start / p], 0, s.pages - 1);
-    const T* k_page = k_layer + page * page_stride + h * d;
-    const T* v_page = v_layer + page * page_stride + h * d;
-    const int64_t tokens = std::min<int64_t>(p, length - start);
-    const bool ahead = start + p < length;  // the next page's rows of this head, a row per key scored
-    const int64_t next = ahead ? std::clamp<int64_t>(table[row * s.table_width + start / p + 1], 0, s.pages - 1) : 0;
-    const char* k_next = reinterpret_cast<const char*>(k_layer + next * page_stride + h * d);
-    const char* v_next = reinterpret_cast<const char*>(v_layer + next * page_stride + h * d);
-    const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T)), stride_bytes = token_stride * sizeof(T);
-    for (int64_t t = 0; t < tokens; ++t) {  // scores: the key row once for every query
-      if (ahead) {
-        for (int64_t b = 0; b < row_bytes; b += 64) {
-          __builtin_prefetch(k_next + t * stride_bytes + b);
-          __builtin_prefetch(v_next + t * stride_bytes + b);
+    const int64_t tokens = std::min<int64_t>(p, end - start);
+    if (start + p < end) {
+      const int64_t next = std::clamp<int64_t>(table[row * s.table_width + start / p + 1], 0, s.pages - 1);
+      ahead.Reset(k_layer + next * page_stride, v_layer + next * page_stride, page_bytes);
+    } else {
+      ahead.Reset(nullptr, nullptr, 0);
+    }
+    for (int64_t h = 0; h < kvh; ++h) {
+      const T* k_page = k_layer + page * page_stride + h * d;
+      const T* v_page = v_layer + page * page_stride + h * d;
+      const v8* head_query = query + h * N * dv;
+      v8* head_acc = acc + h * N * dv;
+      for (int64_t b = 0; b < blocks; ++b) {  // scores, 8 tokens at a time (a short block repeats its last key)
+        const int64_t t0 = b * kLanes;
+        if (t0 >= tokens) {
+          for (int qi = 0; qi < N; ++qi) score[qi * blocks + b] = Splat(kMask);
+          continue;
+        }
+        const T* keys[kLanes];
+        for (int u = 0; u < kLanes; ++u) keys[u] = k_page + std::min<int64_t>(t0 + u, tokens - 1) * token_stride;
+        v8 raw[N];
+        int qi = 0;
+        for (; qi + 2 <= N; qi += 2) ScoreKeys<2>(keys, dv, head_query + qi * dv, raw + qi);
+        if (qi < N) ScoreKeys<1>(keys, dv, head_query + qi * dv, raw + qi);
+        ahead.Step(lines);
+        const v8i position = SplatInt(static_cast<int32_t>(start + t0)) + lane;
+        for (qi = 0; qi < N; ++qi) {
+          v8 x = raw[qi];
+          if (o.softcap > 0.0f) {
+            for (int l = 0; l < kLanes; ++l) x[l] = o.softcap * std::tanh(x[l] / o.softcap);
+          }
+          const v8i seen = (position >= SplatInt(static_cast<int32_t>(bottom[qi]))) &
+                           (position < SplatInt(static_cast<int32_t>(top[qi]))) &
+                           (lane < SplatInt(static_cast<int32_t>(tokens - t0)));
+          score[qi * blocks + b] = seen ? x : Splat(kMask);
         }
       }
-      v8 sum[N] = {};
-      for (int64_t c = 0; c < dv; ++c) {
-        const v8 key = LoadVector(k_page + t * token_stride + c * kLanes);
-        for (int qi = 0; qi < N; ++qi) sum[qi] += key * query[qi * dv + c];
+      for (int qi = 0; qi < N; ++qi) {  // online softmax: the page's weights replace its scores
+        v8* x = score + qi * blocks;
+        float& running = peak[h * N + qi];
+        v8 top_scores = x[0];
+        for (int64_t b = 1; b < blocks; ++b) top_scores = Max(top_scores, x[b]);
+        const float page_peak = Peak(top_scores);
+        if (page_peak == kMask) {  // nothing visible here: weights 0
+          for (int64_t b = 0; b < blocks; ++b) x[b] = Splat(0.0f);
+          continue;
+        }
+        const float new_peak = std::max(running, page_peak);
+        const float correction = ExpNonPositive(Splat(running - new_peak))[0];
+        running = new_peak;
+        v8 sum = Splat(0.0f);
+        for (int64_t b = 0; b < blocks; ++b) {
+          x[b] = x[b] == Splat(kMask) ? Splat(0.0f) : ExpNonPositive(x[b] - Splat(new_peak));
+          sum += x[b];
+        }
+        total[h * N + qi] = total[h * N + qi] * correction + Sum(sum);
+        for (int64_t c = 0; c < dv; ++c) head_acc[qi * dv + c] *= Splat(correction);
       }
-      for (int qi = 0; qi < N; ++qi) {
-        float x = Sum(sum[qi]);
-        if (o.softcap > 0.0f) x = o.softcap * std::tanh(x / o.softcap);
-        score[qi * width + t] = start + t >= bottom[qi] && start + t < top[qi] ? x : kMask;
+      const float* weight = reinterpret_cast<const float*>(score);
+      int qi = 0;
+      for (; qi + 2 <= N; qi += 2) {
+        WeighAllValues<2>(v_page, token_stride, tokens, dv, weight + qi * width, width, head_acc + qi * dv);
+        ahead.Step(lines);
+      }
+      if (qi < N) {
+        WeighAllValues<1>(v_page, token_stride, tokens, dv, weight + qi * width, width, head_acc + qi * dv);
+        ahead.Step(lines);
       }
     }
-    for (int qi = 0; qi < N; ++qi) {  // online softmax, 8 tokens at a time
-      float* x = score + qi * width;
-      for (int64_t t = tokens; t < width; ++t) x[t] = kMask;
-      float page_peak = kMask;
-      for (int64_t t = 0; t < tokens; ++t) page_peak = std::max(page_peak, x[t]);
-      if (page_peak == kMask) {  // nothing visible here: weights 0
-        for (int64_t t = 0; t < tokens; ++t) x[t] = 0.0f;
-        continue;
-      }
-      const float new_peak = std::max(peak[qi], page_peak);
-      const float correction = ExpNonPositive(Splat(peak[qi] - new_peak))[0];
-      peak[qi] = new_peak;
-      v8 sum = Splat(0.0f);
-      for (int64_t b = 0; b < width; b += kLanes) {
-        const v8 xs = LoadVector(x + b);
-        const v8 w = xs == Splat(kMask) ? Splat(0.0f) : ExpNonPositive(xs - Splat(new_peak));
-        std::memcpy(x + b, &w, sizeof(w));
-        sum += w;
-      }
-      total[qi] = total[qi] * correction + Sum(sum);
-      for (int64_t c = 0; c < dv; ++c) acc[qi * dv + c] *= Splat(correction);
-    }
-    for (int64_t c = 0; c < dv; ++c) {  // weighted values: per 8 channels, every token and query
-      v8 sum[N];
-      for (int qi = 0; qi < N; ++qi) sum[qi] = acc[qi * dv + c];
-      for (int64_t t = 0; t < tokens; ++t) {
-        const v8 value = LoadVector(v_page + t * token_stride + c * kLanes);
-        for (int qi = 0; qi < N; ++qi) sum[qi] += Splat(score[qi * width + t]) * value;
-      }
-      for (int qi = 0; qi < N; ++qi) acc[qi * dv + c] = sum[qi];
-    }
+    ahead.Step(1 << 30);  // what is left of the next page
   }
-  for (int qi = 0; qi < N; ++qi) {
-    float* dst = out + ((row * nq + qi / g) * s.heads + h * g + qi % g) * d;
-    const float inverse = total[qi] > 0.0f ? 1.0f / total[qi] : 0.0f;
-    for (int64_t c = 0; c < d; ++c) dst[c] = acc[qi * dv + c / kLanes][c % kLanes] * inverse;
+  for (int64_t h = 0; h < kvh; ++h) {
+    for (int qi = 0; qi < N; ++qi) {
+      float* dst = out + ((row * nq + qi / g) * s.heads + h * g + qi % g) * d;
+      const float inverse = total[h * N + qi] > 0.0f ? 1.0f / total[h * N + qi] : 0.0f;
+      for (int64_t c = 0; c < dv; ++c) {
+        const v8 x = acc[(h * N + qi) * dv + c] * Splat(inverse);
+        std::memcpy(dst + c * kLanes, &x, sizeof(x));
+      }
+    }
   }
 }
 
@@ -450,19 +560,17 @@ template <typename T>
 void AttendRow(const Shape& s, const Options& o, const float* q, const T* k_pool, const T* v_pool,
                const int32_t* table, const int32_t* lengths, int32_t layer, int64_t row, float* out,
                std::vector<v8>& scratch) {
-  const int64_t n = s.queries * (s.heads / s.kv_heads), dv = s.dim / kLanes;
+  const int64_t n = s.queries * (s.heads / s.kv_heads), dv = s.dim / kLanes, blocks = (s.page_size + kLanes - 1) / kLanes;
   const int64_t page_stride = s.page_size * s.kv_heads * s.dim;
-  scratch.assign(2 * n * dv + n * ((s.page_size + kLanes - 1) / kLanes), Splat(0.0f));
-  const int64_t length = std::min<int64_t>(lengths[row], s.table_width * s.page_size);
+  scratch.resize(2 * s.kv_heads * n * dv + n * blocks + (2 * s.kv_heads * n + kLanes - 1) / kLanes);
+  const int64_t length = lengths[row], end = std::min<int64_t>(length, s.table_width * s.page_size);
   const T* k_layer = k_pool + layer * s.pages * page_stride;
   const T* v_layer = v_pool + layer * s.pages * page_stride;
-  for (int64_t h = 0; h < s.kv_heads; ++h) {
-    switch (n) {
-      case 1: AttendRowHead<1>(s, o, q, k_layer, v_layer, table, row, length, h, out, scratch.data()); break;
-      case 2: AttendRowHead<2>(s, o, q, k_layer, v_layer, table, row, length, h, out, scratch.data()); break;
-      case 3: AttendRowHead<3>(s, o, q, k_layer, v_layer, table, row, length, h, out, scratch.data()); break;
-      default: AttendRowHead<4>(s, o, q, k_layer, v_layer, table, row, length, h, out, scratch.data()); break;
-    }
+  switch (n) {
+    case 1: AttendRowPages<1>(s, o, q, k_layer, v_layer, table, row, length, end, out, scratch.data()); break;
+    case 2: AttendRowPages<2>(s, o, q, k_layer, v_layer, table, row, length, end, out, scratch.data()); break;
+    case 3: AttendRowPages<3>(s, o, q, k_layer, v_layer, table, row, length, end, out, scratch.data()); break;
+    default: AttendRowPages<4>(s, o, q, k_layer, v_layer, table, row, length, end, out, scratch.data()); break;
   }
 }
 
@@ -482,13 +590,27 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
   float* op = out->typed_data();
   std::fill(op, op + s.batch * s.queries * s.heads * s.dim, 0.0f);  // idle rows: zeros
   const auto clusters = Clusters(s, table, lens);
-  rlvr::ParallelFor<std::vector<v8>>(pool, static_cast<int64_t>(clusters.size()),
-                                    [=, &clusters](int64_t item, std::vector<v8>& scratch) {
-    const auto& rows = clusters[item];
+  // Work items: a cluster's queries in slices of about kItemLanes lanes (a decode's one query per
+  // row: the whole cluster; a prefill chunk's many: slices that the threads share, each reading
+  // only the keys its queries see).
+  struct Item {
+    const std::vector<int64_t>* rows;
+    int64_t q_lo, q_hi;
+  };
+  std::vector<Item> items;
+  for (const auto& rows : clusters) {
+    const int64_t per_query = static_cast<int64_t>(rows.size()) * (s.heads / s.kv_heads);
+    const int64_t slice = std::max<int64_t>(1, kItemLanes / per_query);
+    for (int64_t lo = s.queries; lo > 0; lo -= slice) items.push_back({&rows, std::max<int64_t>(lo - slice, 0), lo});
+  }
+  rlvr::ParallelFor<std::vector<v8>>(pool, static_cast<int64_t>(items.size()),
+                                    [=, &items](int64_t index, std::vector<v8>& scratch) {
+    const Item& item = items[index];
+    const auto& rows = *item.rows;
     if (rows.size() == 1 && s.queries * (s.heads / s.kv_heads) <= kRowQueries && s.dim % kLanes == 0) {
       AttendRow<T>(s, options, qp, kp, vp, table, lens, layer_id, rows[0], op, scratch);
     } else {
-      AttendCluster<T>(s, options, qp, kp, vp, table, lens, layer_id, rows, op, scratch);
+      AttendCluster<T>(s, options, qp, kp, vp, table, lens, layer_id, rows, item.q_lo, item.q_hi, op, scratch);
     }
   });
   return ffi::Error::Success();

@@ -7,6 +7,8 @@ Why: on XLA:CPU the plain-jnp decode attention ("ragged") ran at 4.4-5.7 ms per 
 the realistic rollout shape against ~0.8 ms to stream its keys and values once (a third of the
 decode time): small products, gathers and a short-axis softmax are what XLA:CPU emits slowest. The
 C++ kernel reads each row's pages in place with an online softmax, on XLA's intra-op threads.
+The engine's prefill chunks use it too where its decode does (`transformer._native_prefill_attention`:
+the realistic shape's prefill calls 1.3x faster than with XLA's blocked loop, the fixed one's 1.05x).
 How: the source is compiled on first use with the host's C++ compiler and registered as the FFI
 target `rlvr_paged_attention` for the CPU platform (`rlvr.kernels.native_build`: `$CXX`, default
 g++, `-O3 -march=native`, ~4 s, cached in `$RLVR_KERNEL_CACHE`, default ~/.cache/rlvr/kernels).
@@ -45,7 +47,9 @@ def native_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            lengths: jax.Array, *, layer=None, sliding_window: int = 0, softcap: float = 0.0,
                            scale: float | None = None) -> jax.Array:
     """q [B, Q, H, D]; pools [N, P, KVH, D] or [L, N, P, KVH, D] (+ `layer`); page_table [B, R];
-    lengths [B] (clipped to R·P by the caller). Returns [B, Q, H, D] in q's dtype."""
+    lengths [B]: one past each row's last query (query i at lengths - Q + i); keys are read up to
+    R·P, so lengths past it (`paged_attention` clips them; a prefill chunk's padded end does not)
+    place the queries without reading past the table. Returns [B, Q, H, D] in q's dtype."""
     reason = native_unavailable_reason()
     if reason:
         raise RuntimeError(f"paged_attention: implementation='native' cannot run: {reason}.")

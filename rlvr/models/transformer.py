@@ -372,6 +372,32 @@ def _paged_decode(cfg: ModelConfig, q, pool, read_idx, columns, layer_id, ragged
                            sliding_window=cfg.sliding_window, ragged=ragged).astype(q.dtype)
 
 
+def _is_native(ragged) -> bool:
+    from rlvr.kernels.paged_attention import NativeDecode
+
+    return isinstance(ragged, NativeDecode)
+
+
+def _native_prefill_attention(cfg: ModelConfig, q, pool, read_idx, columns, layer_id, last=None) -> jax.Array:
+    """A prefill chunk's attention by the native CPU kernel (the engine's choice where its decode
+    runs it: the realistic rollout's prefill calls 1.3x faster than with `_paged_prefill_attention`).
+    A chunk's valid tokens come first in each row at consecutive positions from columns[b, 0], so
+    the kernel's "one past the last query" is columns[b, 0] + T (padding queries past the row's
+    tokens see its keys and are dropped by the caller), or with `last` (the last layer: one query
+    per row) that query's column + 1; a row without tokens gets 0 (zeros)."""
+    from rlvr.kernels.paged_attention.native import native_paged_attention
+
+    page_size, capacity = pool["k"].shape[2], read_idx.shape[1]
+    table = read_idx[:, ::page_size] // page_size
+    if last is None:
+        lengths = columns[:, 0] + q.shape[1]
+    else:
+        q, lengths = _at(q, last), jnp.take_along_axis(columns, last[:, None], axis=1)[:, 0] + 1
+    lengths = jnp.where(columns[:, 0] < capacity, lengths, 0)
+    return native_paged_attention(q, pool["k"], pool["v"], table, lengths, layer=layer_id,
+                                  sliding_window=cfg.sliding_window).astype(q.dtype)
+
+
 def _at(x: jax.Array, last) -> jax.Array:
     """x [B, T, ...] at index `last` [B] of each row, [B, 1, ...] (x itself when `last` is None)."""
     return x if last is None else jnp.take_along_axis(x, last.reshape(-1, *([1] * (x.ndim - 1))), axis=1)
@@ -486,9 +512,12 @@ class Attention(nn.Module):
                 out = _paged_decode(cfg, q, new_kv, read_idx, columns, layer_id, ragged)
                 return Linear((h, d), (e,), ("heads", "head_dim"), ("embed",), cfg.o_bias, name="o_proj",
                               **dense)(out), new_kv
-            if last is not None:
-                q, mask = _at(q, last), jnp.take_along_axis(mask, last[:, None, None, None, None], axis=3)
-            out = _paged_prefill_attention(q, new_kv, layer_id, read_idx, mask)
+            if _is_native(ragged):
+                out = _native_prefill_attention(cfg, q, new_kv, read_idx, columns, layer_id, last)
+            else:
+                if last is not None:
+                    q, mask = _at(q, last), jnp.take_along_axis(mask, last[:, None, None, None, None], axis=3)
+                out = _paged_prefill_attention(q, new_kv, layer_id, read_idx, mask)
             return Linear((h, d), (e,), ("heads", "head_dim"), ("embed",), cfg.o_bias, name="o_proj",
                           **dense)(out), new_kv
         elif pool is not None:

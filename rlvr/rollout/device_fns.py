@@ -102,21 +102,23 @@ def _finished(token, count, sampling):
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 12), donate_argnums=(3, 8))
 def prefill(cfg: ModelConfig, filters: bool, params, pool, page_table, tokens, positions, segment_ids, state, slots,
-            completes, sampling, top: int = 0, mask=None, images=None):
+            completes, sampling, top: int = 0, mask=None, images=None, native=None):
     """Writes a chunk of prompt tokens [R, C] (valid tokens first in each row) into the pages.
     For rows with `completes` the chunk ends the prompt: the first output token is sampled from
     its last position and the row's slot (`slots`) gets its decode state. Returns the pool, the
     state, the sampled tokens and log-probs [R], and the extra log-probs [R, ...] asked for
     (`top` alternatives, `sampling["logprob_ids"]`; see `logit_process.extra_logprobs`).
     `filters`: see `sampling.sample_tokens`; `mask`: the rows' grammar masks (packed) or None.
-    `images` (a VLM, see `image_chunk`): (rope ids [R, C, 3], features [R, C, E], is_image [R, C])."""
+    `images` (a VLM, see `image_chunk`): (rope ids [R, C, 3], features [R, C, E], is_image [R, C]).
+    `native`: NativeDecode() to attend with the native CPU kernel (the engine's, when its decode
+    does), else None (XLA)."""
     last = jnp.maximum(jnp.sum(segment_ids != 0, axis=1) - 1, 0)
     embeds = rope = None
     if images is not None:
         rope, features, is_image = images
         embeds = jnp.where(is_image[..., None], features.astype(cfg.dtype),
                            Transformer(cfg).apply({"params": params}, tokens, method=Transformer.embed))
-    logits, cache = forward_last(cfg, params, tokens, positions, segment_ids, _cache(pool, page_table), last,
+    logits, cache = forward_last(cfg, params, tokens, positions, segment_ids, _cache(pool, page_table, native), last,
                                  embeds, rope)
     next_pos = jnp.take_along_axis(positions, last[:, None], axis=1)[:, 0] + 1
     one = jnp.ones_like(next_pos)

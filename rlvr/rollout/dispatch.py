@@ -126,7 +126,7 @@ class Dispatch:
         self.pool, self.state, tok, logprob, more = device_fns.prefill(
             self.decode_cfg, self._filters(host_slots) if filters is None else filters, self.params, self.pool,
             table, tokens, positions, segments, self.state, slots, completes, sampling, self._top(finishing),
-            self._masks(finishing, rows), images)
+            self._masks(finishing, rows), images, NativeDecode() if self.native_decode else None)
         self._times["prefill_calls"] += 1
         self._time_call("prefill", rows * chunk, start, tok)
         self._restore_counts([s for s in finishing if s is not None])
