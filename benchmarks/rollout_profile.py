@@ -24,7 +24,7 @@ with all 64 rows active, profiled under each decode attention ("native", the eng
 there on CPU, "ragged", its plain-XLA form, and "window", which it would take below WINDOW_AUTO_BYTES),
 and with `--matmul native,xla` under each decode matmul too (the packed native kernel, the
 engine's "auto" for float32 on CPU, against XLA's products; its custom calls count as their
-projection's matmul).
+projection's matmul, the packed SwiGLU's as gate_up_proj's).
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ CONTAINERS = ("while", "cond", "conditional", "call")  # thunks whose time is th
 
 def _category(op_name: str) -> str:
     name = op_name.lower()
+    if "/mlp/ffi_call" in name:  # the packed SwiGLU (`packed_swiglu`): gate_up's products and silu(gate) * up
+        return "matmul_gate_up_proj"
     for proj in PROJECTIONS:
         if proj in name or (proj == "lm_head" and "...e,ev->...v" in name):
             matmul = "dot_general" in name or "ffi_call" in name  # XLA's, or the packed native kernel's

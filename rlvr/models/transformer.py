@@ -31,7 +31,7 @@ import numpy as np
 
 from rlvr.kernels.bits import as_bits, from_bits, kv_float, take_rows
 from rlvr.kernels.chunked_logprob.reference import project
-from rlvr.kernels.packed_matmul import pack_weight, packed_matmul
+from rlvr.kernels.packed_matmul import PANEL, pack_weight, packed_matmul, packed_swiglu
 from rlvr.models.config import QUANTIZE, LoraConfig, ModelConfig
 from rlvr.sharding import constrain
 
@@ -549,6 +549,11 @@ class MLP(nn.Module):
         cfg = self.cfg
         dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, use_bias=cfg.mlp_bias, lora=cfg.lora)
         e, m = cfg.hidden_size, cfg.intermediate_size
+        fused = self.variables.get("params", {}).get("gate_up_proj", {})
+        if "kernel_packed" in fused and not cfg.mlp_bias and m % PANEL == 0:  # packed: gate and up combined natively
+            hidden = packed_swiglu(x.reshape(-1, e), fused["kernel_packed"], m).reshape(*x.shape[:-1], m)
+            hidden = constrain(hidden.astype(cfg.dtype), ("batch", "length", "mlp"))
+            return Linear((m,), (e,), ("mlp",), ("embed",), name="down_proj", **dense)(hidden)
         if self.has_variable("params", "gate_up_proj"):  # the rollout engine's fused tree (`fuse_projections`)
             gate, up = jnp.split(Linear((e,), (2 * m,), ("embed",), ("mlp",), name="gate_up_proj",
                                         **{**dense, "lora": None})(x), 2, axis=-1)
