@@ -125,10 +125,10 @@ class Engine(Slots, Dispatch):
                                               tie_word_embeddings=False)
         self.kv_dtype = kv_dtype or dtype
         self._shardings = jax.tree.map(lambda x: x.sharding, params)
+        self.native_matmul = self._native_matmul(decode_matmul, dtype)
         # Committed to their devices as `update_weights` commits new ones: uncommitted params (a
         # notebook's jnp arrays) would key every compiled program differently from the updated ones,
         # so the first weight update would recompile them all.
-        self.native_matmul = self._native_matmul(decode_matmul, dtype)
         self.params = self._decode_params(jax.tree.map(jax.device_put, params, self._shardings))
         self.max_slots, self.max_len, self.page_size = max_slots, max_len, page_size
         self.decode_steps, self.prefill_rows, self.prefill_chunk = decode_steps, prefill_rows, prefill_chunk
