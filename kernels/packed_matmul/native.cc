@@ -16,7 +16,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 
 #include "native_parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -61,6 +60,17 @@ void Tile(const float* x, int64_t k_size, const float* panel, float* c, int64_t 
   }
 }
 
+// work(first, last) for runs of consecutive panels [first, last) of `panels`, two runs per thread,
+// taken by the caller and XLA's intra-op threads (a run prefetches its next panel as it goes).
+template <typename F>
+void ForPanelRuns(ffi::ThreadPool& pool, int64_t panels, F work) {
+  const int64_t items = std::min<int64_t>(panels, 2 * std::max<int64_t>(pool.num_threads(), 1));
+  struct NoScratch {};
+  rlvr::ParallelFor<NoScratch>(pool, items, [=](int64_t item, NoScratch&) {
+    work(panels * item / items, panels * (item + 1) / items);
+  });
+}
+
 ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> packed,
                         ffi::Result<ffi::Buffer<ffi::F32>> y) {
   const auto xd = x.dimensions();
@@ -75,11 +85,7 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   const float* xp = x.typed_data();
   const float* wp = packed.typed_data();
   float* yp = y->typed_data();
-  // Runs of consecutive panels (the next one prefetched), two per thread.
-  const int64_t items = std::min<int64_t>(panels, 2 * std::max<int64_t>(pool.num_threads(), 1));
-  struct NoScratch {};
-  rlvr::ParallelFor<NoScratch>(pool, items, [=](int64_t item, NoScratch&) {
-    const int64_t first = panels * item / items, last = panels * (item + 1) / items;
+  ForPanelRuns(pool, panels, [=](int64_t first, int64_t last) {
     for (int64_t p = first; p < last; ++p) {
       const float* panel = wp + p * k_size * kCols;
       const int cols = static_cast<int>(std::min<int64_t>(kCols, n - p * kCols));
@@ -139,10 +145,7 @@ ffi::Error PackedSwiglu(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   const float* xp = x.typed_data();
   const float* wp = packed.typed_data();
   float* yp = y->typed_data();
-  const int64_t items = std::min<int64_t>(gates, 2 * std::max<int64_t>(pool.num_threads(), 1));
-  struct NoScratch {};
-  rlvr::ParallelFor<NoScratch>(pool, items, [=](int64_t item, NoScratch&) {
-    const int64_t first = gates * item / items, last = gates * (item + 1) / items;
+  ForPanelRuns(pool, gates, [=](int64_t first, int64_t last) {
     alignas(64) float gate[kRows * kCols], up[kRows * kCols];
     for (int64_t p = first; p < last; ++p) {
       const float* gate_panel = wp + p * k_size * kCols;
