@@ -11,7 +11,10 @@ fixed (the `bench` preset shared with the Tunix peer: 4 layers, d256, vocab 1024
            static batching (batches of 16, each waits for its longest); also alone: --only varied.
            Each mode's counts (decode and prefill calls, decode loop steps, row-steps
            computed/used, window pages x steps) and the step bounds (static's steps over those
-           of a slot refilled every step) are reported beside the ratios.
+           of a slot refilled every step) are reported beside the ratios, and a cost model fit
+           to one synchronous run of each mode (`cost_model`: per decode call, loop step and used
+           row-step, prefill and host seconds) with the ratio an ideal engine would reach at
+           those costs (no call or host overhead, every freed slot refilled at once).
   varied_many: the same with 256 requests on the 16 slots (--only varied_many)
   naive:   `rlvr.models.generate` (one jitted scan, contiguous cache, static batch, greedy)
 realistic (the `bench_32k` preset: 6 layers, d512, GQA 8:2, tied 32,768-token vocabulary, 34.9M
@@ -220,6 +223,54 @@ def refill_steps(max_new: list[int], slots: int, order: str) -> int:
     return max(free)
 
 
+def _timed_calls(engine, call) -> list[tuple[str, object, float]]:
+    """Every device call of one run of `call`, timed synchronously (`Engine.call_times`)."""
+    engine.call_times = []
+    try:
+        call()
+        return engine.call_times
+    finally:
+        engine.call_times = None
+
+
+def cost_model(timed: dict[str, list], steps: dict[str, int], used_row_steps: int) -> dict:
+    """Where continuous and static batching's time goes, and the ratio an ideal engine reaches.
+
+    `timed`: each mode's synchronous device calls (`_timed_calls`). Decode calls of both modes are
+    fit (non-negative least squares) as seconds = per call + per loop step x steps + per used
+    row-step x tokens emitted: a step's products over all slots cost the same whether a slot
+    decodes or idles; attention and the rest of a row's work are paid only for a decoding row.
+    Prefill calls and the host's own time (the engine's "step" entries) are summed per mode.
+    `ideal_ceiling`: static over continuous for an engine with no per-call or host cost, both
+    modes' prefill at the cheaper one's, and a freed slot refilled before the very next step
+    (`steps["lof"]`, `refill_steps`), at the fitted per-step and per-row costs: the modes then
+    differ only in loop steps, and the prefill and the used rows' work they share cap the ratio
+    below the step bound. `ideal_ceiling_rows_free` also drops the per-row cost (an upper bound
+    for any engine whose step costs what this one's does)."""
+    from scipy.optimize import nnls
+
+    decode = [(size, t) for name in timed for kind, size, t in timed[name] if kind == "decode"]
+    coef, _ = nnls(np.array([(1.0, size[2], size[3]) for size, _ in decode]), np.array([t for _, t in decode]))
+    per_call, per_step, per_row = (float(c) for c in coef)
+    prefill = {name: sum(t for kind, _, t in calls if kind == "prefill") for name, calls in timed.items()}
+    host = {name: sum(t for kind, _, t in calls if kind == "step") for name, calls in timed.items()}
+
+    def ideal(row_cost: float) -> float:
+        shared = min(prefill.values()) + row_cost * used_row_steps
+        return (shared + per_step * steps["static"]) / (shared + per_step * steps["lof"])
+
+    return {"decode_fit": {"per_call_ms": round(per_call * 1e3, 3), "per_loop_step_ms": round(per_step * 1e3, 4),
+                           "per_used_row_step_us": round(per_row * 1e6, 2), "calls_fit": len(decode)},
+            **{name: {"decode_s": round(sum(t for kind, _, t in calls if kind == "decode"), 4),
+                      "decode_calls": sum(kind == "decode" for kind, _, _ in calls),
+                      "loop_steps": sum(size[2] for kind, size, _ in calls if kind == "decode"),
+                      "prefill_s": round(prefill[name], 4),
+                      "prefill_calls": sum(kind == "prefill" for kind, _, _ in calls),
+                      "host_s": round(host[name], 4), "synchronous_s": round(sum(t for _, _, t in calls), 4)}
+               for name, calls in timed.items()},
+            "ideal_ceiling": round(ideal(per_row), 3), "ideal_ceiling_rows_free": round(ideal(0.0), 3)}
+
+
 def _counts(engine, call) -> dict:
     """What one call of `call` does on `engine` (deltas of `Engine.metrics`)."""
     keys = ("decode_calls", "prefill_calls", "decode_loop_steps", "decode_row_steps_paid", "decode_row_steps_used",
@@ -277,6 +328,11 @@ def _varied_run(args, cfg: ModelConfig, params, prompts: list[list[int]], max_ne
                           "lof_refill_every_step_steps": steps["lof"],
                           "fcfs_max_vs_static": round(steps["static"] / steps["fcfs"], 3),
                           "lof_max_vs_static": round(steps["static"] / steps["lof"], 3)}
+    timed = {name: _timed_calls(small if name != "continuous_fcfs" else fcfs, calls[name])
+             for name in ("continuous", "static")}
+    out["cost_model"] = cost_model(timed, {"static": steps["static"], "lof": steps["lof"]}, total - count)
+    ceiling = out["cost_model"]["ideal_ceiling"]
+    out["cost_model"]["measured_vs_ideal_ceiling"] = round(out["continuous_vs_static"] / ceiling, 3)
     out["varied_engine_metrics"] = _engine_metrics(small)
     return out
 

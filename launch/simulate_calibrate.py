@@ -293,7 +293,8 @@ class Microbench:
                 restore()
         decode = [(x, t) for kind, x, t in calls if kind == "decode"]
         prefill = [(x, t) for kind, x, t in calls if kind == "prefill"]
-        da, db, ds = _nonnegative_fit([(1.0, running, slots) for (running, slots), _ in decode], [t for _, t in decode])
+        da, db, ds = _nonnegative_fit([(1.0, running, slots) for (running, slots, *_), _ in decode],
+                                      [t for _, t in decode])
         pa, pb = _nonnegative_fit([(1.0, x) for x, _ in prefill], [t for _, t in prefill])
         return EngineTiming(decode_a=da, decode_b=db, decode_slot_s=ds, prefill_a=pa, prefill_b=pb,
                             step_overhead_s=float(statistics.median(t for kind, _, t in calls if kind == "step")),
@@ -379,7 +380,8 @@ def jax_copy(params):
 
 def _timed_engine(engine, calls: list[tuple[str, float, float]]):
     """Times one engine's device calls (`Engine.call_times`: synchronous, no overlap) into `calls`:
-    ("prefill", rows x chunk, s), ("decode", (running, max_slots), s) and ("step", 0, s of the rest);
+    ("prefill", rows x chunk, s), ("decode", (running, max_slots, loop steps, used row-steps), s) and
+    ("step", 0, s of the rest);
     returns a function that stops timing."""
     engine.call_times = calls
 

@@ -206,6 +206,7 @@ class _EosTokenizer:
 
 def test_continuous_batching_refills_freed_slots(params):
     engine = Engine(CFG, params, **{**OPTS, "max_slots": 2}, decode_attention="window")  # window metrics below
+    engine.call_times = []  # synchronous timing (benchmarks' cost models): outputs must not change
     for i, n in enumerate([2, 30, 2, 2]):
         engine.submit(_req(f"c{i}", _prompts([5], seed=i)[0], max_new_tokens=n))
     finished_order, outputs = [], {}
@@ -230,6 +231,9 @@ def test_continuous_batching_refills_freed_slots(params):
     assert metrics["decode_loop_steps"] == 29 and metrics["decode_row_steps_paid"] == 2 * 29
     assert metrics["decode_row_steps_used"] == sum(len(o) for o in outputs.values()) - 4
     assert 4 * 29 <= metrics["decode_window_page_steps"] <= 8 * 29  # windows of 4 or 8 pages (c1 reaches 35 tokens)
+    decode = [size for kind, size, _ in engine.call_times if kind == "decode"]  # (rows, slots, steps, used)
+    assert sum(d[2] for d in decode) == 29 and sum(d[3] for d in decode) == metrics["decode_row_steps_used"]
+    assert len(decode) == metrics["decode_calls"] and all(d[1] == 2 for d in decode)
 
 
 def test_a_decode_call_is_cut_short_when_waiting_requests_would_use_the_freed_steps():

@@ -120,8 +120,6 @@ class Dispatch:
             self._cache_prompt_pages(seq)
         host_slots = slots[: len(seqs)]
         sampling = {k: v[slots] for k, v in self._sampling.items()}
-        table, tokens, positions, segments, slots, completes, sampling = jax.device_put(
-            (table, tokens, positions, segments, slots, completes, sampling))  # one transfer
         start = time.perf_counter()
         self.pool, self.state, tok, logprob, more = device_fns.prefill(
             self.decode_cfg, self._filters(host_slots) if filters is None else filters, self.params, self.pool,
@@ -165,7 +163,7 @@ class Dispatch:
             slots[i], tokens[i], positions[i] = seq.slot, seq.prompt[-1], len(seq.prompt) - 1
             seq.prefilled = seq.device_tokens = len(seq.prompt)
             self.active[seq.slot] = True
-        self.state = device_fns.arm(self.state, *jax.device_put((slots, tokens, positions)))
+        self.state = device_fns.arm(self.state, slots, tokens, positions)
         self._restore_counts(seqs)
 
     def _restore_counts(self, seqs: list[Sequence]) -> None:
@@ -235,13 +233,15 @@ class Dispatch:
         ragged = None if self.decode_window else NativeDecode() if self.native_decode else \
             ragged_pages(self.page_table, reach, self.page_size)
         active = active_host = np.array([s is not None for s in seqs]) & self.active
-        # NumPy copies: on CPU, device_put aliases an aligned host array and copies a large one in the
-        # background (benchmarks/results/host_aliasing_probe.json), and the host edits these tables.
+        # NumPy arrays go to the jitted call as they are (its C++ path transfers them: ~5x less host time
+        # than a Python device_put), as copies: on CPU an aligned host array may be aliased and a large
+        # one copied in the background (benchmarks/results/host_aliasing_probe.json), and the host
+        # edits these tables.
         if self._sampling_device is None:
             self._sampling_device = jax.device_put({k: v.copy() for k, v in self._sampling.items()})
         pages = self._window_pages(reach) if self.decode_window else self.pages_per_row
         table = self.page_table[:, :pages] if self.decode_window else self.page_table
-        table, ragged, active = jax.device_put((table.copy(), ragged, active))  # one transfer
+        table = table.copy()
         filters = self._filters(np.flatnonzero(active_host)) if filters is None else filters
         mask = self._masks(seqs, self.max_slots)
         start = time.perf_counter()
@@ -272,9 +272,15 @@ class Dispatch:
         return next((b for b in self.window_buckets() if b >= needed), self.pages_per_row)
 
     def _time_call(self, kind: str, size: Any, start: float, output: jax.Array) -> None:
+        """With `call_times` on, waits for the call and records (kind, size, seconds); a decode
+        call's size gains its loop steps and used row-steps (from `output`, its tokens per row)."""
         if self.call_times is not None:
             jax.block_until_ready(output)
-            self.call_times.append((kind, size, time.perf_counter() - start))
+            seconds = time.perf_counter() - start
+            if kind == "decode":
+                emitted = np.asarray(output)
+                size = (*size, int(emitted.max(initial=0)), int(emitted.sum()))
+            self.call_times.append((kind, size, seconds))
 
     def _process(self, keep: int) -> None:
         """Reads the tokens of all but the last `keep` dispatched calls, oldest first."""

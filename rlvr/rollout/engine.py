@@ -164,7 +164,8 @@ class Engine(Slots, Dispatch):
                        "generated_tokens": 0, "decode_loop_steps": 0, "decode_row_steps_paid": 0,
                        "decode_row_steps_used": 0, "decode_window_page_steps": 0}
         # Set to a list to time every device call synchronously (no overlap; for calibration):
-        # ("prefill", rows x chunk, s), ("decode", (rows decoding, max_slots), s), ("step", 0, host s).
+        # ("prefill", rows x chunk, s), ("decode", (rows decoding, max_slots, loop steps, used row-steps), s),
+        # ("step", 0, host s).
         self.call_times: list[tuple[str, Any, float]] | None = None
 
     def _new_pool(self) -> dict:
