@@ -320,6 +320,10 @@ def _varied_run(args, cfg: ModelConfig, params, prompts: list[list[int]], max_ne
                                          "counts": counts[name]} for name in calls}}
     out["continuous_vs_static"] = round(wall["static"] / wall["continuous"], 3)
     out["continuous_vs_static_cpu"] = round(cpu["static"] / cpu["continuous"], 3)
+    # Static's loop steps over continuous's (counts): the ratio where a step costs the same whatever its
+    # rows do and prefill is small beside decode (an accelerator's memory-bound decode, not this CPU's).
+    out["continuous_vs_static_loop_steps"] = round(
+        counts["static"]["decode_loop_steps"] / counts["continuous"]["decode_loop_steps"], 3)
     out["continuous_fcfs_vs_static"] = round(wall["static"] / wall["continuous_fcfs"], 3)
     out["continuous_fcfs_vs_static_cpu"] = round(cpu["static"] / cpu["continuous_fcfs"], 3)
     steps = {"static": static_steps(max_new, 16), "fcfs": refill_steps(max_new, 16, "fcfs"),
