@@ -332,8 +332,7 @@ def _varied_run(args, cfg: ModelConfig, params, prompts: list[list[int]], max_ne
                           "lof_refill_every_step_steps": steps["lof"],
                           "fcfs_max_vs_static": round(steps["static"] / steps["fcfs"], 3),
                           "lof_max_vs_static": round(steps["static"] / steps["lof"], 3)}
-    timed = {name: _timed_calls(small if name != "continuous_fcfs" else fcfs, calls[name])
-             for name in ("continuous", "static")}
+    timed = {name: _timed_calls(small, calls[name]) for name in ("continuous", "static")}
     out["cost_model"] = cost_model(timed, {"static": steps["static"], "lof": steps["lof"]}, total - count)
     ceiling = out["cost_model"]["ideal_ceiling"]
     out["cost_model"]["measured_vs_ideal_ceiling"] = round(out["continuous_vs_static"] / ceiling, 3)
