@@ -237,9 +237,10 @@ def cost_model(timed: dict[str, list], steps: dict[str, int], used_row_steps: in
     """Where continuous and static batching's time goes, and the ratio an ideal engine reaches.
 
     `timed`: each mode's synchronous device calls (`_timed_calls`). Decode calls of both modes are
-    fit (non-negative least squares) as seconds = per call + per loop step x steps + per used
-    row-step x tokens emitted: a step's products over all slots cost the same whether a slot
-    decodes or idles; attention and the rest of a row's work are paid only for a decoding row.
+    fit (non-negative least squares on per-shape medians, `simulate_calibrate._nonnegative_fit`) as
+    seconds = per call + per loop step x steps + per used row-step x tokens emitted: a step's
+    products over all slots cost the same whether a slot decodes or idles; attention and the rest
+    of a row's work are paid only for a decoding row.
     Prefill calls and the host's own time (the engine's "step" entries) are summed per mode.
     `ideal_ceiling`: static over continuous for an engine with no per-call or host cost, both
     modes' prefill at the cheaper one's, and a freed slot refilled before the very next step
@@ -247,13 +248,16 @@ def cost_model(timed: dict[str, list], steps: dict[str, int], used_row_steps: in
     differ only in loop steps, and the prefill and the used rows' work they share cap the ratio
     below the step bound. `ideal_ceiling_rows_free` also drops the per-row cost (an upper bound
     for any engine whose step costs what this one's does)."""
-    from scipy.optimize import nnls
+    from rlvr.launch.simulate_calibrate import _nonnegative_fit
 
     decode = [(size, t) for name in timed for kind, size, t in timed[name] if kind == "decode"]
-    coef, _ = nnls(np.array([(1.0, size[2], size[3]) for size, _ in decode]), np.array([t for _, t in decode]))
-    per_call, per_step, per_row = (float(c) for c in coef)
-    prefill = {name: sum(t for kind, _, t in calls if kind == "prefill") for name, calls in timed.items()}
-    host = {name: sum(t for kind, _, t in calls if kind == "step") for name, calls in timed.items()}
+    per_call, per_step, per_row = _nonnegative_fit([(1.0, size[2], size[3]) for size, _ in decode],
+                                                   [t for _, t in decode])
+
+    def seconds(calls: list, kind: str) -> float:
+        return sum(t for k, _, t in calls if k == kind)
+
+    prefill = {name: seconds(calls, "prefill") for name, calls in timed.items()}
 
     def ideal(row_cost: float) -> float:
         shared = min(prefill.values()) + row_cost * used_row_steps
@@ -261,12 +265,13 @@ def cost_model(timed: dict[str, list], steps: dict[str, int], used_row_steps: in
 
     return {"decode_fit": {"per_call_ms": round(per_call * 1e3, 3), "per_loop_step_ms": round(per_step * 1e3, 4),
                            "per_used_row_step_us": round(per_row * 1e6, 2), "calls_fit": len(decode)},
-            **{name: {"decode_s": round(sum(t for kind, _, t in calls if kind == "decode"), 4),
+            **{name: {"decode_s": round(seconds(calls, "decode"), 4),
                       "decode_calls": sum(kind == "decode" for kind, _, _ in calls),
                       "loop_steps": sum(size[2] for kind, size, _ in calls if kind == "decode"),
                       "prefill_s": round(prefill[name], 4),
                       "prefill_calls": sum(kind == "prefill" for kind, _, _ in calls),
-                      "host_s": round(host[name], 4), "synchronous_s": round(sum(t for _, _, t in calls), 4)}
+                      "host_s": round(seconds(calls, "step"), 4),
+                      "synchronous_s": round(sum(t for _, _, t in calls), 4)}
                for name, calls in timed.items()},
             "ideal_ceiling": round(ideal(per_row), 3), "ideal_ceiling_rows_free": round(ideal(0.0), 3)}
 

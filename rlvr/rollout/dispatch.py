@@ -232,7 +232,7 @@ class Dispatch:
         reach = np.zeros(self.max_slots, np.int64) if reach is None else reach
         ragged = None if self.decode_window else NativeDecode() if self.native_decode else \
             ragged_pages(self.page_table, reach, self.page_size)
-        active = active_host = np.array([s is not None for s in seqs]) & self.active
+        active = np.array([s is not None for s in seqs]) & self.active
         # NumPy arrays go to the jitted call as they are (its C++ path transfers them: ~5x less host time
         # than a Python device_put), as copies: on CPU an aligned host array may be aliased and a large
         # one copied in the background (benchmarks/results/host_aliasing_probe.json), and the host
@@ -242,7 +242,7 @@ class Dispatch:
         pages = self._window_pages(reach) if self.decode_window else self.pages_per_row
         table = self.page_table[:, :pages] if self.decode_window else self.page_table
         table = table.copy()
-        filters = self._filters(np.flatnonzero(active_host)) if filters is None else filters
+        filters = self._filters(np.flatnonzero(active)) if filters is None else filters
         mask = self._masks(seqs, self.max_slots)
         start = time.perf_counter()
         limit = jnp.int32(1 if mask is not None else steps or self.decode_steps)
@@ -250,7 +250,7 @@ class Dispatch:
             self.decode_cfg, self.decode_steps, filters, self.params, self.pool, table, ragged, self.state, active,
             self._sampling_device, self._top(seqs), mask, limit)
         self._times["decode_calls"] += 1
-        self._time_call("decode", (int(active_host.sum()), self.max_slots), start, emitted)
+        self._time_call("decode", (int(active.sum()), self.max_slots), start, emitted)
         self.inflight.append(_Inflight("decode", seqs, toks, logprobs, emitted, self.weight_version, more, pages))
 
     def window_buckets(self) -> list[int]:
