@@ -307,10 +307,14 @@ class SGLangClient:
                           cached_tokens=int(meta.get("cached_tokens") or 0), weight_version=version,
                           text=out.get("text"))
 
+    def _body(self, server: _Server, request: Request, rid: str) -> dict[str, Any]:
+        """The /generate body sent to `server` (a router client trims what its router would drop)."""
+        return self.payload(request, rid)
+
     async def _attempt(self, server: _Server, request: Request, rid: str) -> Completion | BaseException:
         """One POST /generate: the Completion, or the retryable error (non-retryable ones raise)."""
         try:
-            resp = await self._http(server).post(server.url + "/generate", json=self.payload(request, rid),
+            resp = await self._http(server).post(server.url + "/generate", json=self._body(server, request, rid),
                                            timeout=self.timeout)
         except (httpx.ConnectTimeout, httpx.ConnectError) as e:  # nobody listens there
             self._mark_down(server, e)
@@ -467,13 +471,20 @@ class SGLangClient:
         return {s.url: s.healthy for s in self._servers}
 
     async def loads(self) -> dict[str, dict[str, int]]:
-        """{url: {"num_running_reqs", "num_waiting_reqs"}} from GET /v1/loads."""
-        out = {}
+        """{url: {"num_running_reqs", "num_waiting_reqs"}} from GET /v1/loads of every healthy server.
+        A server that dies meanwhile is marked down and left out; one that answers with an error
+        (e.g. a router, which has no /v1/loads) raises: an empty answer would read as "idle"."""
+        out, failed = {}, {}
         for url, result in (await self._broadcast("/v1/loads", method="GET")).items():
             if isinstance(result, dict):
                 rows = result.get("loads") or [result]
                 out[url] = {key: sum(int(row.get(key, 0)) for row in rows)
                             for key in ("num_running_reqs", "num_waiting_reqs")}
+            elif not isinstance(result, httpx.TransportError):
+                failed[url] = result
+        if failed:
+            raise SGLangError(f"GET /v1/loads failed on {failed}; behind an sglang-router, give the client "
+                              "the workers' URLs (rlvr.rollout.router.RouterClient)")
         return out
 
     async def abort(self, rid: str) -> None:

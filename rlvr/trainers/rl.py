@@ -154,7 +154,8 @@ def build_backend(config: ml_collections.ConfigDict, model: api.Model, params, t
                                         replicas=e.replicas, seed=config.seed)
     urls = [u.strip() for u in rl.sglang_urls.split(",") if u.strip()]
     backend = backends.SGLangBackend(urls, model.cfg, os.path.join(workdir, "weights"),
-                                     tokenizer_dir=config.tokenizer.path or None)
+                                     tokenizer_dir=config.tokenizer.path or None,
+                                     router=rl.sglang_router.strip() or None)
     backend.update_weights(params, version)  # the servers start from the trainer's policy
     return backend
 
