@@ -225,6 +225,34 @@ def test_k8s_tpu_jobset_with_sglang_validates_and_matches_the_init(tmp_path):
     assert container["volumeMounts"][0]["mountPath"] == "/mnt/rlvr"
 
 
+def test_k8s_sglang_router_fronts_the_servers(tmp_path):
+    """--sglang_router: a router Deployment + Service whose --worker-urls are the StatefulSet's servers;
+    the trainer sends generation to the router (rl.sglang_router) and control to each server."""
+    exp = experiment(tmp_path, "configs/quickstart.py:smoke", {"data.batch_size": 16})
+    paths = TARGETS["k8s"](exp, {"image": "i", "gpu": "h100", "pvc": "p", "aot_check": "false",
+                                 "sglang_servers": "3", "sglang_model": "m", "sglang_router": "true",
+                                 "sglang_router_policy": "round_robin"})
+    objects = load_yaml(paths)
+    k8s_validate.validate_objects(objects)
+    deployment = next(o for o in objects if o["kind"] == "Deployment")
+    service = next(o for o in objects if o["kind"] == "Service" and o["metadata"]["name"].endswith("-router"))
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    args = container["args"]
+    workers = args[args.index("--worker-urls") + 1: args.index("--policy")]
+    config = flags_to_config(trainer_of(objects[0])[2]["args"], devices=8)
+    assert workers == config.rl.sglang_urls.split(",") and len(workers) == 3
+    assert args[:2] == ["-m", "sglang_router.launch_router"] and args[args.index("--policy") + 1] == "round_robin"
+    port = service["spec"]["ports"][0]["port"]
+    assert config.rl.sglang_router == f"http://{service['metadata']['name']}:{port}"
+    assert args[args.index("--port") + 1] == str(port) and container["readinessProbe"]["httpGet"]["port"] == port
+    assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    with pytest.raises(ValueError, match="--sglang_router=true needs --sglang_servers"):
+        TARGETS["k8s"](exp, {"image": "i", "gpu": "h100", "pvc": "p", "sglang_router": "true"})
+    with pytest.raises(ValueError, match="--sglang_router_policy='fastest'"):
+        TARGETS["k8s"](exp, {"image": "i", "gpu": "h100", "pvc": "p", "sglang_servers": "1",
+                             "sglang_router": "true", "sglang_router_policy": "fastest"})
+
+
 def test_k8s_gpu_nodes_and_refusals(tmp_path):
     exp = experiment(tmp_path, "configs/sft_tiny.py", {"data.batch_size": 16}, use_sweep=True)
     paths = TARGETS["k8s"](exp, {"image": "i", "gpu": "h100", "nodes": "2", "workdir_root": "gs://b/x",
