@@ -78,5 +78,8 @@ setup(
         "storage-test": ["s3fs>=2024.1", "moto[server]>=5"],
         # optional Weights & Biases logging beside metrics.jsonl and TensorBoard (train.wandb=offline|online)
         "wandb": ["wandb>=0.19"],
+        # SGLang's router (a Rust load balancer, binary wheel) in front of several rollout servers:
+        # rlvr.rollout.fleet starts it, tests/test_rollout_fleet.py drives it (the version tested)
+        "fleet": ["sglang-router==0.3.2"],
     },
 )
