@@ -219,21 +219,6 @@ RL = {"train.num_steps": RL_STEPS, "train.tensorboard": False, "checkpoint.every
       "rl.backend": "sglang"}
 
 
-def _engine_server(config, model):
-    from rlvr.models.tokenizer import byte_level_tokenizer
-    from rlvr.rollout.driver import EngineDriver
-    from rlvr.rollout.engine import Engine
-    from rlvr.rollout.server import serve
-
-    e = config.rl.engine
-    engine = Engine(model.cfg, model.params, byte_level_tokenizer(), max_slots=e.max_slots, max_len=e.max_len,
-                    page_size=e.page_size, decode_steps=e.decode_steps, prefill_rows=e.prefill_rows,
-                    prefill_chunk=e.prefill_chunk, seed=config.seed)
-    driver = EngineDriver(engine)
-    server, _ = serve(driver, port=0)
-    return server, driver
-
-
 def _spy_completions(monkeypatch):
     """{rid: (output ids, log-probs)} of every completion any SGLangClient returns (observation only)."""
     seen = {}
@@ -248,13 +233,12 @@ def _spy_completions(monkeypatch):
 
 
 @pytest.mark.slow
-def test_rl_run_through_the_router_matches_direct_workers(tmp_path, monkeypatch):
+def test_rl_run_through_the_router_matches_direct_workers(sglang_server, tmp_path, monkeypatch):
     from rlvr import api, config_lib, main
 
     config = config_lib.load_config(SPEC, RL)
     model = api.build_model(config)
-    started = [_engine_server(config, model) for _ in range(2)]
-    urls = ",".join(server.url for server, _ in started)
+    urls = ",".join(sglang_server(config, model) for _ in range(2))  # two engines in this process
     router, router_url = launch_router(urls.split(","), str(tmp_path / "router.log"), policy="round_robin")
     try:
         runs = {}
@@ -267,9 +251,6 @@ def test_rl_run_through_the_router_matches_direct_workers(tmp_path, monkeypatch)
     finally:
         router.terminate()
         router.wait(timeout=10)
-        for server, driver in started:
-            server.stop(hard=True)
-            driver.close()
     (direct_rows, direct_seen), (router_rows, router_seen) = runs["direct"], runs["router"]
     assert [r["step"] for r in router_rows] == list(range(1, RL_STEPS + 1))
     for a, b in zip(router_rows, direct_rows, strict=True):

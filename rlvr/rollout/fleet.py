@@ -55,6 +55,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def advertised(host: str) -> str:
+    """The name others reach a process listening on `host` by (this machine's name for 0.0.0.0 / ::)."""
+    return socket.getfqdn() if host in ("0.0.0.0", "::") else host
+
+
 def _die_with_parent() -> None:
     """SIGTERM to this process when its parent dies (Linux prctl PR_SET_PDEATHSIG; kept across exec)."""
     with contextlib.suppress(OSError, AttributeError):
@@ -97,7 +102,7 @@ def launch_router(worker_urls: Sequence[str], log_path: str, *, host: str = "127
     argv = [sys.executable, "-m", "rlvr.rollout.fleet", "router", *router_argv(worker_urls, host, port, policy, extra)]
     with open(log_path, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://{host}:{port}"
+    url = f"http://{advertised(host)}:{port}"
 
     def ready(http: httpx.Client) -> bool:
         resp = http.get(url + "/readiness")
@@ -173,7 +178,7 @@ class Fleet:
         """Starts worker `index` (again, after a kill) on a fresh port; returns its URL (not yet waited on)."""
         port = free_port(self.host)
         proc = self._spawn(self.worker_argv(port), f"worker-{index}", self._worker_env(index))
-        url = f"http://{self.host}:{port}"
+        url = f"http://{advertised(self.host)}:{port}"
         if index < len(self.workers):
             self.workers[index], self.worker_urls[index] = proc, url
         else:
