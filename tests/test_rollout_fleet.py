@@ -163,6 +163,11 @@ def test_a_worker_that_misses_a_version_fails_loudly(tmp_path):
         asyncio.run(sync(found))
         assert [h.engine.weight_version for h in fleet.handles] == [1, 1]
         assert {c.weight_version for c in found.generate_sync(requests_for(4, prefix="f"))} == {1}
+        # a worker back with old weights (as after a restart): its stale answers re-sync it and are retried
+        relabel = httpx.post(fleet.worker_urls[1] + "/update_weight_version", json={"new_version": "0"}, timeout=30)
+        assert relabel.status_code == 200 and fleet.handles[1].engine.weight_version == 0
+        assert {c.weight_version for c in found.generate_sync(requests_for(4, prefix="b"))} == {1}
+        assert found.report()["stale_answers"] >= 1 and [h.engine.weight_version for h in fleet.handles] == [1, 1]
     finally:
         fleet.stop()
 

@@ -8,8 +8,9 @@ does), so prompt ids, output ids and per-token logprobs are exact and map straig
 
 Routing: each request goes to the healthy server with the fewest requests in flight; requests
 with a `session_id` stick to one server (LRU-bounded map) so multi-turn conversations reuse the
-prefix cache, and the n samples of one request stick together for the same reason. With one URL
-(e.g. an sglang router) all of this degenerates gracefully.
+prefix cache, and the n samples of one request stick together for the same reason. Behind an
+sglang-router use `rlvr.rollout.router.RouterClient`: the router forwards generation only (its
+control routes answer 404) and silently drops some sampling parameters.
 
 Fault tolerance: per-request timeout; retries with exponential backoff on connection errors,
 timeouts and HTTP 408/429/5xx; FAILOVER when a server dies mid-rollout: it is marked unhealthy and
@@ -26,7 +27,8 @@ Using it with real SGLang (CUDA machines)::
     python -m sglang.launch_server --model-path /ckpt/step0 --port 30000   # one per GPU group
     python -m sglang_router.launch_router --worker-urls http://w1:30000 http://w2:30000 --port 30100
 
-    client = SGLangClient(["http://w1:30000", "http://w2:30000"])   # or ["http://router:30100"]
+    client = SGLangClient(["http://w1:30000", "http://w2:30000"])
+    client = RouterClient("http://router:30100", ["http://w1:30000", "http://w2:30000"])  # rlvr.rollout.router
     completions = client.generate_sync([Request("q0", prompt_ids, SamplingParams(n=8, max_new_tokens=512))])
 
 Weight sync from the JAX trainer needs no torch: export with
