@@ -15,10 +15,12 @@ two real engines in this process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 
 import httpx
+import jax
 import pytest
 from rollout_fakes import FakeEngine, ServerHandle, wait_for
 
@@ -224,6 +226,26 @@ RL = {"train.num_steps": RL_STEPS, "train.tensorboard": False, "checkpoint.every
       "rl.backend": "sglang"}
 
 
+@contextlib.contextmanager
+def _compile_cache(path):
+    """JAX's persistent compilation cache at `path` for the block, then as it was: the second run compiles
+    the first's programs again (new jitted closures), and loads them from disk instead."""
+    from jax._src import compilation_cache
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    before = [getattr(jax.config, name) for name in names]
+    for name, value in zip(names, (str(path), 0, 0), strict=True):
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        for name, value in zip(names, before, strict=True):
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
+
+
 def _spy_completions(monkeypatch):
     """{rid: (output ids, log-probs)} of every completion any SGLangClient returns (observation only)."""
     seen = {}
@@ -245,14 +267,15 @@ def test_rl_run_through_the_router_matches_direct_workers(sglang_server, tmp_pat
     model = api.build_model(config)
     urls = ",".join(sglang_server(config, model) for _ in range(2))  # two engines in this process
     router, router_url = launch_router(urls.split(","), str(tmp_path / "router.log"), policy="round_robin")
+    runs = {}
     try:
-        runs = {}
-        for name, overrides in (("direct", {"rl.sglang_urls": urls}), ("router", {"rl.sglang_router": router_url})):
-            seen = _spy_completions(monkeypatch)
-            main.run(config_lib.load_config(SPEC, {**RL, **overrides}), str(tmp_path / name))
-            with open(tmp_path / name / "metrics.jsonl") as f:
-                runs[name] = ([json.loads(line) for line in f], dict(seen))
-            monkeypatch.undo()
+        with _compile_cache(tmp_path / "jax_cache"):
+            for name, overrides in (("direct", {"rl.sglang_urls": urls}), ("router", {"rl.sglang_router": router_url})):
+                seen = _spy_completions(monkeypatch)
+                main.run(config_lib.load_config(SPEC, {**RL, **overrides}), str(tmp_path / name))
+                with open(tmp_path / name / "metrics.jsonl") as f:
+                    runs[name] = ([json.loads(line) for line in f], dict(seen))
+                monkeypatch.undo()
     finally:
         router.terminate()
         router.wait(timeout=10)
