@@ -18,6 +18,9 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
+import subprocess
+import sys
 
 import httpx
 import jax
@@ -213,6 +216,54 @@ def test_a_worker_killed_mid_step_is_retried_by_the_router(tmp_path):
         assert client.report()["retries"] == 0  # the router retried, not the client
     finally:
         fleet.stop()
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped) is not alive
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _start_fleet_command(tmp_path, workers, repo_root):
+    """`python -m rlvr.rollout.fleet` over fake servers; (process, its description once ready)."""
+    ready = tmp_path / "fleet.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo_root, os.path.join(repo_root, "tests")])}
+    argv = [sys.executable, "-m", "rlvr.rollout.fleet", "--hf_dir=unused", f"--workers={workers}", "--router",
+            "--port=0", "--policy=round_robin", "--server_module=fleet_fake_server", f"--ready_file={ready}",
+            f"--log_dir={tmp_path}", "--start_timeout=120", "--stop_timeout=10"]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(lambda: ready.exists() or proc.poll() is not None, timeout=180, interval=0.1)
+    assert ready.exists(), proc.communicate(timeout=10)[0][-3000:]
+    return proc, json.loads(ready.read_text())
+
+
+def test_fleet_command_serves_through_the_router_and_stops_everything(tmp_path, repo_root):
+    proc, fleet = _start_fleet_command(tmp_path, 2, repo_root)
+    pids = [fleet["pids"]["router"], *fleet["pids"]["workers"]]
+    try:
+        assert all(_alive(pid) for pid in pids) and len(fleet["workers"]) == 2
+        client = asyncio.run(RouterClient.discover(fleet["router"], **FAST))
+        assert sorted(client.healthy_urls()) == sorted(fleet["workers"])
+        completions = client.generate_sync(requests_for(4, prefix="c"))
+        assert [c.output_ids for c in completions] == [expected(r.input_ids, 6) for r in requests_for(4)]
+        os.kill(fleet["pids"]["workers"][0], signal.SIGKILL)  # a process of the fleet dies: all of it stops
+        assert proc.wait(timeout=60) == 1
+        wait_for(lambda: not any(_alive(pid) for pid in pids), timeout=30)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    (tmp_path / "again").mkdir()
+    proc, fleet = _start_fleet_command(tmp_path / "again", 1, repo_root)
+    try:
+        proc.send_signal(signal.SIGTERM)  # the clean way down: exit 0, nothing left
+        assert proc.wait(timeout=60) == 0
+        wait_for(lambda: not any(_alive(pid) for pid in [fleet["pids"]["router"], *fleet["pids"]["workers"]]), 30)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 # --- 4: an RL run through the router vs the workers directly ----------------------------------------

@@ -136,6 +136,7 @@ class Fleet:
     """N servers (+ the router) as child processes; a context manager that stops them all."""
 
     def __init__(self, hf_dir: str, workers: int = 2, router: bool = True, *, server: str = "rlvr",
+                 server_module: str = "",
                  host: str = "127.0.0.1", port: int = 0, policy: str = "cache_aware",
                  server_args: Sequence[str] = (), router_args: Sequence[str] = (), devices_per_worker: int = 0,
                  device_env: str = "CUDA_VISIBLE_DEVICES", env: dict[str, str] | None = None,
@@ -144,7 +145,9 @@ class Fleet:
             raise ValueError(f"workers={workers}: a fleet needs at least one server")
         if server not in SERVER_MODULES:
             raise ValueError(f"server={server!r}: use one of {sorted(SERVER_MODULES)}")
-        self.hf_dir, self.count, self.with_router, self.server = hf_dir, workers, router, server
+        self.hf_dir, self.count, self.with_router = hf_dir, workers, router
+        module, model_flag = SERVER_MODULES[server]
+        self.server_module, self.model_flag = server_module or module, model_flag
         self.host, self.port, self.policy = host, port, policy
         self.server_args, self.router_args = list(server_args), list(router_args)
         self.devices_per_worker, self.device_env = devices_per_worker, device_env
@@ -163,9 +166,8 @@ class Fleet:
             return subprocess.Popen(orphan_safe(argv), stdout=out, stderr=subprocess.STDOUT, env=env)
 
     def worker_argv(self, port: int) -> list[str]:
-        module, model_flag = SERVER_MODULES[self.server]
-        return [sys.executable, "-m", module, model_flag, self.hf_dir, "--host", self.host, "--port", str(port),
-                *self.server_args]
+        return [sys.executable, "-m", self.server_module, self.model_flag, self.hf_dir, "--host", self.host,
+                "--port", str(port), *self.server_args]
 
     def _worker_env(self, index: int) -> dict[str, str]:
         env = dict(self.env)
@@ -256,6 +258,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="start the sglang-router in front of them (--no-router: the servers only)")
     parser.add_argument("--server", choices=sorted(SERVER_MODULES), default="rlvr",
                         help="rlvr: python -m rlvr.rollout.server; sglang: python -m sglang.launch_server (GPU)")
+    parser.add_argument("--server_module", default="",
+                        help="another SGLang-compatible server module, run as python -m MODULE with --server's model "
+                             "flag, --host and --port")
     parser.add_argument("--host", default="127.0.0.1", help="where every process listens (0.0.0.0: reachable "
                         "from other machines)")
     parser.add_argument("--port", type=int, default=30100, help="the router's port (0: any free one)")
@@ -287,14 +292,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.workers < 1 or args.devices_per_worker < 0:
         raise SystemExit(f"--workers={args.workers} must be >= 1 and --devices_per_worker >= 0")
-    fleet = Fleet(args.hf_dir, args.workers, args.router, server=args.server, host=args.host, port=args.port,
+    fleet = Fleet(args.hf_dir, args.workers, args.router, server=args.server, server_module=args.server_module,
+                  host=args.host, port=args.port,
                   policy=args.policy, server_args=server_args, router_args=args.router_arg,
                   devices_per_worker=args.devices_per_worker, device_env=args.device_env,
                   log_dir=args.log_dir or None, start_timeout=args.start_timeout, stop_timeout=args.stop_timeout)
-    stop = threading.Event()
+    stop, started = threading.Event(), threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if not started.is_set():
+            raise SystemExit(128 + signum)  # interrupts the start-up waits; Fleet.start stops what it started
+        stop.set()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     fleet.start()
+    started.set()
     try:
         line = json.dumps(fleet.describe())
         if args.ready_file:
