@@ -8,7 +8,8 @@ Implementations (`IMPLEMENTATIONS`, chosen at call time, never at import):
 `implementation=None` picks "pallas" on TPU and GPU and "xla" on CPU, and on GPU falls back to "xla"
 when Triton cannot take the head dim (not a power of two >= 16); the choice is logged once per
 (platform, implementation, reason). An explicitly requested implementation that cannot run raises.
-The platform is `jax.default_backend()`.
+The platform is the one the program is compiled for (`rlvr.kernels.target.target_platform`),
+which need not be the host's: under `compile_for(topology)` a CPU host builds the TPU kernels.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+from rlvr.kernels.target import target_platform
 
 from .common import AttentionSpec
 from .config import PLATFORMS, BlockSizes, default_block_sizes
@@ -97,9 +99,8 @@ def _run(q, k, v, q_seg, kv_seg, q_pos, kv_pos, *, name: str, spec: AttentionSpe
 
 
 def current_platform() -> str:
-    """'cpu', 'gpu' or 'tpu' (or whatever else the default backend calls itself)."""
-    backend = jax.default_backend()
-    return "gpu" if backend in ("gpu", "cuda", "rocm") else backend
+    """'cpu', 'gpu' or 'tpu': the platform the program is compiled for (`rlvr.kernels.target`)."""
+    return target_platform()
 
 
 def choose_implementation(implementation: str | None, platform: str, head_dim: int) -> str:
