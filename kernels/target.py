@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Iterator
 
 import jax
@@ -49,11 +50,16 @@ def tpu_topology(name: str):
     from jax.experimental import topologies
 
     name = TOPOLOGIES.get(name, name)
+    missing = tpu_compiler_unavailable_reason()
+    if missing:
+        raise ValueError(f"cannot compile for TPU topology {name!r}: {missing}.")
+    # Deviceless compiles touch no chip, so several processes (pytest-xdist workers) may load libtpu;
+    # without this the second one fails on libtpu's single-process lockfile.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         return topologies.get_topology_desc(platform="tpu", topology_name=name)
-    except Exception as error:  # libtpu missing, or a name it does not know
-        raise ValueError(f"cannot compile for TPU topology {name!r}: {error}. Install the TPU compiler with "
-                         f"`pip install -e '.[tpu]'` (libtpu; no TPU needed) and use one of "
+    except Exception as error:  # a name this libtpu does not know
+        raise ValueError(f"cannot compile for TPU topology {name!r}: {error}. Known to work: "
                          f"{sorted(TOPOLOGIES.values())}.") from error
 
 
