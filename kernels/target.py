@@ -38,9 +38,18 @@ def target_platform() -> str:
     return normalize(jax.default_backend())
 
 
-def targets_host() -> bool:
-    """Whether the target is the host's own backend (so arrays can be made and programs run)."""
-    return target_platform() == normalize(jax.default_backend())
+# device_kind of each TPU generation's chips, as libtpu names them.
+TPU_KINDS = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p",
+             "TPU v6 lite": "v6e", "TPU v6e": "v6e"}
+
+
+def tpu_generation() -> str | None:
+    """The target TPU's generation ('v5e', 'v5p', ...), or None (not a TPU, or a kind not in TPU_KINDS)."""
+    if target_platform() != "tpu":
+        return None
+    device = jax.config.jax_default_device
+    device = device if device is not None and not isinstance(device, str) else jax.devices()[0]
+    return TPU_KINDS.get(device.device_kind)
 
 
 @functools.cache

@@ -170,7 +170,7 @@ def program_report(compiled) -> dict[str, Any]:
             "per_device_total_bytes": per_device["argument"] + per_device["output"] + per_device["temp"]
             - per_device["alias"],
             "flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
-            "collectives": {kind: len(re.findall(rf"= [^=\n]* {kind}(?:-start)?\(", text)) for kind in COLLECTIVES},
+            "collectives": {kind: len(re.findall(rf"\s{kind}(?:-start)?\(", text)) for kind in COLLECTIVES},
             "mosaic_kernels": text.count('custom_call_target="tpu_custom_call"')}
 
 

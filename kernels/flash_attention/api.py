@@ -21,7 +21,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
-from rlvr.kernels.target import target_platform
+from rlvr.kernels.target import target_platform, tpu_generation
 
 from .common import AttentionSpec
 from .config import PLATFORMS, BlockSizes, default_block_sizes
@@ -56,7 +56,8 @@ def flash_attention(q, k, v, *, q_segment_ids=None, kv_segment_ids=None, q_posit
     logits) and differentiable, so partial results over key blocks can be merged by online softmax:
     out = sum_b exp(lse_b - lse) out_b with lse = logsumexp_b lse_b (guard blocks whose lse is -inf).
 
-    block_sizes: a `BlockSizes` (default: `config.DEFAULTS[platform]`). implementation: None,
+    block_sizes: a `BlockSizes` (default: `config.DEFAULTS[platform]`, on TPU per generation:
+    `config.TPU_GENERATIONS`). implementation: None,
     "pallas" or "xla" (see the module docstring).
     """
     b, t, h, d, s, kvh = _check_qkv(q, k, v)
@@ -72,7 +73,7 @@ def flash_attention(q, k, v, *, q_segment_ids=None, kv_segment_ids=None, q_posit
 
     platform = current_platform()
     name = choose_implementation(implementation, platform, d)
-    blocks = block_sizes or default_block_sizes(platform if platform in PLATFORMS else "cpu")
+    blocks = block_sizes or default_block_sizes(platform if platform in PLATFORMS else "cpu", tpu_generation())
     if name == "pallas":
         blocks.validate(platform)
     run = functools.partial(_run, name=name, spec=spec, blocks=blocks, platform=platform)
