@@ -158,3 +158,19 @@ def test_http_api_page_lists_exactly_the_server_routes():
     assert "/generate" in routes and "/v1/feedback" in routes
     assert routes - documented == set(), f"routes the page does not list: {sorted(routes - documented)}"
     assert documented - routes == set(), f"paths the server does not serve: {sorted(documented - routes)}"
+
+
+def test_every_config_a_tutorial_runs_is_run_by_a_test():
+    """The bring-your-own-model commands run as written (tests/test_byo_model.py); the other tutorials'
+    `rlvr.main` commands are too long for the suite, so each config they name must be one that a test
+    runs (its smoke or tiny variant), and the checks above keep their modules and keys real."""
+    tests = "\n".join(_read(p) for p in glob.glob(os.path.join(REPO, "tests", "test_*.py")))
+    configs = set()
+    for page in glob.glob(os.path.join(REPO, "docs", "tutorials", "*.md")):
+        if page.endswith("bring-your-own-model.md"):
+            continue  # run as written
+        for block in re.findall(r"```bash\n(.*?)```", _read(page), re.DOTALL):
+            configs |= set(re.findall(r"rlvr\.main --config=(configs/[\w/]+\.py)", block))
+    assert {"configs/tiny.py", "configs/agentic_tools.py", "configs/finance_docs.py"} <= configs
+    untested = sorted(c for c in configs if c not in tests)
+    assert not untested, f"tutorial configs no test runs: {untested}"
