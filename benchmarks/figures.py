@@ -77,21 +77,25 @@ def resolve(data: Any, key: str) -> tuple[Any, list[Any]]:
 
 
 def provenance(chain: list[Any]) -> dict[str, str]:
-    """Date, command, machine and load: the nearest of each on the way to a figure."""
+    """Date, command, machine and load: the nearest of each on the way to a figure. A load is taken only
+    from the record that gives the date or one inside it (a file's load describes its own first run)."""
     found: dict[str, str] = {}
     for node in reversed(chain):
         if not isinstance(node, dict):
             continue
+        dated_above = "date" in found
         for name, keys in PROVENANCE.items():
             for key in keys:
                 if name not in found and key in node:
                     found[name] = str(node[key])
+        if dated_above:
+            continue
         for key, value in node.items():
             if "load" not in found and key.startswith("load") and not isinstance(value, (dict, list)):
                 found["load"] = str(value)
-    said = re.search(r"load[^;,)]*", found.get("machine", ""))
-    if "load" not in found and said:  # older records say the load in their machine's description
-        found["load"] = said.group()
+        said = re.search(r"load[^;,)]*", str(node.get("machine", "")))
+        if "load" not in found and said:  # older records say the load in their machine's description
+            found["load"] = said.group()
     return found
 
 
