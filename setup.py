@@ -82,5 +82,7 @@ setup(
         "storage-test": ["s3fs>=2024.1", "moto[server]>=5"],
         # optional Weights & Biases logging beside metrics.jsonl and TensorBoard (train.wandb=offline|online)
         "wandb": ["wandb>=0.19"],
+        # the documentation site (mkdocs.yml, docs/): `mkdocs build --strict` runs in the tests (tests/test_docs.py)
+        "site": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
     },
 )

@@ -16,6 +16,7 @@ line (and writes it to --out).
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import platform
@@ -40,8 +41,11 @@ def model_dir(directory: str) -> str:
     from rlvr.models.tokenizer import train_bpe
 
     shutil.copy(os.path.join(REPO, "benchmarks", "data", "qwen3-1.7b", "config.json"), directory)
-    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
-        train_bpe([f.read()], 2048).save(directory)
+    texts = []
+    for path in [os.path.join(REPO, "README.md"), *sorted(glob.glob(os.path.join(REPO, "docs", "*", "*.md")))]:
+        with open(path, encoding="utf-8") as f:  # the README and the written docs pages (once the README alone)
+            texts.append(f.read())
+    train_bpe(texts, 2048).save(directory)
     return directory
 
 
