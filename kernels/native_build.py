@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 
 import jax
+from rlvr.kernels.target import target_platform
 
 HEADER = Path(__file__).with_name("native_parallel.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -30,10 +31,11 @@ _built: dict[str, str | None] = {}  # per target: None once registered, else why
 
 def unavailable_reason(source: Path, symbol: str, target: str, what: str) -> str | None:
     """Why the kernel `what` (built from `source`) cannot run on the default backend, None if it
-    can; builds and registers it on the first call for `target`."""
-    backend = jax.default_backend()
-    if backend != "cpu":
-        return f"{what} is an XLA:CPU custom call and the default backend is {backend!r}"
+    can; builds and registers it on the first call for `target`. The platform is the one programs
+    are compiled for (`rlvr.kernels.target`), not necessarily the host's."""
+    platform = target_platform()
+    if platform != "cpu":
+        return f"{what} is an XLA:CPU custom call and the target platform is {platform!r}"
     with _lock:
         if target not in _built:
             _built[target] = build_and_register(source, symbol, target)

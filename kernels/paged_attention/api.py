@@ -11,6 +11,7 @@ from rlvr.kernels.paged_attention.native import NativeDecode, native_paged_atten
 from rlvr.kernels.paged_attention.pallas import paged_attention_pallas
 from rlvr.kernels.paged_attention.ragged import RaggedPages, ragged_paged_attention
 from rlvr.kernels.paged_attention.reference import paged_attention_reference
+from rlvr.kernels.target import target_platform
 
 logger = logging.getLogger(__name__)
 IMPLEMENTATIONS = ("pallas", "native", "ragged", "xla")
@@ -69,13 +70,13 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_t
 
 
 def pallas_unavailable_reason(interpret: bool = False) -> str | None:
-    """Why the Pallas kernel cannot run on the default backend (None if it can)."""
+    """Why the Pallas kernel cannot run on the target platform (None if it can)."""
     if interpret:
         return None
-    backend = jax.default_backend()
+    backend = target_platform()
     if backend != "tpu":
         return (f"the Pallas paged-attention kernel is a Mosaic TPU kernel (scalar-prefetched page table), and the "
-                f"default backend is {backend!r}; pass interpret=True to run it in the Pallas interpreter "
+                f"target platform is {backend!r}; pass interpret=True to run it in the Pallas interpreter "
                 f"(slow; for tests) or use implementation='xla'")
     return None
 

@@ -48,6 +48,7 @@ import numpy as np
 from rlvr.kernels.bits import bits_pool
 from rlvr.kernels.packed_matmul import native_unavailable_reason as packed_matmul_unavailable_reason
 from rlvr.kernels.paged_attention import native_unavailable_reason
+from rlvr.kernels.target import target_platform
 from rlvr.models.config import ModelConfig
 from rlvr.models.transformer import fuse_projections, init_paged_cache, pack_projections, unstack_layers
 from rlvr.rollout import device_fns
@@ -174,7 +175,7 @@ class Engine(Slots, Dispatch):
         pool carried through the decode loop (four ~150 MB copies a step at the realistic shape)."""
         pool = {k: v for k, v in init_paged_cache(self.cfg, self.pages.capacity, self.page_size,
                                                   self.kv_dtype).items() if k != "page_table"}
-        return self.on_mesh(bits_pool(pool) if jax.default_backend() == "cpu" else pool)
+        return self.on_mesh(bits_pool(pool) if target_platform() == "cpu" else pool)
 
     def on_mesh(self, tree):
         """`tree` replicated on the params' mesh, where the device functions return the page pool and
@@ -446,7 +447,7 @@ class Engine(Slots, Dispatch):
         TPU, else "ragged")."""
         if self.decode_window or self.native_decode:
             return "window" if self.decode_window else "native"
-        return "pallas" if jax.default_backend() == "tpu" else "ragged"
+        return "pallas" if target_platform() == "tpu" else "ragged"
 
     def metrics(self) -> dict[str, Any]:
         """Compile counts, prefix-cache hits, host vs device-wait time, calls and tokens so far, and

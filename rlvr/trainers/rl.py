@@ -411,7 +411,7 @@ def check_processes(rl: ml_collections.ConfigDict, processes: int) -> None:
                               "rl.max_staleness steps), rl.backend='embedded', rl.deterministic_rollout=True, "
                               "rl.schedule.lag_factor=0 and deadline_s=0, and no rl.agent; or run the trainer as "
                               "one JAX process (one host) with rl.backend='sglang' and SGLang servers on the other "
-                              "machines (README 'Running across hosts').")
+                              "machines (docs/how-to/launch-on-a-pod.md, 'Running across hosts').")
 
 
 def start_run(config: ml_collections.ConfigDict, workdir: str) -> Run:
