@@ -30,7 +30,7 @@ from rollout_fakes import FakeEngine, ServerHandle, wait_for
 from rlvr.models.tokenizer import byte_level_tokenizer
 from rlvr.rollout.client import SGLangClient, SGLangError
 from rlvr.rollout.driver import EngineDriver
-from rlvr.rollout.fleet import launch_router
+from rlvr.rollout.fleet import free_port, launch_router
 from rlvr.rollout.router import RouterClient
 from rlvr.rollout.server import serve
 from rlvr.rollout.types import Request, SamplingParams
@@ -175,6 +175,24 @@ def test_a_worker_that_misses_a_version_fails_loudly(tmp_path):
         assert found.report()["stale_answers"] >= 1 and [h.engine.weight_version for h in fleet.handles] == [1, 1]
     finally:
         fleet.stop()
+
+
+def test_discovery_waits_for_a_router_that_is_still_starting(fleet, tmp_path):
+    port = free_port()
+    with pytest.raises(SGLangError, match="unreachable"):  # nobody there: bounded, then a clear error
+        asyncio.run(RouterClient.discover(f"http://127.0.0.1:{port}", **{**FAST, "unavailable_timeout": 0.3}))
+
+    async def discover_then_start():
+        task = asyncio.ensure_future(RouterClient.discover(f"http://127.0.0.1:{port}", **FAST))
+        await asyncio.sleep(1.5)  # the client is retrying when the router comes up
+        assert not task.done()
+        proc, _ = await asyncio.to_thread(launch_router, fleet.worker_urls, str(tmp_path / "late.log"), port=port)
+        try:
+            return (await task).healthy_urls()
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+    assert sorted(asyncio.run(discover_then_start())) == sorted(fleet.worker_urls)
 
 
 def test_parameters_the_router_drops_are_sent_to_a_worker(fleet):

@@ -89,11 +89,21 @@ class RouterClient(SGLangClient):
 
     @classmethod
     async def discover(cls, router: str, **options: Any) -> RouterClient:
-        """A client over the workers the router has registered now (re-read before each weight sync)."""
-        workers = await router_workers(router, options.get("health_timeout", 10.0))
-        if not workers:
-            raise SGLangError(f"the router at {router} has no workers registered", url=router)
-        return cls(router, workers, discover=True, **options)
+        """A client over the workers the router has registered (re-read before each weight sync). A router
+        still starting, or with no worker yet, is asked again every second for `unavailable_timeout` s."""
+        deadline = time.monotonic() + options.get("unavailable_timeout", 120.0)
+        while True:
+            try:
+                workers = await router_workers(router, options.get("health_timeout", 10.0))
+            except httpx.TransportError as e:
+                workers, why = [], f"unreachable ({type(e).__name__})"
+            else:
+                why = "has no workers registered"
+            if workers:
+                return cls(router, workers, discover=True, **options)
+            if time.monotonic() > deadline:
+                raise SGLangError(f"the router at {router} {why}", url=router)
+            await asyncio.sleep(1.0)
 
     # --- generation -----------------------------------------------------------------------
 
