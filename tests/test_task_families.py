@@ -229,6 +229,23 @@ def test_audit_game_of_life_halting_fixed_and_unfixed():
     assert after.status == "clean", after.examples
 
 
+def test_a_raising_reasoning_gym_scorer_is_a_verifier_error(monkeypatch):
+    """A scorer that raises on an answer is a verifier error (raised: the RL producer records it with
+    verifier_error 1 and leaves the sample out), not a 0 trained on; prime_factorization's scorer, the
+    one that raised on malformed answers, has a format gate that scores them 0 first."""
+    family = FAMILIES["rg/prime_factorization"](seed=0)
+    task = family.task(0, level=0)
+    assert family.score(task, family.reference_completion(task), False)["correct"] == 1.0
+    for junk in ("<answer>zzz</answer>", "<answer>2 × 2, True, False</answer>"):
+        assert family.score(task, junk, False)["reward"] == 0.0
+
+    def broken(answer, entry, original):
+        raise KeyError("metadata")
+
+    monkeypatch.setitem(rg.FIXES, "prime_factorization", broken)
+    with pytest.raises(rg.ScorerError, match="rg/prime_factorization: the scorer raised KeyError"):
+        family.score(task, "<answer>12</answer>", False)
+
 @pytest.mark.slow
 def test_whole_registry_passes_the_audit(tmp_path, capsys):
     """The gate: every registered family, first and last level, 2 tasks each, every probe — no
