@@ -9,6 +9,7 @@ reasoning-gym's unfixed game_of_life_halting verifier, and a family that hangs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import subprocess
@@ -181,6 +182,38 @@ def test_audit_flags_a_verifier_that_accepts_anything(tmp_path, capsys):
     assert audit.main(["--samples=2", "--families=test/hon*"], families=families) == 0
     assert "test/accept_all" in capsys.readouterr().out
 
+
+class _NumericSum(Family):
+    """a + b = ? with the numeric verifier at its default tolerance (as ArithExpr and ASDiv pose it)."""
+
+    name = "test/numeric"
+
+    def sample(self, rng: np.random.Generator, level: int) -> Task:
+        a, b = (int(x) for x in rng.integers(1000, size=2))
+        return Task(index=0, prompt=f"What is {a} + {b}?", answer=str(a + b),
+                    verifier={"kind": "numeric", "answer": str(a + b)})
+
+
+class _LooseNumericSum(_NumericSum):
+    name = "test/loose_numeric"
+
+    def sample(self, rng: np.random.Generator, level: int) -> Task:
+        task = super().sample(rng, level)
+        return dataclasses.replace(task, verifier={**task.verifier, "rel_tol": 1e-6})
+
+
+def test_audit_large_near_miss_checks_integer_references_exactly():
+    """The audit re-poses an integer-reference task at 27,000,000 and answers ±1, +27: the numeric
+    verifier's default tolerance passes it (integers compare exactly), a relative 1e-6 does not."""
+    good = audit.audit_family("test/numeric", _NumericSum, samples=2)
+    assert good.status == "clean" and good.fp == 0, good.examples
+    task = _NumericSum(seed=0).task(0)
+    assert [(kind, posed.verifier["answer"], text) for kind, posed, text in audit.large_integer_probes(
+        _NumericSum(seed=0), task)] == [("large_near_miss", "27000000", f"<answer>{n}</answer>")
+                                         for n in (27000001, 26999999, 27000027)]
+    loose = audit.audit_family("test/loose_numeric", _LooseNumericSum, samples=2)
+    assert loose.false_positives == {"large_near_miss": 2 * 3}, loose.false_positives
+    assert "27000027" in " ".join(loose.examples)
 
 def test_audit_flags_code_execution():
     report = audit.audit_family("test/eval", _Evaluates, samples=1)

@@ -55,12 +55,23 @@ def test_choice(answer, score):
     ("1234", "1,234", 1.0), ("1234", "1234.0", 1.0), (0.75, "3/4", 1.0), ("3/4", "0.75", 1.0),
     ("-2", "-2", 1.0), ("1000", "1e3", 1.0), ("0.1", "0.1000000001", 1.0),
     (12345678901234567890, "12345678901234567890", 1.0),
-    ("12345678901234567890", "12345678901234567891", 1.0),  # within rel_tol 1e-6: a float-like tolerance
+    ("12345678901234567890", "12345678901234567891", 0.0),  # an integer reference compares exactly
+    ("12345.5", "12345.51", 1.0),  # a non-integer reference: rel_tol 1e-6 by default
     ("5", "6", 0.0), ("5", "5, 0", 0.0), ("5", "five", 0.0), ("5", "", 0.0), ("5", "1/0", 0.0),
     ("1234", "1,23,4", 0.0), ("0.5", "0.51", 0.0),
 ])
 def test_numeric(want, answer, score):
     assert run_verifier({"kind": "numeric", "answer": want}, answer) == score
+
+
+def test_numeric_integer_references_compare_exactly():
+    """rel_tol 1e-6 is for non-integer references: on an integer of 1e6 or more (ArithExpr level 3,
+    ASDiv) it accepted off-by-one answers, up to ±27 at 2.7e7. An explicit tolerance still applies."""
+    for want in ("1000000", "27000000", 27000000, "-27000000"):
+        wrong = [str(int(want) + d) for d in (1, -1, 27)]
+        assert [run_verifier({"kind": "numeric", "answer": want}, w) for w in wrong] == [0.0, 0.0, 0.0]
+        assert run_verifier({"kind": "numeric", "answer": want}, f"{int(want):,}") == 1.0
+    assert run_verifier({"kind": "numeric", "answer": "27000000", "rel_tol": 1e-6}, "27000027") == 1.0
 
 
 def test_numeric_tolerances_and_bad_reference():

@@ -115,14 +115,18 @@ def parse_number(text: str | float | int) -> fractions.Fraction | None:
 
 
 def verify_numeric(spec: Mapping[str, Any], answer: str) -> float:
-    """|got - want| <= max(rel_tol·max(|got|, |want|), abs_tol), in exact rational arithmetic."""
+    """|got - want| <= max(rel_tol·max(|got|, |want|), abs_tol), in exact rational arithmetic. The
+    default tolerances (rel_tol 1e-6, abs_tol 1e-9) are for non-integer references; an integer
+    reference compares exactly unless the spec sets them (1e-6 of 2.7e7 would accept ±27)."""
     want, got = parse_number(spec["answer"]), parse_number(answer)
     if want is None:
         raise ValueError(f"numeric verifier: reference answer {spec['answer']!r} is not a number")
     if got is None:
         return 0.0
-    rel = fractions.Fraction(repr(float(spec.get("rel_tol", 1e-6))))
-    tol = max(rel * max(abs(got), abs(want)), fractions.Fraction(repr(float(spec.get("abs_tol", 1e-9)))))
+    exact = want.denominator == 1
+    rel, absolute = (fractions.Fraction(repr(float(spec.get(key, 0 if exact else default))))
+                     for key, default in (("rel_tol", 1e-6), ("abs_tol", 1e-9)))
+    tol = max(rel * max(abs(got), abs(want)), absolute)
     return float(abs(got - want) <= tol)
 
 
