@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+import warnings
 
 import pytest
 from hypothesis import given, settings
@@ -167,10 +168,18 @@ def test_tool_decorator_infers_schema_and_validates():
 
 
 def test_minimal_validation_without_jsonschema(monkeypatch):
+    """Without jsonschema the minimal check runs, and says so (once per process: it was silent)."""
+    from rlvr.envs import tools
+
     monkeypatch.setitem(sys.modules, "jsonschema", None)  # import jsonschema -> ImportError
-    t = Tool(lambda a, b=0: a, "t", "", {"type": "object", "properties": {"a": {"type": "integer"},
-                                                                        "b": {"type": "number"}},
-                                         "required": ["a"], "additionalProperties": False})
+    monkeypatch.setattr(tools, "_warned", set(), raising=False)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "number"}},
+              "required": ["a"], "additionalProperties": False}
+    with pytest.warns(RuntimeWarning, match="jsonschema is not installed.*pip install jsonschema"):
+        t = Tool(lambda a, b=0: a, "t", "", schema)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Tool(lambda a: a, "u", "", schema)
     assert t.validate({"a": 1, "b": 2.5}) is None
     assert "required" in t.validate({"b": 1})
     assert "integer" in t.validate({"a": "1"}) and "integer" in t.validate({"a": True})
