@@ -16,7 +16,9 @@ The kinds, all in the explicit table `VERIFIERS`:
 
 A verifier that crashes raises (the RL producer records the failure); one that runs out of time
 raises `VerifierTimeout`. A candidate *program* that runs out of time is a wrong answer: the code
-verifier scores it 0 (the verdict is the program's fault, not the verifier's).
+verifier scores it 0 (the verdict is the program's fault, not the verifier's), unless it used little
+CPU on the way (a loaded host, or a program that sleeps): run once more and stalled again, that raises
+rlvr.sandbox.SandboxStalled, an infrastructure failure recorded like a crash, never trained on.
 """
 
 from __future__ import annotations
@@ -402,7 +404,8 @@ def code_tests(spec: Mapping[str, Any]) -> Any:
 
 
 def verify_code(spec: Mapping[str, Any], answer: str) -> float:
-    """1.0 iff the program (``` fences stripped) passes the task's tests; a timeout scores 0.
+    """1.0 iff the program (``` fences stripped) passes the task's tests; a timeout scores 0 (one with
+    little CPU used, twice, raises rlvr.sandbox.SandboxStalled: see the module doc).
 
     rlvr.sandbox.verify_program runs the program in a fresh sandbox (or on `code_executor`'s pool) only
     to answer calls of its entry point; the verdict is decided on the host from the returned values as
