@@ -252,7 +252,7 @@ def rl_config() -> ml_collections.ConfigDict:
         # teacher_step: the checkpoint of an rlvr-workdir teacher (0 = its latest)
         "teacher": "", "teacher_step": 0, "distill_coef": 1.0, "distill_task_advantage": True,
         "distill_estimator": "sampled",  # sampled (advantage term) | full (the whole-vocabulary KL in the loss)
-        "distill_teacher_temperature": 1.0,  # "full": KL to softmax(teacher logits / this); < 1 sharpens it
+        "distill_teacher_temperature": 1.0,  # "full" only: KL to softmax(teacher logits / this); < 1 sharpens it
         "entropy_coef": 0.0,  # entropy bonus weight in the loss
         "tis_cap": 2.0,  # truncated importance sampling cap on π_trainer/π_sampler; 0 = off
         "tis_level": "token",  # token | sequence
@@ -387,6 +387,11 @@ def _validate_objective(config: ml_collections.ConfigDict) -> None:
     if not rl.distill_teacher_temperature > 0:
         raise ConfigError(f"rl.distill_teacher_temperature={rl.distill_teacher_temperature}: must be > 0 (1 = the "
                           "teacher's own distribution, below 1 sharper).")
+    if rl.teacher and rl.distill_estimator == "sampled" and rl.distill_teacher_temperature != 1.0:
+        raise ConfigError(f"rl.distill_teacher_temperature={rl.distill_teacher_temperature} acts only with "
+                          "rl.distill_estimator='full' (the KL to softmax(teacher logits / it)); the 'sampled' "
+                          "estimator scores the sampled tokens under the rollouts' own sampling. Set "
+                          "rl.distill_estimator='full', or rl.distill_teacher_temperature=1.0.")
     if rl.teacher and not rl.distill_coef > 0:
         raise ConfigError(f"rl.distill_coef={rl.distill_coef}: must be > 0 with rl.teacher set (or set rl.teacher='').")
     if rl.dual_clip and rl.dual_clip <= 1:

@@ -526,6 +526,8 @@ def test_quickstart_config_is_valid():
     _validate(_config(**{"rl.clip_high": 0.28, "rl.updates_per_batch": 2}))
     _validate(_config(**{"rl.policy_loss": "gspo", "rl.aggregation": "seq_mean_token_mean"}))
     _validate(_config(**{"rl.prompts_per_step": 3, "rl.group_size": 2, "rl.pack": True}))  # packed: rows bucketed
+    _validate(_config(**{"rl.teacher": "/teacher", "rl.distill_estimator": "full",
+                         "rl.distill_teacher_temperature": 0.5}))
 
 
 @pytest.mark.parametrize("overrides, pattern", [
@@ -538,6 +540,8 @@ def test_quickstart_config_is_valid():
     ({"rl.clip_high": 0.28}, r"rl\.clip_high=0\.28 never acts.*rl\.proximal='behaviour'"),
     ({"rl.proximal": "old"}, r"rl\.proximal='old'"),
     ({"rl.top_p": 0.0}, r"0 < top_p <= 1"),
+    ({"rl.teacher": "/teacher", "rl.distill_teacher_temperature": 0.5},  # was ignored by the sampled estimator
+     r"rl\.distill_teacher_temperature=0\.5 acts only with rl\.distill_estimator='full'.*Set rl\.distill_estimator"),
 ])
 def test_bad_rl_config_names_the_field(overrides, pattern):
     with pytest.raises(config_lib.ConfigError, match=pattern):
