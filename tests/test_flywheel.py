@@ -213,15 +213,30 @@ def test_build_turns_feedback_into_sft_dpo_rl_with_time_split(tmp_path):
     assert pairs == {('"2+2="', "4", "5", "correction"), (json.dumps(chat), "Paris", "Lyon", "preferred")}
     # the rating pair 4 > 5 duplicates the correction pair and is dropped
     assert card["dropped"]["duplicate dpo"] == 1 and card["dropped"]["aborted"] == 1
-    assert card["dropped"]["outcome not checkable"] == 1  # chat: passed false, no reference
-    assert [(r["question"], r["verifier"]) for r in rows["train", "rl"]] == [
-        ("2+2=", {"kind": "exact", "answer": "4"}), ("3+3=", {"kind": "exact", "answer": "6"})]
+    assert card["dropped"]["outcome not checkable"] == 2  # chat: passed false; "4": passed alone; no reference
+    assert [(r["question"], r["verifier"]) for r in rows["train", "rl"]] == [("3+3=", {"kind": "exact", "answer": "6"})]
     assert [(r["question"], r["verifier"]["kind"]) for r in rows["heldout", "rl"]] == [("7+1=", "numeric")]
-    assert card["counts"] == {"train": {"sft": 1, "dpo": 2, "rl": 2}, "heldout": {"sft": 0, "dpo": 0, "rl": 1}}
+    assert card["counts"] == {"train": {"sft": 1, "dpo": 2, "rl": 1}, "heldout": {"sft": 0, "dpo": 0, "rl": 1}}
     family = TaskFileFamily(os.path.join(out, "train", "rl.jsonl"))
     tasks = family.split_tasks()
-    assert [t.prompt for t in tasks] == ["2+2=", "3+3="]
-    assert family.score(tasks[0], "4", False)["correct"] == 1.0 and family.score(tasks[0], "5", False)["reward"] == 0
+    assert [t.prompt for t in tasks] == ["3+3="]
+    assert family.score(tasks[0], "6", False)["correct"] == 1.0 and family.score(tasks[0], "5", False)["reward"] == 0
+
+
+def test_an_answer_marked_passed_is_not_an_rl_reference_by_itself(tmp_path):
+    """`passed: true` alone judges one answer; it does not make that answer's whole text the exact
+    reference of an RL task (which would score every other right answer, "4" here, 0). With a
+    reference or a verifier it is a task; without, it is counted as not checkable."""
+    root, out = str(tmp_path / "t"), str(tmp_path / "data")
+    traffic, feedback = log.AppendLog(root, capture.TRAFFIC), log.AppendLog(root, capture.FEEDBACK)
+    _answer(traffic, "a", "2+2=", "The sum is 4.", 1.0)
+    _answer(traffic, "b", "3+3=", "The sum is 6.", 2.0)
+    feedback.append({"response_id": "a", "outcome": {"passed": True}})
+    feedback.append({"response_id": "b", "outcome": {"passed": True, "answer": "6"}})
+    card = build_lib.build(root, out, build_lib.BuildSettings(heldout_fraction=0.0))
+    rl = [json.loads(x) for x in open(os.path.join(out, "train", "rl.jsonl"))]
+    assert [(r["question"], r["verifier"]) for r in rl] == [("3+3=", {"kind": "exact", "answer": "6"})]
+    assert card["dropped"] == {"outcome not checkable": 1}
 
 
 def test_feedback_on_a_reused_response_id_goes_to_the_answer_it_followed(tmp_path):
@@ -232,12 +247,10 @@ def test_feedback_on_a_reused_response_id_goes_to_the_answer_it_followed(tmp_pat
     _answer(traffic, "x1", "2+2=", "5", 1.0, response_id="mine")
     _answer(traffic, "x2", "2+2=", "4", 3.0, response_id="mine")
     feedback.append({"time": 2.0, "response_id": "mine", "index": 0, "correction": "4"})
-    feedback.append({"time": 4.0, "response_id": "mine", "index": 0, "outcome": {"passed": True}})
+    feedback.append({"time": 4.0, "response_id": "mine", "index": 0, "preferred": "four"})
     card = build_lib.build(root, out, build_lib.BuildSettings(heldout_fraction=0.0))
     dpo = [json.loads(x) for x in open(os.path.join(out, "train", "dpo.jsonl"))]
-    rl = [json.loads(x) for x in open(os.path.join(out, "train", "rl.jsonl"))]
-    assert [(r["chosen"], r["rejected"]) for r in dpo] == [("4", "5")]  # the correction of "5" only
-    assert [r["verifier"]["answer"] for r in rl] == ["4"]  # "passed" is the second answer's
+    assert [(r["chosen"], r["rejected"]) for r in dpo] == [("4", "5"), ("four", "4")]  # each on its own answer
     assert card["with_feedback"] == 2
 
 
