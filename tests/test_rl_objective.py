@@ -760,6 +760,25 @@ def test_kl_penalty_is_added_after_the_group_normalisation():
         assert s.rewards["reward"] == 1.0
 
 
+def test_kl_penalty_of_an_empty_completion_is_zero():
+    """A zero-length output (a stop string at once) has no tokens, so no KL: its penalty is 0, and its
+    neighbours' are their own sums. Hand: k1 = behaviour - ref; [-0.1, -0.2] vs [-0.3, -0.2]: 0.2 + 0,
+    penalty -0.1 * 0.2 = -0.02; [-0.5] * 3 vs [-0.6, -0.7, -0.5]: 0.1 + 0.2 + 0, penalty -0.03."""
+    producer, _, _, _ = _producer(lambda task, k: (task.answer, "stop"), kl_coef=0.1, kl_mode="reward",
+                                  kl_estimator="k1")
+    refs = {2: [-0.3, -0.2], 0: [], 3: [-0.6, -0.7, -0.5]}
+    producer.ref_logprobs = lambda samples: [np.asarray(refs[len(s.output_ids)]) for s in samples]
+
+    def sample(behaviour):
+        return Sample(0, 0, [1], [5] * len(behaviour), behaviour, [0] * len(behaviour), False, {"reward": 1.0})
+
+    for behaviours, expected in (([[-0.1, -0.2], [], [-0.5] * 3], [-0.02, 0.0, -0.03]),  # empty in the middle
+                                 (([-0.1, -0.2], []), [-0.02, 0.0])):  # and last
+        samples = [sample(list(b)) for b in behaviours]
+        producer._kl_penalty(samples)
+        close([s.rewards["kl_penalty"] for s in samples], expected)
+
+
 def test_reinforce_pp_normalises_over_the_batch_when_groups_are_cut():
     """Groups of 4, 2 and 3 samples (the scheduler cut two): REINFORCE++'s advantages are the
     rewards normalised by the mean and std of all 9 samples, as with full groups."""
