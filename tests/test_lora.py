@@ -276,9 +276,10 @@ def test_teacher_token_advantages_by_hand():
 def test_lora_grpo_distills_from_a_teacher_and_serves_updated_adapters(tmp_path, estimator):
     """On-policy distillation in a LoRA GRPO run on a random Qwen3 HF checkpoint (BPE, chat prompts).
     Sampled-token estimator, the teacher being that checkpoint: before any update the student's
-    sampled log-probs are the teacher's (reverse KL 0: same tokens, aligned); after one update the
-    engine samples from the updated adapters: its log-probs equal the trainer's (a stale engine, which
-    serves the weights before the update, fails that: checked by mutation, not by a KL threshold).
+    sampled log-probs are the teacher's (reverse KL 0: same tokens, aligned); after one update (learning
+    rate 1: Adam moves every adapter weight by ~1, so the policy moves far beyond float noise) the engine
+    samples from the updated adapters: its log-probs equal the trainer's (an engine left on the weights
+    before the update fails that: checked by mutation; no learning threshold).
     Full-vocabulary estimator, the teacher another random Qwen3 (the same tokenizer) run inside the
     train step: its exact KL is reported (positive: two models), the engine serving the updated
     adapters (the estimator itself: test_full_reverse_kl_matches_numpy_and_the_naive_gradient)."""
@@ -293,7 +294,7 @@ def test_lora_grpo_distills_from_a_teacher_and_serves_updated_adapters(tmp_path,
     teacher = model_dir if estimator == "sampled" else write_random_hf(str(tmp_path / "teacher"), "qwen3", seed=1)
     config = config_lib.load_config(f"configs/recipes/grpo_math.py:{model_dir},smoke",
                                     {"lora.rank": 4, "lora.alpha": 8.0, "rl.teacher": teacher,
-                                     "rl.distill_task_advantage": False, "optimizer.learning_rate": 3e-2,
+                                     "rl.distill_task_advantage": False, "optimizer.learning_rate": 1.0,
                                      "optimizer.warmup_steps": 0, "rl.distill_estimator": estimator})
     workdir = str(tmp_path / "rl")
     run(config, workdir)
