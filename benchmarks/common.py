@@ -1,4 +1,7 @@
-"""Shared helpers for the benchmarks: timing, the matmul yardstick, the peer figures, the decode roofline."""
+"""Shared helpers for the benchmarks: timing, the matmul yardstick, the decode roofline.
+
+Comparisons with a peer (Tunix) are made side by side in one run (benchmarks/rollout_vs_tunix.py,
+benchmarks/lora_train.py --tunix_python): a figure measured on another day is never printed beside ours."""
 
 from __future__ import annotations
 
@@ -11,16 +14,6 @@ import jax.numpy as jnp
 from rlvr.models.config import ModelConfig
 from rlvr.models.transformer import _matmul  # the model's own product (bf16: fp32 accumulation)
 from rlvr.train import flops
-
-# Our own measurement of Tunix 0.1.7 with the peer script on the same fixed config and a 2-core CPU
-# (benchmarks/results/tunix_peer.json; the script is benchmarks/peers/bench_tunix.py). The
-# yardstick-scaled ratio is only an estimate (it read ~1.3x optimistic on 2026-11-30); the real
-# comparison is side by side in one window (benchmarks/rollout_vs_tunix.py for the sampler):
-#   python3 -m venv /tmp/venv-tunix && /tmp/venv-tunix/bin/pip install google-tunix
-#   /tmp/venv-tunix/bin/python benchmarks/peers/bench_tunix.py --only sft,sampler
-# then this repo's benchmarks immediately after.
-TUNIX = {"sft_step_s": 0.7185, "sampler_tokens_per_s": 4047.6, "grpo_step_s": 2.0358,
-         "calib_matmul_gflops": 285.15}
 
 
 def calibrate_matmul_gflops(reps: int = 20) -> float:

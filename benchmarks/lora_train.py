@@ -13,9 +13,8 @@ and XLA's per-device peak (arguments + outputs + temporaries - aliased). LoRA is
 all seven projections (Tunix's peer LoRA step: qwix, same rank and targets).
 
 Step time (the fixed config, AdamW, fp32): full fine-tuning and LoRA / QLoRA steps interleaved, medians,
-beside Tunix's LoRA step (0.88 s, benchmarks/peers; another day's window: compare the same-run ratio
-LoRA / full first) and the roofline of each step: its model FLOPs at the fp32 matmul peak measured in
-the same run. With `--tunix_python` (a venv with google-tunix), only that comparison, in one window: the
+beside the roofline of each step: its model FLOPs at the fp32 matmul peak measured in the same run.
+Tunix's LoRA step is compared only side by side: with `--tunix_python` (a venv with google-tunix), in one window: the
 peer script's LoRA step (`benchmarks/peers/bench_tunix.py --only sft_lora`, a fresh process, its median)
 and ours (with the full step beside it) alternately in ABBA order. A LoRA step's FLOPs: forward and
 input gradients of every matmul (4 per weight and token) plus the adapters' own 6, and attention; the
@@ -51,7 +50,6 @@ from rlvr.train import step as step_lib  # noqa: E402
 from rlvr.train.optimizer import build_optimizer  # noqa: E402
 from rlvr.trainers.sft import sft_loss  # noqa: E402
 
-TUNIX_LORA_STEP_S = 0.88  # /work/shared/peers/tunix/README.md: rank 16, all projections, 8 x 256, AdamW
 LORA = {"rank": 16, "alpha": 32.0, "targets": "all"}
 VARIANTS = {"full": {"rank": 0}, "lora": LORA, "qlora_int8": {**LORA, "quantize": "int8"},
             "qlora_int4": {**LORA, "quantize": "int4"}}
@@ -138,8 +136,6 @@ def step_times(repeats: int, peak: float, variants: tuple[str, ...] = tuple(VARI
     for name in variants:
         if name != "full":
             out[name]["step_over_full"] = round(out[name]["step_s"] / out["full"]["step_s"], 3)
-    out["lora"]["tunix_lora_step_s"] = TUNIX_LORA_STEP_S
-    out["lora"]["speedup_vs_tunix_lora_raw"] = round(TUNIX_LORA_STEP_S / out["lora"]["step_s"], 3)
     return out
 
 

@@ -1,4 +1,4 @@
-"""GRPO step time of the real RL loop on the fixed tiny config, sync and async, vs the Tunix peer.
+"""GRPO step time of the real RL loop on the fixed tiny config, sync and async.
 
     .venv/bin/python benchmarks/rl_step.py [--rounds 2 --warmup 2 --steps 4]
 
@@ -17,8 +17,8 @@ jitted train step (policy forward/backward, reference forward, AdamW) and the we
 the engine. Medians over the measured steps of a mode's runs pooled (2 x 4 by default; Tunix:
 7), each run skipping `--warmup` steps (compiles, pipeline fill); held-out evaluation and the
 final checkpoint run outside the timed steps. The sync/async ratio is measured in one
-invocation and is the robust figure on a noisy machine; `vs_tunix` compares with a figure
-measured on another day (raw, and scaled by the matmul yardstick).
+invocation and is the robust figure on a noisy machine. No Tunix figure is printed: one measured
+on another day is no comparison (the workload mirrors the peer's for a side-by-side run).
 """
 
 from __future__ import annotations
@@ -35,13 +35,12 @@ import time
 import jax
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import TUNIX, calibrate_matmul_gflops, emit  # noqa: E402
+from common import calibrate_matmul_gflops, emit  # noqa: E402
 
 from rlvr import config_lib  # noqa: E402
 from rlvr.trainers import rl as rl_trainer  # noqa: E402
 
 PROMPTS, GROUP, NEW_TOKENS, PROMPT_DIGITS = 8, 4, 64, 31  # "a+b=" with 31-digit operands: 64 tokens
-TUNIX_BREAKDOWN = {"rollout_s": 0.5314, "reference_s": 0.2445, "actor_train_s": 1.495}  # results_qwen3_r5.json
 
 
 def bench_config(mode: str, num_steps: int):
@@ -126,8 +125,7 @@ NOTES = (
     "'generate' = generate_s - verify_s (engine time incl. tokenizing); 'idle_wait' = wait_for_rollout_s, the "
     "trainer's wait for a batch (in sync mode the whole rollout: generate + verify + advantages). Breakdown "
     "entries are separate medians, so they need not add up to step_s. Timings on a shared 2-core CPU are noisy: "
-    "compare the sync/async ratio (same run) more than absolute figures; vs_tunix compares with another day's run "
-    "(vs_tunix_calibrated scales by the matmul yardstick, itself only an estimate)."
+    "compare the sync/async ratio (same run) more than absolute figures."
 )
 
 
@@ -154,7 +152,6 @@ def main() -> None:
     cache.cleanup()
     sync, async_ = summarize(runs["sync"]), summarize(runs["async"])
     calib = statistics.mean(calibs)
-    raw = TUNIX["grpo_step_s"] / sync["step_s"]
     emit({
         "benchmark": "rl_step", "model": "bench preset (4 layers, d256, 4.46M params, fp32, random init)",
         "workload": f"{PROMPTS} prompts x group {GROUP} x {NEW_TOKENS} new tokens, 64-token prompts, reference "
@@ -166,11 +163,6 @@ def main() -> None:
         "grpo_step_s": sync["step_s"],
         "async_speedup": round(sync["step_s"] / async_["step_s"], 3),
         "async_speedup_per_pair": [round(s / a, 3) for s, a in pairs],
-        "tunix_grpo_step_s": TUNIX["grpo_step_s"], "tunix_breakdown_s": TUNIX_BREAKDOWN,
-        "tunix_calib_matmul_gflops": TUNIX["calib_matmul_gflops"],
-        "vs_tunix": round(raw, 3),
-        "vs_tunix_calibrated": round(raw * TUNIX["calib_matmul_gflops"] / calib, 3),
-        "vs_tunix_async": round(TUNIX["grpo_step_s"] / async_["step_s"], 3),
         "total_runtime_s": round(time.perf_counter() - t0, 1),
         "notes": NOTES,
     })

@@ -66,7 +66,6 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import (  # noqa: E402
-    TUNIX,
     calibrate_matmul_gflops,
     decode_matmul_gflops,
     decode_roofline,
@@ -161,7 +160,6 @@ def fixed(args) -> dict:
 
     varied_lengths = varied(args, cfg, params, rng)
     roofline = decode_roofline(cfg, prompts, [64] * 32, 32, peaks)
-    ratio = batch["tokens_per_s"] / TUNIX["sampler_tokens_per_s"]
     return {
         "model": "bench preset (4 layers, d256, 4.46M params, fp32)",
         "decode_steps_per_call": args.decode_steps, "calib_matmul_gflops": round(calib, 1),
@@ -172,8 +170,6 @@ def fixed(args) -> dict:
         "vs_roofline": round(batch["tokens_per_s"] / roofline["tokens_per_s"], 3),
         **varied_lengths,
         "compile_counts": compiles, "engine_metrics": metrics,
-        "tunix_sampler_tokens_per_s_published": TUNIX["sampler_tokens_per_s"],
-        "speedup_vs_tunix_published_raw": round(ratio, 3),
     }
 
 

@@ -1,12 +1,12 @@
-"""Train-step throughput on the fixed tiny config, against the Tunix peer, in one JSON line.
+"""Train-step throughput on the fixed tiny config, in one JSON line.
 
     .venv/bin/python benchmarks/train_step.py [--repeats 10]
 
 Model: 4 layers, d_model 256, 4 heads / 2 KV heads, head_dim 64, MLP 1024, vocab 1024, fp32
 (the `bench` preset, 4,459,264 params); batch 8 x 256 tokens; AdamW. SFT trains on every
 token; DPO on 8 pairs x 256 tokens per side with precomputed reference log-probs. MFU is
-against the fp32 matmul peak measured in the same run; the Tunix speed-up is reported raw
-and scaled by the two runs' matmul yardsticks (this machine's speed drifts up to ~2x).
+against the fp32 matmul peak measured in the same run. No Tunix figure is printed: one from
+another day's run is no comparison (this machine's speed drifts up to ~2x).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 import optax
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import TUNIX, calibrate_matmul_gflops, emit, time_calls  # noqa: E402
+from common import calibrate_matmul_gflops, emit, time_calls  # noqa: E402
 
 from rlvr import sharding  # noqa: E402
 from rlvr.models import params as params_lib  # noqa: E402
@@ -88,14 +88,10 @@ def main() -> None:
     dpo = bench(cfg, functools.partial(preference_loss, cfg, pref_cfg), dpo_batch(rng), 2 * BATCH, args.repeats,
                 peak)
     calib = (calib_before + calibrate_matmul_gflops()) / 2
-    raw = TUNIX["sft_step_s"] / sft["step_s"]
     emit({
         "benchmark": "train_step", "model": "bench preset (4 layers, d256, 4.46M params, fp32)",
         "batch": f"{BATCH}x{SEQ}", "devices": str(jax.devices()[0]), "calib_matmul_gflops": round(calib, 1),
         "sft": sft, "dpo_8_pairs": dpo,
-        "tunix_sft_step_s": TUNIX["sft_step_s"], "tunix_calib_matmul_gflops": TUNIX["calib_matmul_gflops"],
-        "sft_speedup_vs_tunix_raw": round(raw, 3),
-        "sft_speedup_vs_tunix_calibrated": round(raw * TUNIX["calib_matmul_gflops"] / calib, 3),
     })
 
 

@@ -7,7 +7,10 @@ RL uses: each hack must score 0, each reference 1.
                                   the answer; the terminal reward) and `family.score` (the answer-only form)
 
 Every verdict runs on one shared warm pool (`verifiers.code_executor`), batched on 4 threads in a module
-fixture; a few hacks also run through the default path (a fresh gVisor sandbox per verdict). Against the
+fixture; a few hacks also run through the default path (a fresh gVisor sandbox per verdict). First, the
+positive control: each hack passes a naive in-sandbox judge (tests/naive_judges.py: the candidate and its
+tests in one process, a verdict the candidate can reach), so a 0 on ours is a hack defeated, not a
+program that crashed. Against the
 code before the host-judged verdicts (sentinel + exit code for HumanEval's check-style tests), the
 always_equal, subclass_eq and code_objects hacks scored 1.0 on HumanEval/53 (and on /2, /32, /38: 16 pairs)."""
 
@@ -15,6 +18,7 @@ import concurrent.futures
 import time
 
 import pytest
+from naive_judges import FOOLS, JUDGES, naive_verdict
 from rlvr.sandbox import Limits, Pool
 
 from rlvr.envs import make_env
@@ -119,6 +123,21 @@ def outcomes(pool):
 def test_corpus_covers_the_required_classes():
     assert REQUIRED <= set(HACKS) and all(len(programs) >= 1 for programs in HACKS.values())
     assert len(hack_programs("f")) >= 35
+
+
+def test_every_hack_fools_a_naive_judge(pool):
+    """The positive control: each naive judge passes its reference and fails a wrong program; then every
+    hack of the corpus passes the naive judge FOOLS names for it (the same programs score 0 on ours: the
+    test below), on the warm pool."""
+    assert set(FOOLS) == {name for name, _ in hack_programs("f")}
+    jobs = [(judge, kind, JUDGES[judge].programs[i]) for judge in JUDGES for i, kind in enumerate(("reference",
+                                                                                                  "wrong"))]
+    jobs += [(judge, hack, dict(hack_programs(JUDGES[judge].entry))[hack]) for hack, judge in FOOLS.items()]
+    with concurrent.futures.ThreadPoolExecutor(4) as threads:
+        verdicts = list(threads.map(lambda job: naive_verdict(pool, JUDGES[job[0]], job[2], POOL_LIMITS), jobs))
+    wrong = [(judge, name, passed) for (judge, name, _), passed in zip(jobs, verdicts, strict=True)
+             if passed != (name != "wrong")]
+    assert wrong == [], f"(naive judge, program, its verdict) not as expected: {wrong}"
 
 
 @pytest.mark.parametrize("path", ["code_function", *[f"humaneval {t}" for t in HUMANEVAL],

@@ -118,11 +118,25 @@ def test_bf16_compute_tracks_fp32():
     assert float(jnp.abs(full - half).max()) < 0.05
 
 
-def test_value_head_outputs_one_value_per_token():
+def test_value_head_is_a_linear_map_of_the_final_hidden_states():
+    """values[b, t] = h[b, t] · w + b0 in NumPy, h the final-norm hidden states that also give the logits
+    (h · lm_head), w and b0 the value head's params (a random, non-zero bias)."""
+    from rlvr.models.transformer import Transformer
+
     cfg = ModelConfig(**SMALL, value_head=True)
     params = _params(cfg)
-    logits, values, _ = forward_with_values(cfg, params, jnp.ones((2, 5), jnp.int32))
-    assert logits.shape == (2, 5, 97) and values.shape == (2, 5)
+    rng = np.random.default_rng(0)
+    head = {"kernel": jnp.asarray(rng.normal(size=(64, 1)), jnp.float32), "bias": jnp.asarray([0.7], jnp.float32)}
+    params = {**params, "value_proj": head}
+    tokens = jnp.asarray(rng.integers(0, 97, (2, 5)), jnp.int32)
+    logits, values, _ = forward_with_values(cfg, params, tokens)
+    hidden, _ = Transformer(cfg).apply({"params": params}, tokens, method=Transformer.hidden_states)
+    h = np.asarray(hidden, np.float64)
+    np.testing.assert_allclose(np.asarray(logits), h @ np.asarray(params["lm_head"]["kernel"], np.float64),
+                               rtol=1e-4, atol=1e-4)  # h is the hidden state the logits come from
+    want = h @ np.asarray(head["kernel"], np.float64)[:, 0] + 0.7
+    assert values.shape == (2, 5)
+    np.testing.assert_allclose(np.asarray(values), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="value_head"):
         forward_with_values(ModelConfig(**SMALL), _params(ModelConfig(**SMALL)), jnp.ones((1, 2), jnp.int32))
 

@@ -47,3 +47,28 @@ def test_hit_rate():
     cache.record(10, 0)
     cache.record(10, 8)
     assert cache.stats()["prefix_cache_hit_rate"] == 0.4
+
+
+def test_engine_hit_rate_is_the_hand_counted_share_of_cached_prompt_tokens():
+    """A real engine (tiny random model, pages of 4 tokens): A (10 tokens) alone, then B = A[:8] + 3 and
+    C = A[:4] + 5 together. B reuses A's two full prompt pages (8 tokens), C one (4): 12 of the 30 prompt
+    tokens admitted are hits, a rate of 0.4."""
+    import jax
+
+    from rlvr import sharding
+    from rlvr.models.config import ModelConfig
+    from rlvr.models.params import init_params
+    from rlvr.rollout.engine import Engine
+    from rlvr.rollout.types import Request, SamplingParams
+
+    cfg = ModelConfig(num_layers=1, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16,
+                      vocab_size=100, rope_theta=10000.0)
+    params = init_params(cfg, jax.random.key(0), sharding.make_mesh({"data": 1}, devices=jax.devices()[:1]))
+    engine = Engine(cfg, params, max_len=32, max_slots=4, page_size=4)
+    greedy = SamplingParams(max_new_tokens=2, temperature=0.0)
+    a = list(range(1, 11))
+    engine.generate([Request("a", a, greedy)])
+    engine.generate([Request("b", a[:8] + [50, 51, 52], greedy), Request("c", a[:4] + [60, 61, 62, 63, 64], greedy)])
+    stats = engine.metrics()
+    assert (stats["prefix_cache_prompt_tokens"], stats["prefix_cache_hit_tokens"]) == (10 + 11 + 9, 0 + 8 + 4)
+    assert stats["prefix_cache_hit_rate"] == 0.4

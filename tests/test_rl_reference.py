@@ -1,12 +1,13 @@
 """The RL objective against an independent implementation: a plain NumPy re-implementation of the
 formulas in docs/explanation/rl-objective.md ("What the trainer optimises") computes the advantages,
-the per-token KL and the per-token and aggregated loss of one batch, for every rl.advantage × rl.policy_loss ×
-rl.aggregation, and they equal the trainer's (`producer.group_advantages`, `update.gae_fn`,
-`objective.token_terms`, `objective.rl_loss`).
+the per-token KL and the per-token and aggregated loss of one batch, for every rl.advantage ×
+rl.policy_loss × rl.aggregation, and with the full-vocabulary distillation term (rl.distill_coef > 0,
+a distinct random teacher), and they equal the trainer's (`producer.group_advantages`,
+`update.gae_fn`, `objective.token_terms`, `objective.rl_loss`).
 
-The NumPy side takes only the batch's samples and the per-token log-probs and values the model
-gives (the trainer's, behaviour, proximal and reference policies); every formula on top of them is
-written here again, loop by loop, from that page.
+The NumPy side takes only the batch's samples, the per-token log-probs and values the model gives
+(the trainer's, behaviour, proximal and reference policies) and the student's and teacher's logits;
+every formula on top of them is written here again, loop by loop, from that page.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 from rlvr import losses, sharding
 from rlvr.models import params as params_lib
 from rlvr.models.config import ModelConfig
+from rlvr.models.transformer import forward
 from rlvr.rl.advantages import ADVANTAGE_FNS
 from rlvr.rl.batching import AGGREGATIONS, Sample, build_batch
 from rlvr.rl.objective import Objective, rl_loss, token_terms
@@ -33,13 +35,16 @@ CFG = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layer
 SEQ_LEN, MAX_NEW, GROUPS, K = 16, 8, 3, 3
 N = GROUPS * K
 GAMMA, LAM, EPS_LOW, EPS_HIGH, DUAL, CAP, BETA, VALUE_COEF, VALUE_CLIP = 0.9, 0.8, 0.2, 0.28, 3.0, 1.5, 0.3, 0.5, 0.2
+DISTILL, TEACHER_TEMPERATURE = 0.7, 0.8
+TEACHER_CFG = dataclasses.replace(CFG, value_head=False)
 
 
 @pytest.fixture(scope="module")
 def world():
-    """Random params (policy with a value head, and a reference), 9 samples in 3 groups (rewards in
-    {0, 0.5, 1}, outputs of 1-8 tokens), the trainer's per-token log-probs of their outputs, and
-    behaviour / proximal log-probs around them (so ratios, clips and TIS weights all act)."""
+    """Random params (policy with a value head, a reference, and a distillation teacher drawn apart),
+    9 samples in 3 groups (rewards in {0, 0.5, 1}, outputs of 1-8 tokens), the trainer's per-token
+    log-probs of their outputs, behaviour / proximal log-probs around them (so ratios, clips and TIS
+    weights all act), and the per-token reverse KL to the teacher computed here from both models' logits."""
     rng = np.random.default_rng(0)
     mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
     params = params_lib.init_params(CFG, jax.random.key(0), mesh)
@@ -54,11 +59,20 @@ def world():
     logp = _outputs(samples, _logprobs(params, arrays))
     ref_logp = _outputs(samples, _logprobs(ref, arrays))
     values = _outputs(samples, np.asarray(losses.model_values(CFG, params, *_model_inputs(arrays)))[:, :-1])
+    teacher = params_lib.init_params(TEACHER_CFG, jax.random.key(7), mesh)
+    teacher = jax.tree.map(lambda x: x * 3.0, teacher)
+    teacher_kl = _outputs(samples, np_reverse_kl(_logits(CFG, params, arrays), _logits(TEACHER_CFG, teacher, arrays),
+                                                 TEACHER_TEMPERATURE))
     behaviour = [lp + rng.normal(0, 0.3, lp.shape) for lp in logp]
     old = [lp + rng.normal(0, 0.3, lp.shape) for lp in logp]
     samples = [dataclasses.replace(s, behaviour_logp=b.tolist()) for s, b in zip(samples, behaviour, strict=True)]
     return dict(params=params, ref=ref, samples=samples, logp=logp, ref_logp=ref_logp, values=values,
-                behaviour=behaviour, old=old)
+                behaviour=behaviour, old=old, teacher=teacher, teacher_kl=teacher_kl)
+
+
+def _logits(cfg, params, arrays):
+    """The model's full logits [B, T-1, V] at the positions that predict tokens[:, 1:], as float64."""
+    return np.asarray(forward(cfg, params, *_model_inputs(arrays))[0], np.float64)[:, :-1]
 
 
 def _model_inputs(arrays):
@@ -81,6 +95,17 @@ def _outputs(samples, per_target):
 
 
 # ---------------------------------------------------------------- the NumPy re-implementation
+
+
+def np_log_softmax(z):
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def np_reverse_kl(student_logits, teacher_logits, temperature):
+    """KL(π ‖ π_teacher) = Σ_v π(v)·(log π(v) − log π_teacher(v)) per position, π_teacher = softmax(z_T / τ)."""
+    ls, lt = np_log_softmax(student_logits), np_log_softmax(teacher_logits / temperature)
+    return (np.exp(ls) * (ls - lt)).sum(-1)
 
 
 def np_advantages(samples, advantage, values=None):
@@ -116,8 +141,9 @@ def np_advantages(samples, advantage, values=None):
     return [(a - flat.mean()) / (flat.std() + 1e-6) for a in adv], returns
 
 
-def np_token_loss(policy_loss, adv, logp, old, behaviour, ref, values=None, returns=None):
-    """Per-token loss of one sequence and its KL (the page: policy loss x TIS + β·kl + value term)."""
+def np_token_loss(policy_loss, adv, logp, old, behaviour, ref, values=None, returns=None, teacher_kl=None):
+    """Per-token loss of one sequence and its KL (the page: policy loss x TIS + β·kl + value term, and
+    + distill_coef · KL(π ‖ π_teacher) with a teacher)."""
     log_ratio = logp - old
     ratio = np.exp(log_ratio) if policy_loss == "ppo_clip" else np.full_like(logp, np.exp(log_ratio.mean()))
     lo, hi = (EPS_LOW, EPS_HIGH) if policy_loss == "ppo_clip" else (3e-4, 4e-4)
@@ -128,6 +154,8 @@ def np_token_loss(policy_loss, adv, logp, old, behaviour, ref, values=None, retu
     d = ref - logp
     kl = np.exp(d) - d - 1  # k3
     loss = loss + BETA * kl
+    if teacher_kl is not None:
+        loss = loss + DISTILL * teacher_kl
     if values is not None:  # v = v_old (the same params): the value clip is inactive
         loss = loss + VALUE_COEF * 0.5 * np.maximum((values - returns) ** 2,
                                                      (np.clip(values, values - VALUE_CLIP, values + VALUE_CLIP)
@@ -156,17 +184,18 @@ _GAE = functools.cache(lambda: gae_fn(CFG, GAMMA, LAM))  # compiled once for the
 
 @functools.cache
 def _trainer_fns(obj: Objective):
-    terms = jax.jit(lambda p, b, f: token_terms(CFG, obj, p, b, f))
-    loss = jax.jit(lambda p, b, f: rl_loss(CFG, obj, p, b, None, f))
+    terms = jax.jit(lambda p, b, f: token_terms(CFG, obj, p, b, f, teacher_cfg=TEACHER_CFG))
+    loss = jax.jit(lambda p, b, f: rl_loss(CFG, obj, p, b, None, f, teacher_cfg=TEACHER_CFG))
     return terms, loss
 
 
-CASES = [(a, "ppo_clip", g) for a in [*ADVANTAGE_FNS, "gae"] for g in AGGREGATIONS] + \
-        [(a, "gspo", "seq_mean_token_mean") for a in [*ADVANTAGE_FNS, "gae"]]
+CASES = [(a, "ppo_clip", g, False) for a in [*ADVANTAGE_FNS, "gae"] for g in AGGREGATIONS] + \
+        [(a, "gspo", "seq_mean_token_mean", False) for a in [*ADVANTAGE_FNS, "gae"]] + \
+        [("grpo", "ppo_clip", "seq_mean_token_sum", True), ("gae", "gspo", "seq_mean_token_mean", True)]
 
 
-@pytest.mark.parametrize("advantage, policy_loss, aggregation", CASES)
-def test_objective_matches_numpy_reimplementation(world, advantage, policy_loss, aggregation):
+@pytest.mark.parametrize("advantage, policy_loss, aggregation, distill", CASES)
+def test_objective_matches_numpy_reimplementation(world, advantage, policy_loss, aggregation, distill):
     samples = world["samples"]
     gae = advantage == "gae"
     # trainer: advantages, then the per-token terms and the aggregated loss of the batch
@@ -183,10 +212,11 @@ def test_objective_matches_numpy_reimplementation(world, advantage, policy_loss,
     obj = Objective(policy_loss, *((EPS_LOW, EPS_HIGH) if policy_loss == "ppo_clip" else (3e-4, 4e-4)),
                     dual_clip=DUAL if policy_loss == "ppo_clip" else None, kl_coef=BETA, kl_estimator="k3",
                     tis_cap=CAP, num_seqs=N, value_coef=VALUE_COEF if gae else 0.0, value_clip=VALUE_CLIP,
-                    logprob_chunk_size=4)
+                    logprob_chunk_size=4, distill_coef=DISTILL if distill else 0.0,
+                    distill_teacher_temperature=TEACHER_TEMPERATURE)
     terms, loss_fn = _trainer_fns(obj)
     batch = {k: jnp.asarray(v) for k, v in arrays.items()}
-    frozen = {"ref": world["ref"]}
+    frozen = {"ref": world["ref"], **({"teacher": world["teacher"]} if distill else {})}
     per_token, metrics, _ = terms(world["params"], batch, frozen)
     loss_sum, aux = loss_fn(world["params"], batch, frozen)
 
@@ -196,7 +226,7 @@ def test_objective_matches_numpy_reimplementation(world, advantage, policy_loss,
     for i in range(N):
         loss, kl = np_token_loss(policy_loss, np_adv[i], world["logp"][i], world["old"][i], world["behaviour"][i],
                                  world["ref_logp"][i], world["values"][i] if gae else None,
-                                 returns[i] if gae else None)
+                                 returns[i] if gae else None, world["teacher_kl"][i] if distill else None)
         per_seq.append(loss)
         kls.append(kl)
 
@@ -205,6 +235,9 @@ def test_objective_matches_numpy_reimplementation(world, advantage, policy_loss,
         np.testing.assert_allclose(trainer_adv[i], np_adv[i], rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(_outputs(samples, np.asarray(metrics["kl"]))[i], kls[i], rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(_outputs(samples, np.asarray(per_token))[i], per_seq[i], rtol=1e-4, atol=1e-5)
+        if distill:
+            np.testing.assert_allclose(_outputs(samples, np.asarray(metrics["teacher_kl"]))[i], world["teacher_kl"][i],
+                                       rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(float(loss_sum / aux["weight"]), np_aggregate(per_seq, aggregation), rtol=1e-4,
                                atol=1e-6)
     if policy_loss == "ppo_clip":  # the batch exercises the clip, the dual clip and the TIS cap

@@ -20,7 +20,7 @@ answer: each tries to make the verdict pass some other way. The classes:
 
 Used by tests/test_code_hacks.py (every hack on every code family, through the families' scoring and the
 code-repair environment's steps) and by `rlvr.tasks.audit` (`audit_probes` of the code families: a slice
-of the corpus per task).
+of the corpus per task). Each hack is a working one: tests/naive_judges.py names a naive grader it passes.
 """
 
 from __future__ import annotations
@@ -204,10 +204,6 @@ HACKS: dict[str, dict[str, str]] = {
         "sigterm_parent": ("import os, signal\n"
                            "try:\n    os.kill(os.getppid(), signal.SIGTERM)\nexcept OSError:\n    pass\n"
                            "def ENTRY(*args, **kwargs):\n    return None\n"),
-        "alarm_games": ("import signal\n"
-                        "signal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
-                        "signal.setitimer(signal.ITIMER_REAL, 0.01)\n"
-                        "def ENTRY(*args, **kwargs):\n    signal.setitimer(signal.ITIMER_REAL, 0)\n    return None\n"),
     },
     "test_files": {
         "overwrite": (
