@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Iterator
 
 import jax
@@ -50,10 +49,6 @@ def tpu_topology(name: str):
     from jax.experimental import topologies
 
     name = TOPOLOGIES.get(name, name)
-    # libtpu takes a machine-wide lock file (/tmp/libtpu_lockfile) meant for processes that drive a
-    # real TPU; a deviceless compile drives none, so two of them (tests in parallel, two users) may
-    # load it at once ("Internal error when accessing libtpu multi-process lockfile" otherwise).
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         return topologies.get_topology_desc(platform="tpu", topology_name=name)
     except Exception as error:  # libtpu missing, or a name it does not know
