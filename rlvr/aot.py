@@ -1,24 +1,39 @@
-"""Ahead-of-time check: compile a job's train step for a target mesh on CPU, report memory.
+"""Ahead-of-time check: compile a job's train step for its target and report memory per chip.
 
-    python -m rlvr.aot --config=configs/sft_tiny.py --devices=64 \\
-        --config.mesh.data=8 --config.mesh.fsdp=8 --hbm_gib=16
+    # the real TPU compiler (libtpu, deviceless; `pip install -e '.[tpu]'`), nothing allocated:
+    python -m rlvr.aot --config=configs/recipes/chat_sft_dpo.py:MODEL_DIR,sft --topology=v5p:2x2x1
+    # no libtpu: XLA:CPU's estimate on fake CPU devices (set before jax starts)
+    python -m rlvr.aot --config=configs/sft_tiny.py --devices=64 --config.mesh.fsdp=8 --hbm_gib=16
 
-`--devices` fakes that many CPU devices (set before jax starts), so a pod-sized mesh can be
-compiled on a laptop. Nothing is allocated: the state is ShapeDtypeStructs with shardings.
-It prints one JSON line (per-device argument/output/temp bytes from XLA's memory analysis)
-and exits 1 when the per-device total exceeds `--hbm_gib`. XLA:CPU's buffer assignment
-approximates, not reproduces, a TPU/GPU compile (fusion and layouts differ); compiling
-against a real TPU topology needs libtpu (`jax.experimental.topologies`), which this does
-not require.
+Every job kind with a train step compiles: sft, dpo, rm, and rl (the RL loss, with the frozen
+reference inside the step when the KL is a loss term and the value head under GAE). The state is
+ShapeDtypeStructs with shardings on a mesh of the target's devices. It prints one JSON line: per-chip
+argument/output/temp/alias bytes (`memory_analysis`), FLOPs and bytes accessed (`cost_analysis`), the
+collectives and Pallas (Mosaic) kernels in the compiled HLO, compile seconds, and the verdict against
+the chip's HBM (`--hbm_gib`, default the topology's chip); it exits 1 when the job does not fit.
+
+With `--topology` the target platform is the TPU (`rlvr.kernels.target.compile_for`): attention
+'flash' builds its Mosaic kernels, and the numbers are the TPU compiler's. Without it, XLA:CPU's buffer
+assignment only approximates a TPU/GPU compile (fusion and layouts differ; gigabytes off at 1.7B
+parameters), and the report says so (`"compiler": "xla:cpu (estimate)"`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import json
 import os
+import re
 import sys
+import time
 from typing import Any
+
+# Per-chip HBM in GiB of the TPU generations (Cloud TPU system-architecture pages: v4 32 GiB, v5e 16 GB,
+# v5p 95 GiB, v6e 32 GB), by the generation prefix of a topology name.
+TPU_HBM_GIB = {"v4": 32.0, "v5e": 16.0, "v5p": 95.0, "v6e": 32.0}
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 def _preparse_devices(argv: list[str]) -> None:
@@ -30,23 +45,102 @@ def _preparse_devices(argv: list[str]) -> None:
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
-def _abstract_batch(config, mesh) -> tuple[Any, Any, Any]:
-    """(abstract batch, its shardings, loss_fn factory input) for the job's loss."""
-    import jax
-    import numpy as np
+def model_config_of(config):
+    """The architecture the job runs: its starting checkpoint's (config.json only: no weights are
+    read), with the config's runtime fields, or model.* for random init (rlvr.start)."""
+    from rlvr import start
 
-    from rlvr.train import step as step_lib
+    return start.model_config(config)
+
+
+def hbm_gib_of(topology: str) -> float:
+    """Per-chip HBM of a TPU topology name ('v5p:2x2x1' -> 95)."""
+    generation = topology.split(":", 1)[0]
+    if generation not in TPU_HBM_GIB:
+        raise ValueError(f"topology {topology!r}: unknown TPU generation {generation!r}; known: {sorted(TPU_HBM_GIB)}")
+    return TPU_HBM_GIB[generation]
+
+
+def _abstract(shapes, shardings):
+    import jax
+
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+
+
+def _preference_batch(config):
+    import numpy as np
 
     b, t = config.data.batch_size, config.data.seq_len
     fields = ("tokens", "positions", "segment_ids", "loss_mask")
     if config.job == "sft":
-        shapes = {k: np.zeros((b, t), np.int32) for k in fields}
-    else:
-        shapes = {f"{side}_{k}": np.zeros((b, t), np.int32) for side in ("chosen", "rejected") for k in fields}
-        shapes.update(ref_chosen=np.zeros((b,), np.float32), ref_rejected=np.zeros((b,), np.float32))
-    shardings = step_lib.batch_shardings(shapes, mesh)
-    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
-    return abstract, shardings
+        return {k: np.zeros((b, t), np.int32) for k in fields}
+    shapes = {f"{side}_{k}": np.zeros((b, t), np.int32) for side in ("chosen", "rejected") for k in fields}
+    shapes.update(ref_chosen=np.zeros((b,), np.float32), ref_rejected=np.zeros((b,), np.float32))
+    return shapes
+
+
+def rl_batch(config) -> dict[str, Any]:
+    """Zero arrays of an RL train batch of the configured rollout shape (rows = prompts x group /
+    updates per batch, rl.seq_len tokens)."""
+    import numpy as np
+
+    rl = config.rl
+    rows, t = rl.prompts_per_step * rl.group_size // rl.updates_per_batch, rl.seq_len
+    ints = ("tokens", "positions", "segment_ids", "loss_mask", "seq_index")
+    floats = ["advantages", "behaviour_logp", "token_weight"]
+    floats += ["old_logp"] if rl.updates_per_batch > 1 else []
+    floats += ["returns", "old_values"] if rl.advantage == "gae" else []
+    batch = {k: np.zeros((rows, t), np.int32) for k in ints}
+    batch.update({k: np.zeros((rows, t), np.float32) for k in floats})
+    batch["row_weight"] = np.zeros((rows,), np.float32)
+    return batch
+
+
+@dataclasses.dataclass
+class StepProgram:
+    """A job's jitted train step and its abstract arguments (state, batch, rng, frozen, base)."""
+
+    step: Any
+    args: tuple
+    cfg: Any
+    in_step_reference: bool = False
+
+
+def train_step_program(config, mesh) -> StepProgram:
+    """The job's train step over `mesh`, with ShapeDtypeStruct arguments (nothing allocated)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from rlvr.train import step as step_lib
+    from rlvr.train.optimizer import build_optimizer
+
+    cfg = model_config_of(config)
+    steps = config.train.num_steps
+    rl = config.rl if config.job == "rl" else None
+    if rl is not None:
+        if rl.teacher and rl.distill_estimator == "full":
+            raise ValueError("aot: rl.distill_estimator='full' runs the teacher inside the train step, which is not "
+                             "modelled yet; check with --config.rl.distill_estimator=sampled and add the teacher's "
+                             "parameter bytes")
+        cfg = dataclasses.replace(cfg, value_head=cfg.value_head or rl.advantage == "gae")
+        steps *= rl.updates_per_batch
+    optimizer = build_optimizer(config.optimizer, steps)
+    shardings = step_lib.state_shardings(cfg, optimizer, mesh)
+    state = step_lib.abstract_state(cfg, optimizer, shardings)
+    shapes = rl_batch(config) if rl is not None else _preference_batch(config)
+    batch_sh = step_lib.batch_shardings(shapes, mesh)
+    base = step_lib.abstract_base(cfg, mesh)  # a LoRA model's frozen base (also an RL reference)
+    frozen, in_step = None, False
+    if rl is not None:
+        in_step = ((rl.reference_model or rl.kl_coef > 0) and rl.kl_mode == "loss") or bool(rl.reference_model)
+        frozen = {"ref": base if base is not None else state["params"]} if in_step else None
+    step = step_lib.build_train_step(
+        _loss_fn(config, cfg), optimizer, mesh, shardings, batch_sh, micro_batches=config.train.micro_batches,
+        frozen_sharding=jax.tree.map(lambda x: x.sharding, frozen) if frozen else None,
+        base_sharding=step_lib.base_shardings(cfg, mesh))
+    key_dtype = jax.eval_shape(lambda: jax.random.key(0)).dtype
+    rng = jax.ShapeDtypeStruct((), key_dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+    return StepProgram(step, (state, _abstract(shapes, batch_sh), rng, frozen, base), cfg, in_step)
 
 
 def _loss_fn(config, cfg):
@@ -56,65 +150,86 @@ def _loss_fn(config, cfg):
         return sft.configured_loss(config, cfg)
     if config.job == "rm":
         return functools.partial(preference.reward_model_loss, cfg)
+    if config.job == "rl":
+        from rlvr.rl.objective import Objective, rl_loss
+
+        return functools.partial(rl_loss, cfg, Objective.from_config(config))
     return functools.partial(preference.preference_loss, cfg, config.preference)
 
 
-def model_config_of(config):
-    """The architecture the job runs: its starting checkpoint's (config.json only: no weights are
-    read), with the config's runtime fields, or model.* for random init (rlvr.start)."""
-    from rlvr import start
-
-    return start.model_config(config)
-
-
-def analyze(config) -> dict[str, Any]:
-    """Compiles the job's train step for `config.mesh` over the visible devices (no
-    allocation) and returns XLA's per-device memory analysis in bytes."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from rlvr import sharding
-    from rlvr.train import step as step_lib
-    from rlvr.train.optimizer import build_optimizer
-
-    mesh = sharding.make_mesh(dict(config.mesh))
-    cfg = model_config_of(config)
-    optimizer = build_optimizer(config.optimizer, config.train.num_steps)
-    shardings = step_lib.state_shardings(cfg, optimizer, mesh)
-    state = step_lib.abstract_state(cfg, optimizer, shardings)
-    batch, batch_sh = _abstract_batch(config, mesh)
-    base = step_lib.abstract_base(cfg, mesh)
-    step = step_lib.build_train_step(_loss_fn(config, cfg), optimizer, mesh, shardings, batch_sh,
-                                     micro_batches=config.train.micro_batches,
-                                     base_sharding=step_lib.base_shardings(cfg, mesh))
-    rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, PartitionSpec()))
-    compiled = step.lower(state, batch, rng, None, base).compile()
+def program_report(compiled) -> dict[str, Any]:
+    """Per-device memory (bytes), cost, and what the compiled HLO holds: collectives by kind and the
+    Mosaic (Pallas TPU) kernel calls."""
     memory = compiled.memory_analysis()
     per_device = {name: int(getattr(memory, f"{name}_size_in_bytes"))
                   for name in ("argument", "output", "temp", "alias", "generated_code")}
-    total = per_device["argument"] + per_device["output"] + per_device["temp"] - per_device["alias"]
+    cost = compiled.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, list) else cost
+    text = compiled.as_text()
+    return {"per_device_bytes": per_device,
+            "per_device_total_bytes": per_device["argument"] + per_device["output"] + per_device["temp"]
+            - per_device["alias"],
+            "flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+            "collectives": {kind: len(re.findall(rf"\s{kind}(?:-start)?\(", text)) for kind in COLLECTIVES},
+            "mosaic_kernels": text.count('custom_call_target="tpu_custom_call"')}
+
+
+def target_devices(topology: str | None):
+    """(devices, context to lower and compile in, compiler label) for a TPU topology or the host."""
+    import jax
+
+    if topology is None:
+        return jax.devices(), contextlib.nullcontext(), f"xla:{jax.default_backend()} (estimate)"
+    from rlvr.kernels.target import compile_for, tpu_topology
+
+    return tpu_topology(topology).devices, compile_for(topology), f"tpu ({topology}, libtpu deviceless)"
+
+
+def analyze(config, topology: str | None = None) -> dict[str, Any]:
+    """Compiles the job's train step for `config.mesh` over the target's devices (a TPU `topology`, or
+    the visible devices) without allocating, and returns the report (`program_report`) plus the
+    parameter and optimizer-state bytes in all."""
+    import jax
+
+    from rlvr import sharding
+
+    devices, context, compiler = target_devices(topology)
+    mesh = sharding.make_mesh(dict(config.mesh), devices)
+    started = time.perf_counter()
+    program = train_step_program(config, mesh)  # abstract values only: built on the host
+    with context:  # traced, lowered and compiled for the target
+        compiled = program.step.lower(*program.args).compile()
+    state, base = program.args[0], program.args[4]
     nbytes = lambda tree: int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
-    return {"devices": jax.device_count(), "mesh": dict(mesh.shape), "params": cfg.num_params(),
+    return {"job": config.job, "compiler": compiler, "topology": topology, "devices": len(devices),
+            "mesh": dict(mesh.shape), "params": program.cfg.num_params(), "attention": program.cfg.attention,
             "param_bytes_total": nbytes(state["params"]) + nbytes(base), "trained_param_bytes": nbytes(state["params"]),
-            "optimizer_state_bytes": nbytes(state["opt_state"]), "per_device_bytes": per_device,
-            "per_device_total_bytes": total}
+            "optimizer_state_bytes": nbytes(state["opt_state"]), "in_step_reference": program.in_step_reference,
+            "compile_s": round(time.perf_counter() - started, 1), **program_report(compiled)}
 
 
 def main(argv: list[str]) -> int:
     from absl import flags
     from ml_collections import config_flags
 
+    from rlvr import start
+
     config_flag = config_flags.DEFINE_config_file("config", None, "Experiment config file[:arg].", lock_config=True)
-    flags.DEFINE_integer("devices", None, "Number of (fake CPU) devices to compile for.")
-    hbm = flags.DEFINE_float("hbm_gib", 0.0, "Per-device memory budget in GiB (0 = report only).")
+    flags.DEFINE_integer("devices", None, "Number of (fake CPU) devices to compile for (XLA:CPU estimate).")
+    topology = flags.DEFINE_string("topology", None, "A TPU topology to compile for with the real TPU compiler "
+                                   "(libtpu), e.g. v5e:2x4, v5p:2x2x1, v6e:2x4.")
+    hbm = flags.DEFINE_float("hbm_gib", None, "Per-device memory budget in GiB (default: the topology's chip HBM; "
+                             "0 = report only).")
     flags.FLAGS(argv)
-    report = analyze(config_flag.value)
+    config = start.resolve(config_flag.value)
+    report = analyze(config, topology.value)
+    budget = hbm.value if hbm.value is not None else (hbm_gib_of(topology.value) if topology.value else 0.0)
     report["per_device_total_gib"] = round(report["per_device_total_bytes"] / 2**30, 4)
-    fits = not hbm.value or report["per_device_total_bytes"] <= hbm.value * 2**30
-    report["budget_gib"], report["fits"] = hbm.value or None, fits
+    fits = not budget or report["per_device_total_bytes"] <= budget * 2**30
+    report["budget_gib"], report["fits"] = budget or None, fits
     print(json.dumps(report, sort_keys=True))
     if not fits:
-        print(f"will not fit: {report['per_device_total_gib']} GiB per device > --hbm_gib={hbm.value}; "
+        print(f"will not fit: {report['per_device_total_gib']} GiB per device > {budget} GiB; "
               "shard more (mesh.fsdp / mesh.tensor), use remat (model.remat_policy) or micro-batches "
               "(train.micro_batches).", file=sys.stderr)
     return 0 if fits else 1

@@ -199,6 +199,9 @@ def rl_config() -> ml_collections.ConfigDict:
         "seq_len": 0,  # train rows (multi-turn: the episode budget); 0 = max_prompt_len + max_new_tokens
         "backend": "embedded",  # embedded (in-process JAX engine) | sglang (HTTP servers at sglang_urls)
         "sglang_urls": "",  # comma-separated
+        # an sglang-router in front of the servers (rlvr.rollout.router): generation goes through it, control
+        # (weight sync, pause, abort, loads) to each server of sglang_urls, or of the router's GET /workers if empty
+        "sglang_router": "",
         # embedded engine: sequences at once, cache per sequence (0 = rl.seq_len rounded up to page_size),
         # KV page size, decode steps per host round trip, prefill rows and chunk length; the rollout
         # weights' dtype and the KV pages' ("" = dtype): "bfloat16" halves the engine's memory, and its
@@ -249,7 +252,7 @@ def rl_config() -> ml_collections.ConfigDict:
         # teacher_step: the checkpoint of an rlvr-workdir teacher (0 = its latest)
         "teacher": "", "teacher_step": 0, "distill_coef": 1.0, "distill_task_advantage": True,
         "distill_estimator": "sampled",  # sampled (advantage term) | full (the whole-vocabulary KL in the loss)
-        "distill_teacher_temperature": 1.0,  # "full": KL to softmax(teacher logits / this); < 1 sharpens it
+        "distill_teacher_temperature": 1.0,  # "full" only: KL to softmax(teacher logits / this); < 1 sharpens it
         "entropy_coef": 0.0,  # entropy bonus weight in the loss
         "tis_cap": 2.0,  # truncated importance sampling cap on π_trainer/π_sampler; 0 = off
         "tis_level": "token",  # token | sequence
@@ -332,8 +335,9 @@ def _validate_rl(config: ml_collections.ConfigDict) -> None:
                           f"{rl.curriculum_band_high}: need 0 <= low < high <= 1.")
     if rl.max_staleness < 0:
         raise ConfigError(f"rl.max_staleness={rl.max_staleness}: must be >= 0 (0 = synchronous).")
-    if rl.backend == "sglang" and not rl.sglang_urls.strip():
-        raise ConfigError("rl.backend='sglang' needs rl.sglang_urls (comma-separated server URLs).")
+    if rl.backend == "sglang" and not rl.sglang_urls.strip() and not rl.sglang_router.strip():
+        raise ConfigError("rl.backend='sglang' needs rl.sglang_urls (comma-separated server URLs) or rl.sglang_router "
+                          "(an sglang-router URL).")
     if rl.seq_len and rl.engine.max_len and rl.seq_len > rl.engine.max_len:
         raise ConfigError(f"rl.seq_len={rl.seq_len} exceeds rl.engine.max_len={rl.engine.max_len}; raise "
                           "rl.engine.max_len (a multiple of rl.engine.page_size), or set it to 0 (derived).")
@@ -383,6 +387,11 @@ def _validate_objective(config: ml_collections.ConfigDict) -> None:
     if not rl.distill_teacher_temperature > 0:
         raise ConfigError(f"rl.distill_teacher_temperature={rl.distill_teacher_temperature}: must be > 0 (1 = the "
                           "teacher's own distribution, below 1 sharper).")
+    if rl.teacher and rl.distill_estimator == "sampled" and rl.distill_teacher_temperature != 1.0:
+        raise ConfigError(f"rl.distill_teacher_temperature={rl.distill_teacher_temperature} acts only with "
+                          "rl.distill_estimator='full' (the KL to softmax(teacher logits / it)); the 'sampled' "
+                          "estimator scores the sampled tokens under the rollouts' own sampling. Set "
+                          "rl.distill_estimator='full', or rl.distill_teacher_temperature=1.0.")
     if rl.teacher and not rl.distill_coef > 0:
         raise ConfigError(f"rl.distill_coef={rl.distill_coef}: must be > 0 with rl.teacher set (or set rl.teacher='').")
     if rl.dual_clip and rl.dual_clip <= 1:

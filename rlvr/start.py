@@ -1,6 +1,6 @@
 """Where a job's policy comes from, and what its workdir records so that later jobs need nothing else.
 
-A job starts from exactly one of (README "Bring your own model"):
+A job starts from exactly one of (docs/tutorials/bring-your-own-model.md):
 
   random init          `model.preset` and `model.*` (the default)
   init.hf_checkpoint   a Hugging Face directory: its config.json is the architecture, its tokenizer

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import posixpath
 import shutil
 import tempfile
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO
+
+logger = logging.getLogger(__name__)
+CHUNK = 8 << 20  # bytes per read when a file is copied (`copy_file`)
 
 
 def is_remote(path: str) -> bool:
@@ -55,12 +59,18 @@ def write_bytes(path: str, data: bytes) -> None:
         fs, p = _fs(path)
         fs.pipe_file(p, data)
         return
+    _write_local(path, lambda f: f.write(data))
+
+
+def _write_local(path: str, fill: Callable[[BinaryIO], Any]) -> None:
+    """Writes the local file `path` atomically: `fill(f)` writes a temporary file beside it, which is
+    fsynced and renamed over `path`."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            fill(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -68,6 +78,22 @@ def write_bytes(path: str, data: bytes) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def copy_file(src: str, dest: str) -> None:
+    """Copies the file `src` to `dest`, one of them local, in pieces (CHUNK bytes, or fsspec's `put_file`),
+    never the whole file in memory: a checkpoint's shards may be larger than the host's RAM. Atomic as
+    `write_bytes`: a local file is renamed into place, an object store commits a multipart upload
+    only when it is complete (s3fs aborts it on an error)."""
+    if is_remote(src) and is_remote(dest):
+        raise ValueError(f"copy_file({src!r}, {dest!r}): one side must be local")
+    if is_remote(dest):
+        fs, p = _fs(dest)
+        fs.put_file(src, p)
+    else:
+        fs, p = _fs(src) if is_remote(src) else (None, src)
+        with (fs.open(p, "rb") if fs else open(p, "rb")) as reader:
+            _write_local(dest, lambda f: shutil.copyfileobj(reader, f, CHUNK))
 
 
 def write_text(path: str, text: str) -> None:
@@ -104,8 +130,7 @@ def upload_dir(local: str, dest: str) -> None:
         rel = os.path.relpath(folder, local)
         files += [([] if rel == "." else rel.split(os.sep)) + [name] for name in names]
     for parts in sorted(files, key=lambda parts: (parts[0] == "checkpoints", parts)):
-        with open(os.path.join(local, *parts), "rb") as f:
-            write_bytes(join(dest, *parts), f.read())
+        copy_file(os.path.join(local, *parts), join(dest, *parts))
 
 
 def download_dir(src: str, local: str) -> str:
@@ -115,10 +140,7 @@ def download_dir(src: str, local: str) -> str:
         return local
     fs, p = _fs(src)
     for path in fs.find(p):
-        target = os.path.join(local, *posixpath.relpath(path, p).split("/"))
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        with open(target, "wb") as f:
-            f.write(fs.cat_file(path))
+        copy_file(fs.unstrip_protocol(path), os.path.join(local, *posixpath.relpath(path, p).split("/")))
     return local
 
 
@@ -138,22 +160,37 @@ def local_copy(path: str) -> str:
     if fs.isdir(p):
         shutil.rmtree(local, ignore_errors=True)
         return download_dir(path, local)
-    os.makedirs(os.path.dirname(local), exist_ok=True)
-    write_bytes(local, fs.cat_file(p))
+    copy_file(path, local)
     return local
+
+
+def checkpoint_step(workdir: str) -> int | None:
+    """The newest checkpoint step under `workdir`/checkpoints (orbax's step directories), None if none."""
+    return max((int(name) for name in listdir(join(workdir, "checkpoints")) if name.isdigit()), default=None)
 
 
 @contextlib.contextmanager
 def staged(remote: str) -> Iterator[str]:
     """A local working copy of the directory `remote`: fetched when this machine has none yet (a job
-    resumed elsewhere starts from what was uploaded), uploaded back when the block ends, also on an
-    error. Files are uploaded one by one, checkpoints/ last, so a remote copy interrupted mid-upload
-    still holds its earlier checkpoints whole."""
+    resumed elsewhere starts from what was uploaded) or when the remote copy holds a newer checkpoint
+    than this machine's (a later run elsewhere: its files replace the stale ones here, which would
+    otherwise be resumed from and uploaded over it); uploaded back when the block ends, also on an
+    error, by JAX process 0 only (every process stages the same directory). Files are uploaded one by
+    one, checkpoints/ last, so a remote copy interrupted mid-upload still holds its earlier checkpoints
+    whole."""
+    import jax
+
     local = cache_dir(remote)
-    if not os.path.isdir(local) and exists(remote):
-        download_dir(remote, local)
+    if exists(remote):
+        here, there = checkpoint_step(local), checkpoint_step(remote)
+        if not os.path.isdir(local) or (there is not None and (here is None or there > here)):
+            if os.path.isdir(local):
+                logger.warning("%s: its checkpoint step %s is newer than this machine's copy's (%s, in %s); "
+                               "fetching it", remote, there, here, local)
+            download_dir(remote, local)
     os.makedirs(local, exist_ok=True)
     try:
         yield local
     finally:
-        upload_dir(local, remote)
+        if jax.process_index() == 0:
+            upload_dir(local, remote)

@@ -42,6 +42,7 @@ from .types import (
     Limits,
     Result,
     SandboxError,
+    SandboxStalled,
     SandboxUnavailable,
     Timings,
 )
@@ -49,4 +50,5 @@ from .verdict import CallTest, CheckTest, StdioTest, Verdict, verify_program
 
 __all__ = ["BACKENDS", "CPU", "DISK", "FILE_SIZE", "MEMORY", "OUTPUT", "PYTHON", "WALL_TIME", "CallTest", "CheckTest",
            "Episode", "Executor", "JsonExecutor", "Limits", "Local", "Pool", "Result", "SandboxError",
-           "SandboxUnavailable", "StdioTest", "Timings", "Verdict", "replay_episode", "run", "verify_program"]
+           "SandboxStalled", "SandboxUnavailable", "StdioTest", "Timings", "Verdict", "replay_episode", "run",
+           "verify_program"]

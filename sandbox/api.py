@@ -129,7 +129,7 @@ def run_in(ws: Workspace, argv: list[str], inputs: dict[str, bytes], limits: Lim
     exit_code, sig = _status(got.returncode, backend)
     timings = Timings(queue_s=start - queued, start_s=launched - start, run_s=got.run_s)
     return Result(backend, exit_code, sig, got.stdout, got.stderr, got.stdout_truncated, got.stderr_truncated,
-                  _limit_hit(got, sig, ws), timings, before, ws.digest(), sandbox_id)
+                  _limit_hit(got, sig, ws), timings, before, ws.digest(), sandbox_id, got.cpu_s)
 
 
 def _status(returncode: int, backend: str) -> tuple[int | None, int | None]:

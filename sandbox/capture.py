@@ -27,6 +27,7 @@ class Captured:
     stderr_truncated: bool
     killed_for: str | None  # WALL_TIME or OUTPUT when the harness killed the run
     run_s: float
+    cpu_s: float | None = None  # user + system CPU seconds of the launcher and its reaped children
 
 
 class _Stream(threading.Thread):
@@ -84,43 +85,62 @@ def capture(argv: Sequence[str], kill: Callable[[subprocess.Popen], None], wall_
     for s in streams:
         s.start()
     threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True).start()
-    reason = _watch(proc, start + wall_s, poll)
+    reason, cpu_s = _watch(proc, start + wall_s, poll)
     if reason:
         killer(reason)
-    _reap(proc)
+        cpu_s = _reap(proc)
     run_s = time.perf_counter() - start
     for s in streams:
         s.join(timeout=5.0)  # EOF follows the kill; a stuck reader is a daemon thread and is abandoned
     out, err = streams
-    return Captured(proc.returncode, out.data(), err.data(), out.truncated, err.truncated, killer.reason, run_s)
+    return Captured(proc.returncode, out.data(), err.data(), out.truncated, err.truncated, killer.reason, run_s,
+                    cpu_s)
 
 
-def _watch(proc: subprocess.Popen, deadline: float, poll: Callable[[], str | None] | None) -> str | None:
-    """Wait for the process; the limit it ran into (WALL_TIME, or one `poll` named), or None."""
+def _watch(proc: subprocess.Popen, deadline: float,
+           poll: Callable[[], str | None] | None) -> tuple[str | None, float | None]:
+    """Wait for the process: (the limit it ran into (WALL_TIME, or one `poll` named), None) while it runs
+    on, or (None, the CPU seconds it used) once it exited."""
     step = 0.05 if poll else None
     while True:
         left = deadline - time.perf_counter()
         if left <= 0:
-            return WALL_TIME
-        try:
-            proc.wait(timeout=min(left, step) if step else left)
-            return None
-        except subprocess.TimeoutExpired:
-            pass
+            return WALL_TIME, None
+        cpu_s = _wait(proc, min(left, step) if step else left)
+        if cpu_s is not None:
+            return None, cpu_s
         if poll and (reason := poll()):
-            return reason
+            return reason, None
 
 
-def _reap(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """Wait for the launcher; if the backend's kill did not stop it within the grace, SIGKILL its group."""
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
+def _reap(proc: subprocess.Popen, grace_s: float = 10.0) -> float:
+    """Wait for the launcher; if the backend's kill did not stop it within the grace, SIGKILL its group.
+    The CPU seconds it used."""
+    cpu_s = _wait(proc, grace_s)
+    if cpu_s is None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        proc.wait()
+        cpu_s = _wait(proc, None)
+    return cpu_s
+
+
+def _wait(proc: subprocess.Popen, timeout: float | None) -> float | None:
+    """Reap the process with os.wait4 (Popen.wait drops its rusage) within `timeout` seconds (None: for as
+    long as it takes): the user + system CPU seconds it and its reaped children used, or None if still running."""
+    deadline = None if timeout is None else time.perf_counter() + timeout
+    delay = 0.0005
+    while True:
+        pid, status, usage = os.wait4(proc.pid, 0 if deadline is None else os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return usage.ru_utime + usage.ru_stime
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            return None
+        time.sleep(min(delay, left))
+        delay = min(2 * delay, 0.05)
 
 
 def _feed(pipe, data: bytes) -> None:

@@ -109,5 +109,7 @@ def execute_bwrap(argv: Sequence[str], ws: Workspace, limits: Limits, stdin: byt
     """Run argv under bubblewrap with the same layout as the runsc backend (host kernel, no cgroups)."""
     launch = _launch(argv, limits, _env("/workspace", env))
     command = _as_owner([*_bwrap_argv(ws, limits, ro_binds or {}), *launch])
-    return capture(command, _killpg, wall_s=limits.wall_s, output_cap=limits.output_bytes, stdin=stdin,
-                   env={"PATH": PATH_ENV})
+    got = capture(command, _killpg, wall_s=limits.wall_s, output_cap=limits.output_bytes, stdin=stdin,
+                  env={"PATH": PATH_ENV})
+    got.cpu_s = None  # bwrap's rusage misses a killed program (never reaped by bwrap): not measured
+    return got

@@ -114,6 +114,7 @@ class Worker:
             raise
         self.watch = runsc.CgroupWatch(self.cid, limits)
         self.tasks = 0
+        self.task_cpu_s = 0.0  # CPU seconds of the sandbox (its cgroup) during the last task
         try:
             deadline = time.monotonic() + _START_TIMEOUT_S
             greeting, _ = self._read_frame(deadline), self._read_frame(deadline)
@@ -132,12 +133,15 @@ class Worker:
         except OSError as e:
             raise WorkerLost(f"cannot write to the pool worker: {e}") from None
         deadline = time.monotonic() + wall_s + _GRACE_S
-        cpu_limit = runsc.cpu_seconds(self.cid) + cpu_s + runsc.CPU_BOOT_S
+        cpu_start = runsc.cpu_seconds(self.cid)
+        cpu_limit = cpu_start + cpu_s + runsc.CPU_BOOT_S
         try:
             reply = json.loads(self._read_frame(deadline, cpu_limit))
+            data = self._read_frame(deadline, cpu_limit)
         except ValueError:
             raise WorkerLost("the pool worker sent a malformed reply") from None
-        data = self._read_frame(deadline, cpu_limit)
+        finally:
+            self.task_cpu_s = max(runsc.cpu_seconds(self.cid) - cpu_start, 0.0)
         self.tasks += 1
         return reply, data
 
@@ -331,8 +335,8 @@ class Pool:
         except WorkerLost as e:
             self._retire(worker)
             return Result("runsc-pool", None, 9, b"", str(e).encode(), limit_hit=e.limit,
-                          timings=Timings(queue_s, 0.0, time.perf_counter() - sent), sandbox_id=worker.cid), \
-                e.limit is None
+                          timings=Timings(queue_s, 0.0, time.perf_counter() - sent), sandbox_id=worker.cid,
+                          cpu_s=worker.task_cpu_s), e.limit is None
         out, err = data[: reply["stdout_size"]], data[reply["stdout_size"]:]
         hit = reply["limit_hit"] or _evidence(err, worker)  # before the worker is reused (it wipes the workspace)
         if reply["limit_hit"] or reply["leftover"]:
@@ -343,7 +347,7 @@ class Pool:
                       reply["limit_hit"] == "output" and len(out) >= limits.output_bytes,
                       reply["limit_hit"] == "output" and len(err) >= limits.output_bytes, hit,
                       Timings(queue_s, sent - dequeued, time.perf_counter() - sent),
-                      reply["digest_before"], reply["digest_after"], worker.cid), False
+                      reply["digest_before"], reply["digest_after"], worker.cid, worker.task_cpu_s), False
 
     def close(self) -> None:
         """Kill every sandbox; their deletion is queued on the reaper (`runsc.REAPER.drain()` waits)."""

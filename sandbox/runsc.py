@@ -227,6 +227,8 @@ def execute(argv: Sequence[str], ws: Workspace, limits: Limits, stdin: bytes = b
         got = capture(runsc_argv("run", "--bundle", bundle, cid), lambda proc: kill(cid),
                       wall_s=limits.wall_s + limits.start_grace_s, output_cap=limits.output_bytes, stdin=stdin,
                       poll=watch.poll)
+        # the sandbox's cgroup (the launcher's rusage does not hold the sandbox); once gone, the last sample
+        got.cpu_s = max(watch.cpu_s, cpu_seconds(cid))
     finally:
         REAPER.submit(cid, None)
     if got.killed_for is None and got.returncode == 128 + signal.SIGKILL and watch.near_memory_limit():
@@ -242,12 +244,14 @@ class CgroupWatch:
         self.cid, self.limits = cid, limits
         self.memory_limit = limits.memory_bytes + limits.sandbox_overhead_bytes
         self.mem_peak, self.mem_failcnt = 0, 0
+        self.cpu_s = 0.0  # at the last sample (every 50 ms while it runs)
 
     def poll(self) -> str | None:
         memory = os.path.join(_CGROUP_ROOT, "memory", self.cid)
         self.mem_peak = max(self.mem_peak, _read_int(os.path.join(memory, "memory.max_usage_in_bytes")))
         self.mem_failcnt = max(self.mem_failcnt, _read_int(os.path.join(memory, "memory.failcnt")))
-        return CPU if cpu_seconds(self.cid) > self.limits.cpu_s + CPU_BOOT_S else None
+        self.cpu_s = max(self.cpu_s, cpu_seconds(self.cid))
+        return CPU if self.cpu_s > self.limits.cpu_s + CPU_BOOT_S else None
 
     def near_memory_limit(self) -> bool:
         return self.mem_failcnt > 0 or self.mem_peak > 0.8 * self.memory_limit

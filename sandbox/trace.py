@@ -71,7 +71,7 @@ def record(argv: list[str], files: Mapping[str, bytes], stdin: bytes, limits: Li
             "ro_binds": binds,
             "stdin": base64.b64encode(stdin).decode(), "digest_before": result.digest_before,
             "digest_after": result.digest_after, "exit_code": result.exit_code, "signal": result.signal,
-            "limit_hit": result.limit_hit, "timings": dataclasses.asdict(result.timings),
+            "limit_hit": result.limit_hit, "timings": dataclasses.asdict(result.timings), "cpu_s": result.cpu_s,
             "stdout": result.text("stdout"), "stderr": result.text("stderr"),
             "stdout_truncated": result.stdout_truncated, "stderr_truncated": result.stderr_truncated}
 

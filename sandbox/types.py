@@ -23,6 +23,11 @@ class SandboxUnavailable(SandboxError):
     """The backend cannot run here (runsc missing or unable to start a sandbox); the message says what to do."""
 
 
+class SandboxStalled(SandboxError):
+    """A verdict's run hit its time limit having used little CPU, twice: the host was too loaded to judge the
+    program (an infrastructure failure, not a wrong answer; `verdict.verify_program`)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """Resource limits of one sandboxed run; every one is enforced by the backend or by the harness.
@@ -83,7 +88,9 @@ class Timings:
 
 @dataclasses.dataclass
 class Result:
-    """What a sandboxed run did. `exit_code` is None when the program died of `signal`."""
+    """What a sandboxed run did. `exit_code` is None when the program died of `signal`. `cpu_s`: CPU seconds
+    the run used, measured on the host (the process backend: the program's rusage; runsc: its cgroup), None
+    where the backend does not measure it (bwrap: a killed program's CPU is not accounted to the launcher)."""
 
     backend: str
     exit_code: int | None
@@ -97,6 +104,7 @@ class Result:
     digest_before: str = ""
     digest_after: str = ""
     sandbox_id: str = ""
+    cpu_s: float | None = None
 
     @property
     def ok(self) -> bool:

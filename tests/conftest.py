@@ -28,6 +28,34 @@ def python() -> str:
     return sys.executable
 
 
+@pytest.fixture
+def sglang_server():
+    """Factory: (config, model) -> the URL of an Engine + EngineDriver + HTTP server in this process,
+    with config.rl.engine's sizes and `model`'s params; stopped at teardown (tests/test_rl_loop.py,
+    tests/test_rollout_fleet.py)."""
+    from rlvr.models.tokenizer import byte_level_tokenizer
+    from rlvr.rollout.driver import EngineDriver
+    from rlvr.rollout.engine import Engine
+    from rlvr.rollout.server import serve
+
+    started = []
+
+    def start(config, model):
+        e = config.rl.engine
+        engine = Engine(model.cfg, model.params, byte_level_tokenizer(), max_slots=e.max_slots, max_len=e.max_len,
+                        page_size=e.page_size, decode_steps=e.decode_steps, prefill_rows=e.prefill_rows,
+                        prefill_chunk=e.prefill_chunk, seed=config.seed)
+        driver = EngineDriver(engine)
+        server, _ = serve(driver, port=0)
+        started.append((server, driver))
+        return server.url
+
+    yield start
+    for server, driver in started:
+        server.stop(hard=True)
+        driver.close()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs_after_each_module():
     """Drop JAX's compiled programs and dead buffers when a test file ends: a test process runs many

@@ -22,7 +22,9 @@ def corpus() -> tuple[str, ...]:
     rl.task = "asdiv,champ,algebra_linear"
     tasks = build_tasks(rl, 0)
     texts = [f"{t.prompt}\n<answer>{t.answer}</answer>" for f in tasks.families.values() for t in f.tasks(0, 400)]
-    for path in [*glob.glob(os.path.join(REPO, "configs/data/*.jsonl")), os.path.join(REPO, "README.md")]:
+    docs = sorted(glob.glob(os.path.join(REPO, "docs", "*", "*.md")))  # the written pages (the README's old text)
+    docs = [p for p in docs if not p.endswith(os.path.join("reference", "config.md"))]  # generated, long tables
+    for path in [*glob.glob(os.path.join(REPO, "configs/data/*.jsonl")), os.path.join(REPO, "README.md"), *docs]:
         with open(path, encoding="utf-8") as f:
             texts.append(f.read())
     return tuple(texts)

@@ -1,7 +1,7 @@
-"""Bring your own model: the README's commands, as subprocesses, on random HF checkpoints.
+"""Bring your own model: the tutorial's commands, as subprocesses, on random HF checkpoints.
 
 A random Qwen3 checkpoint (built and saved by transformers, with a trained BPE tokenizer and the
-ChatML template) goes through the README's "Bring your own model" commands: preview, SFT from the
+ChatML template) goes through the commands of docs/tutorials/bring-your-own-model.md: preview, SFT from the
 HF directory, RL from the SFT workdir (chat prompts; ASDiv and CHAMP datasets and the procedural
 algebra family), evaluation of the RL workdir, export with `--verify` (transformers reloads the
 export: same chat-template ids, greedy tokens equal to the engine's). A random Llama checkpoint
@@ -23,18 +23,20 @@ pytestmark = [pytest.mark.slow, pytest.mark.hf]
 TIMEOUT = 600
 
 
-def readme_blocks() -> list[list[str]]:
-    """The commands of the bash blocks of the README's "Bring your own model" section."""
-    with open(os.path.join(REPO, "README.md")) as f:
+TUTORIAL = os.path.join(REPO, "docs", "tutorials", "bring-your-own-model.md")
+
+
+def tutorial_blocks() -> list[list[str]]:
+    """The commands of the bash blocks of the "Bring your own model" tutorial."""
+    with open(TUTORIAL) as f:
         text = f.read()
-    section = text.split("## Bring your own model", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```bash\n(.*?)```", section, re.DOTALL)
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.DOTALL)
     return [[line for line in block.splitlines() if line.strip() and not line.startswith(("#", "MODEL="))]
             for block in blocks]
 
 
 def run(command: str, model: str, run_dir: str) -> str:
-    """One README command with the recipes' smoke variant; returns its output (fails on exit != 0)."""
+    """One tutorial command with the recipes' smoke variant; returns its output (fails on exit != 0)."""
     command = re.sub(r"(--config=configs/recipes/\S+)", r"\1,smoke", command)
     command = command.replace(".venv/bin/python", sys.executable)
     env = {**os.environ, "MODEL": model, "RUN": run_dir, "JAX_PLATFORMS": "cpu"}
@@ -47,8 +49,8 @@ def run(command: str, model: str, run_dir: str) -> str:
     return result.stdout
 
 
-def test_readme_commands_take_a_qwen3_checkpoint_through_sft_rl_eval_export(tmp_path):
-    main, _ = readme_blocks()
+def test_tutorial_commands_take_a_qwen3_checkpoint_through_sft_rl_eval_export(tmp_path):
+    main, _ = tutorial_blocks()
     assert not [c for c in main[2:] if "--config.model" in c or "--config.tokenizer" in c]
     model = write_random_hf(str(tmp_path / "qwen3"), "qwen3")
     run_dir = str(tmp_path / "run")
@@ -82,8 +84,8 @@ def test_readme_commands_take_a_qwen3_checkpoint_through_sft_rl_eval_export(tmp_
     assert "greedy tokens equal (transformers vs engine, 3 prompts): True" in outputs[-1]
 
 
-def test_readme_preference_path_takes_a_llama_checkpoint_through_sft_dpo_export(tmp_path):
-    main, preference = readme_blocks()
+def test_tutorial_preference_path_takes_a_llama_checkpoint_through_sft_dpo_export(tmp_path):
+    main, preference = tutorial_blocks()
     model = write_random_hf(str(tmp_path / "llama"), "llama", num_kv_heads=1)
     run_dir = str(tmp_path / "run")
     run(main[1], model, run_dir)  # SFT from the HF directory

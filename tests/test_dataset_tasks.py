@@ -229,3 +229,15 @@ def test_bfcl_simple_from_a_wheel(tmp_path, monkeypatch):
     assert datasets.check_function_call(json.dumps(ok), nested) == 1.0
     ok["arguments"]["conditions"]["school"] = "Redbird HS"
     assert datasets.check_function_call(json.dumps(ok), nested) == 0.0
+
+
+def test_bfcl_integer_arguments_compare_exactly():
+    """An integer argument matches only its own value (an integral float included): math.isclose with
+    rel_tol 1e-9 accepted 2000000001 for 2000000000. Float arguments keep the tolerance."""
+    truth = {"transfer": {"amount": [2000000000], "rate": [0.1]}}
+    call = lambda amount, rate=0.1: json.dumps({"name": "transfer", "arguments": {"amount": amount, "rate": rate}})
+    assert datasets.check_function_call(call(2000000000), truth) == 1.0
+    assert datasets.check_function_call(call(2000000000.0), truth) == 1.0
+    assert datasets.check_function_call(call(2000000000, 0.1 + 1e-12), truth) == 1.0
+    assert datasets.check_function_call(call(2000000001), truth) == 0.0
+    assert datasets.check_function_call(call(1999999999), truth) == 0.0

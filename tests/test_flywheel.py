@@ -213,15 +213,30 @@ def test_build_turns_feedback_into_sft_dpo_rl_with_time_split(tmp_path):
     assert pairs == {('"2+2="', "4", "5", "correction"), (json.dumps(chat), "Paris", "Lyon", "preferred")}
     # the rating pair 4 > 5 duplicates the correction pair and is dropped
     assert card["dropped"]["duplicate dpo"] == 1 and card["dropped"]["aborted"] == 1
-    assert card["dropped"]["outcome not checkable"] == 1  # chat: passed false, no reference
-    assert [(r["question"], r["verifier"]) for r in rows["train", "rl"]] == [
-        ("2+2=", {"kind": "exact", "answer": "4"}), ("3+3=", {"kind": "exact", "answer": "6"})]
+    assert card["dropped"]["outcome not checkable"] == 2  # chat: passed false; "4": passed alone; no reference
+    assert [(r["question"], r["verifier"]) for r in rows["train", "rl"]] == [("3+3=", {"kind": "exact", "answer": "6"})]
     assert [(r["question"], r["verifier"]["kind"]) for r in rows["heldout", "rl"]] == [("7+1=", "numeric")]
-    assert card["counts"] == {"train": {"sft": 1, "dpo": 2, "rl": 2}, "heldout": {"sft": 0, "dpo": 0, "rl": 1}}
+    assert card["counts"] == {"train": {"sft": 1, "dpo": 2, "rl": 1}, "heldout": {"sft": 0, "dpo": 0, "rl": 1}}
     family = TaskFileFamily(os.path.join(out, "train", "rl.jsonl"))
     tasks = family.split_tasks()
-    assert [t.prompt for t in tasks] == ["2+2=", "3+3="]
-    assert family.score(tasks[0], "4", False)["correct"] == 1.0 and family.score(tasks[0], "5", False)["reward"] == 0
+    assert [t.prompt for t in tasks] == ["3+3="]
+    assert family.score(tasks[0], "6", False)["correct"] == 1.0 and family.score(tasks[0], "5", False)["reward"] == 0
+
+
+def test_an_answer_marked_passed_is_not_an_rl_reference_by_itself(tmp_path):
+    """`passed: true` alone judges one answer; it does not make that answer's whole text the exact
+    reference of an RL task (which would score every other right answer, "4" here, 0). With a
+    reference or a verifier it is a task; without, it is counted as not checkable."""
+    root, out = str(tmp_path / "t"), str(tmp_path / "data")
+    traffic, feedback = log.AppendLog(root, capture.TRAFFIC), log.AppendLog(root, capture.FEEDBACK)
+    _answer(traffic, "a", "2+2=", "The sum is 4.", 1.0)
+    _answer(traffic, "b", "3+3=", "The sum is 6.", 2.0)
+    feedback.append({"response_id": "a", "outcome": {"passed": True}})
+    feedback.append({"response_id": "b", "outcome": {"passed": True, "answer": "6"}})
+    card = build_lib.build(root, out, build_lib.BuildSettings(heldout_fraction=0.0))
+    rl = [json.loads(x) for x in open(os.path.join(out, "train", "rl.jsonl"))]
+    assert [(r["question"], r["verifier"]) for r in rl] == [("3+3=", {"kind": "exact", "answer": "6"})]
+    assert card["dropped"] == {"outcome not checkable": 1}
 
 
 def test_feedback_on_a_reused_response_id_goes_to_the_answer_it_followed(tmp_path):
@@ -232,30 +247,88 @@ def test_feedback_on_a_reused_response_id_goes_to_the_answer_it_followed(tmp_pat
     _answer(traffic, "x1", "2+2=", "5", 1.0, response_id="mine")
     _answer(traffic, "x2", "2+2=", "4", 3.0, response_id="mine")
     feedback.append({"time": 2.0, "response_id": "mine", "index": 0, "correction": "4"})
-    feedback.append({"time": 4.0, "response_id": "mine", "index": 0, "outcome": {"passed": True}})
+    feedback.append({"time": 4.0, "response_id": "mine", "index": 0, "preferred": "four"})
     card = build_lib.build(root, out, build_lib.BuildSettings(heldout_fraction=0.0))
     dpo = [json.loads(x) for x in open(os.path.join(out, "train", "dpo.jsonl"))]
-    rl = [json.loads(x) for x in open(os.path.join(out, "train", "rl.jsonl"))]
-    assert [(r["chosen"], r["rejected"]) for r in dpo] == [("4", "5")]  # the correction of "5" only
-    assert [r["verifier"]["answer"] for r in rl] == ["4"]  # "passed" is the second answer's
+    assert [(r["chosen"], r["rejected"]) for r in dpo] == [("4", "5"), ("four", "4")]  # each on its own answer
     assert card["with_feedback"] == 2
 
 
 # --- 5. the gate ----------------------------------------------------------------------------------------
 
 
-def test_gate_refuses_a_regression_beyond_the_domain_margin():
-    def result(**by_domain):
-        return {"by_domain": {d: {"pass@1": v} for d, v in by_domain.items()}}
+def _evaluation(tasks: int = 200, **by_domain) -> dict:
+    """An eval result: pass@1 per domain, `tasks` split evenly; overall the mean."""
+    per = tasks / len(by_domain)
+    return {"by_domain": {d: {"pass@1": v, "tasks": per} for d, v in by_domain.items()},
+            "overall": {"pass@1": sum(by_domain.values()) / len(by_domain), "tasks": float(tasks)}}
 
+
+def test_gate_refuses_a_regression_beyond_the_domain_margin():
+    result = _evaluation
     serving = result(traffic=0.50, arithmetic=0.80)
-    gate = promote.Gate(margin=0.05, margins=(("traffic", 0.2),))
+    gate = promote.Gate(margin=0.05, margins=(("traffic", 0.2),), min_tasks=0, alpha=1.0)
     ok = promote.compare(serving, result(traffic=0.35, arithmetic=0.76), gate)  # -0.15 <= 0.2, -0.04 <= 0.05
     assert ok["promote"] and not any(d["regressed"] for d in ok["domains"].values())
     bad = promote.compare(serving, result(traffic=0.9, arithmetic=0.74), gate)  # -0.06 > 0.05
     assert not bad["promote"] and bad["domains"]["arithmetic"]["regressed"]
     assert bad["domains"]["arithmetic"]["delta"] == pytest.approx(-0.06)
+    assert "'arithmetic' dropped beyond its margin" in bad["reasons"][0]
     assert not promote.compare(serving, result(traffic=0.9), gate)["promote"]  # a domain the candidate lacks
+
+
+def test_gate_needs_enough_tasks_and_a_significant_gain():
+    """Overall pass@1 0.50 -> 0.60 on 100 tasks each: pooled 0.55, z = 0.1 / sqrt(0.55 * 0.45 * 2/100)
+    = 1.421, one-sided p = 1 - Phi(1.421) = 0.078 > 0.05: refused. 0.50 -> 0.65: pooled 0.575,
+    z = 0.15 / sqrt(0.575 * 0.425 * 2/100) = 2.146, p = 0.016: promoted. 99 tasks with min_tasks=100: refused."""
+    gate = promote.Gate(margin=0.05, min_tasks=100, alpha=0.05)
+    serving = _evaluation(100, traffic=0.50)
+    weak = promote.compare(serving, _evaluation(100, traffic=0.60), gate)
+    assert weak["significance"]["z"] == pytest.approx(1.4213, abs=1e-3)
+    assert weak["significance"]["p_value"] == pytest.approx(0.0776, abs=1e-3)
+    assert not weak["promote"] and "not significant" in weak["reasons"][0] and "alpha=0.05" in weak["reasons"][0]
+    strong = promote.compare(serving, _evaluation(100, traffic=0.65), gate)
+    assert strong["significance"]["z"] == pytest.approx(2.1456, abs=1e-3)
+    assert strong["significance"]["p_value"] == pytest.approx(0.0160, abs=1e-3) and strong["promote"]
+    few = promote.compare(_evaluation(99, traffic=0.0), _evaluation(99, traffic=1.0), gate)
+    assert not few["promote"] and few["reasons"] == ["99 tasks evaluated, fewer than min_tasks=100: add tasks to "
+                                                     "the suite (or lower --min_tasks)"]
+    tie = promote.compare(serving, serving, promote.Gate(min_tasks=0, alpha=0.5))  # no gain: p = 0.5
+    assert tie["significance"]["p_value"] == pytest.approx(0.5) and tie["promote"]
+
+
+class _LyingServer:
+    """/update_weights_from_disk succeeds, and /model_info keeps reporting the version it started with."""
+
+    def __init__(self):
+        self.loaded: list[tuple[str, str]] = []
+
+    def post(self, url, body, timeout=600.0):
+        self.loaded.append((body["model_path"], body["weight_version"]))
+        return {"success": True}
+
+    def get(self, url):
+        return {"weight_version": "0", "model_path": "/models/served"}
+
+
+def test_promote_loads_the_served_model_back_when_the_server_reports_another_version(tmp_path, monkeypatch):
+    """The server answers the swap with success but reports its old version afterwards: the promotion
+    fails with an error naming both versions, the served model is loaded back, serving.json is not
+    written, and the promotion record says why."""
+    server = _LyingServer()
+    monkeypatch.setattr(promote, "_post", server.post)
+    monkeypatch.setattr(promote, "_get", server.get)
+    monkeypatch.setattr(promote, "as_hf_dir", lambda model, out: "/models/candidate")
+    results = {"/models/served": _evaluation(200, traffic=0.2), "/models/candidate": _evaluation(200, traffic=0.8)}
+    monkeypatch.setattr(promote, "evaluate", lambda hf_dir, *args: results[hf_dir])
+    fly = str(tmp_path / "fly")
+    with pytest.raises(RuntimeError, match="reports weight version '0'.*loaded '0' back"):
+        promote.promote("run", "http://server", fly, "suite", promote.Gate(), label="v1")
+    assert server.loaded == [("/models/candidate", "v1"), ("/models/served", "0")]
+    assert not os.path.exists(os.path.join(fly, promote.SERVING))
+    (name,) = os.listdir(os.path.join(fly, "promotions"))
+    decision = json.loads(open(os.path.join(fly, "promotions", name)).read())
+    assert not decision["promote"] and "reports weight version '0'" in decision["reasons"][-1]
 
 
 # --- 6. end to end, on a local S3 server -------------------------------------------------------------
@@ -368,6 +441,7 @@ def test_flywheel_end_to_end(tmp_path, s3, monkeypatch):
         assert json.loads(storage.read_text(f"{runs}/rl/summary.json"))
         assert cli.main(["promote", f"--candidate={runs}/rl", f"--server={url}", f"--fly={fly}",
                          f"--suite={fly}/data/heldout/rl.jsonl,add", "--margin=0.5", f"--models_dir={local}/models",
+                         "--min_tasks=0", "--alpha=1",
                          "--eval_config=configs/eval_tasks.py:smoke", "--label=v1",
                          "--set", "rl.max_new_tokens=6", "--set", "rl.prompt_format=raw"]) == 0
         assert httpx.get(url + "/model_info").json()["weight_version"] == "v1"

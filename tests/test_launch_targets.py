@@ -15,6 +15,7 @@ import inspect
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -225,6 +226,34 @@ def test_k8s_tpu_jobset_with_sglang_validates_and_matches_the_init(tmp_path):
     assert container["volumeMounts"][0]["mountPath"] == "/mnt/rlvr"
 
 
+def test_k8s_sglang_router_fronts_the_servers(tmp_path):
+    """--sglang_router: a router Deployment + Service whose --worker-urls are the StatefulSet's servers;
+    the trainer sends generation to the router (rl.sglang_router) and control to each server."""
+    exp = experiment(tmp_path, "configs/quickstart.py:smoke", {"data.batch_size": 16})
+    paths = TARGETS["k8s"](exp, {"image": "i", "gpu": "h100", "pvc": "p", "aot_check": "false",
+                                 "sglang_servers": "3", "sglang_model": "m", "sglang_router": "true",
+                                 "sglang_router_policy": "round_robin"})
+    objects = load_yaml(paths)
+    k8s_validate.validate_objects(objects)
+    deployment = next(o for o in objects if o["kind"] == "Deployment")
+    service = next(o for o in objects if o["kind"] == "Service" and o["metadata"]["name"].endswith("-router"))
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    args = container["args"]
+    workers = args[args.index("--worker-urls") + 1: args.index("--policy")]
+    config = flags_to_config(trainer_of(objects[0])[2]["args"], devices=8)
+    assert workers == config.rl.sglang_urls.split(",") and len(workers) == 3
+    assert args[:2] == ["-m", "sglang_router.launch_router"] and args[args.index("--policy") + 1] == "round_robin"
+    port = service["spec"]["ports"][0]["port"]
+    assert config.rl.sglang_router == f"http://{service['metadata']['name']}:{port}"
+    assert args[args.index("--port") + 1] == str(port) and container["readinessProbe"]["httpGet"]["port"] == port
+    assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    with pytest.raises(ValueError, match="--sglang_router=true needs --sglang_servers"):
+        TARGETS["k8s"](exp, {"image": "i", "gpu": "h100", "pvc": "p", "sglang_router": "true"})
+    with pytest.raises(ValueError, match="--sglang_router_policy='fastest'"):
+        TARGETS["k8s"](exp, {"image": "i", "gpu": "h100", "pvc": "p", "sglang_servers": "1",
+                             "sglang_router": "true", "sglang_router_policy": "fastest"})
+
+
 def test_k8s_gpu_nodes_and_refusals(tmp_path):
     exp = experiment(tmp_path, "configs/sft_tiny.py", {"data.batch_size": 16}, use_sweep=True)
     paths = TARGETS["k8s"](exp, {"image": "i", "gpu": "h100", "nodes": "2", "workdir_root": "gs://b/x",
@@ -391,6 +420,37 @@ def test_slurm_scripts_parse_and_dry_run(tmp_path, repo_root):
         assert f"--workdir={workdir}" in argv and os.path.isdir(workdir)
     with pytest.raises(ValueError, match=r"--time='tomorrow'"):
         TARGETS["slurm"](exp, {"time": "tomorrow"})
+
+
+def test_slurm_rollout_fleet_runs_on_an_extra_node_behind_the_router(tmp_path, repo_root):
+    """--rollout_workers: one more node; the fleet (servers + router) starts there first, the trainer's
+    rl.sglang_router is that node's router, and the fleet command is one rlvr.rollout.fleet accepts."""
+    from rlvr.rollout import fleet
+
+    exp = experiment(tmp_path, "configs/quickstart.py:smoke", {"data.batch_size": 16})
+    [script, _] = TARGETS["slurm"](exp, {"gpu": "h100", "nodes": "2", "aot_check": "false", "repo_dir": repo_root,
+                                         "rollout_workers": "4", "rollout_gpus_per_worker": "2",
+                                         "rollout_model": "/shared/policy"})
+    text = open(script).read()
+    assert subprocess.run(["bash", "-n", script], capture_output=True).returncode == 0
+    assert "#SBATCH --nodes=3" in text  # 2 trainer nodes + the fleet's
+    fleet_line = next(line for line in text.splitlines() if "rlvr.rollout.fleet" in line)
+    assert fleet_line.startswith("srun --nodes=1 --ntasks=1 --relative=2 ") and fleet_line.endswith(" &")
+    argv = shlex.split(fleet_line.removesuffix(" &"))
+    args, server_args = fleet.parse_args(argv[argv.index("rlvr.rollout.fleet") + 1:])
+    assert (args.workers, args.devices_per_worker, args.hf_dir, args.server) == (4, 2, "/shared/policy", "sglang")
+    assert args.router and args.host == "0.0.0.0" and server_args == []
+    lines = text.splitlines()
+    trainer = lines[lines.index(next(ln for ln in lines if ln.startswith("srun --nodes=2"))) + 1]
+    assert lines.index(fleet_line) < lines.index(trainer)
+    trainer_argv = shlex.split(trainer.replace("${FLEET_NODE}", "gpu009"))
+    config = flags_to_config(trainer_argv[3:], devices=16)
+    assert (config.rl.backend, config.rl.sglang_router) == ("sglang", f"http://gpu009:{args.port}")
+    with pytest.raises(ValueError, match="rollout fleet serves RL rollouts only"):
+        TARGETS["slurm"](experiment(tmp_path, "configs/sft_tiny.py", {"data.batch_size": 16}, name="sft"),
+                         {"aot_check": "false", "rollout_workers": "1", "rollout_model": "m"})
+    with pytest.raises(ValueError, match="do not fit the fleet's node"):
+        TARGETS["slurm"](exp, {"aot_check": "false", "rollout_workers": "5", "rollout_gpus_per_worker": "2"})
 
 
 # --- xm ------------------------------------------------------------------------------------------

@@ -63,6 +63,46 @@ def test_fresh_adapter_is_the_base_and_merging_is_exact(quantize):
     assert sum(x.size for x in jax.tree.leaves(lora.trainable(trained))) == lora.adapter_count(cfg)
 
 
+def test_quant_block_errors_name_the_field_and_a_vlm_keeps_its_vision_tower_float():
+    """QLoRA with lora.quant_block not dividing a projection's input width is a clear error naming the
+    field, the projection and a fix (it was a reshape error of jax.numpy). A VLM's vision tower (no
+    adapters) is not quantised: its 48-wide layers, which no block of 32 divides, stay float (this too
+    was a reshape error), and the quantised VLM's forward equals its merged weights'."""
+    from rlvr.models import vision
+    from rlvr.models.config import VisionConfig
+    from rlvr.models.params import abstract_params
+
+    mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    tiny = lora.without_lora(ModelConfig(**PRESETS["tiny"]))  # widths 128, 384
+    base = params_lib.init_params(tiny, jax.random.key(0), mesh)
+    with pytest.raises(ValueError, match=r"lora\.quant_block=96 must divide.*layers/\w+/\w+_proj takes 128: "
+                                         r"set lora\.quant_block to a divisor of it \(e\.g\. 32\) or "
+                                         r"lora\.quantize='none'"):
+        lora.attach(dataclasses.replace(tiny, lora=LoraConfig(rank=4, quantize="int8", quant_block=96)), base,
+                    jax.random.key(1), mesh)
+
+    cfg = ModelConfig(family="qwen2", vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True, qk_norm=False, mrope_section=(2, 3, 3))
+    cfg = dataclasses.replace(cfg, vision=VisionConfig(hidden_size=48, intermediate_size=64, num_layers=2,
+                                                       num_heads=2, out_hidden_size=64, window_size=56,
+                                                       full_attention_layers=(1,), image_token_id=290))
+    rng = np.random.default_rng(0)
+    base = jax.tree_util.tree_map_with_path(lambda p, s: rng.normal(0, 0.2, s.shape).astype(np.float32),
+                                            abstract_params(cfg))
+    qlora = dataclasses.replace(cfg, lora=LoraConfig(rank=4, quantize="int8", quant_block=32))
+    params = lora.attach(qlora, base, jax.random.key(1), mesh)
+    assert params["layers"]["mlp"]["down_proj"]["kernel"].dtype == jnp.int8
+    np.testing.assert_array_equal(params["visual"]["blocks"]["down_proj"]["kernel"],
+                                  base["visual"]["blocks"]["down_proj"]["kernel"])
+    ids = np.array([[1, 2, 3] + [290] * 4 + [5, 6]])
+    segments = np.ones_like(ids)
+    images = vision.image_inputs(cfg.vision, [rng.normal(size=(16, cfg.vision.patch_dim)).astype(np.float32)],
+                                 [[(1, 4, 4)]], ids, segments)
+    got = forward(qlora, params, jnp.asarray(ids), None, jnp.asarray(segments), images=images)[0]
+    want = forward(cfg, lora.merge(qlora, lora.frozen(params)), jnp.asarray(ids), None, jnp.asarray(segments),
+                   images=images)[0]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+
 def test_sglang_weight_sync_of_a_qlora_policy_is_the_merged_model(tmp_path):
     """The SGLang backend's weight sync writes a LoRA policy merged (plain weights SGLang loads)."""
     import types

@@ -287,32 +287,6 @@ def test_async_kill_and_resume_trains_the_buffered_batch(sync_run, tmp_path, tmp
 
 # --- 5: the SGLang backend against the embedded HTTP server ---------------------------------------
 
-@pytest.fixture
-def sglang_server():
-    """Factory: an Engine + EngineDriver + HTTP server holding `params`; stopped at teardown."""
-    from rlvr.models.tokenizer import byte_level_tokenizer
-    from rlvr.rollout.driver import EngineDriver
-    from rlvr.rollout.engine import Engine
-    from rlvr.rollout.server import serve
-
-    started = []
-
-    def start(config, model):
-        e = config.rl.engine
-        engine = Engine(model.cfg, model.params, byte_level_tokenizer(), max_slots=e.max_slots, max_len=e.max_len,
-                        page_size=e.page_size, decode_steps=e.decode_steps, prefill_rows=e.prefill_rows,
-                        prefill_chunk=e.prefill_chunk, seed=config.seed)
-        driver = EngineDriver(engine)
-        server, _ = serve(driver, port=0)
-        started.append((server, driver))
-        return server.url
-
-    yield start
-    for server, driver in started:
-        server.stop(hard=True)
-        driver.close()
-
-
 def _served_version(url):
     info = httpx.get(url + "/model_info", timeout=30).json()
     return int(info["weight_version"])

@@ -526,6 +526,8 @@ def test_quickstart_config_is_valid():
     _validate(_config(**{"rl.clip_high": 0.28, "rl.updates_per_batch": 2}))
     _validate(_config(**{"rl.policy_loss": "gspo", "rl.aggregation": "seq_mean_token_mean"}))
     _validate(_config(**{"rl.prompts_per_step": 3, "rl.group_size": 2, "rl.pack": True}))  # packed: rows bucketed
+    _validate(_config(**{"rl.teacher": "/teacher", "rl.distill_estimator": "full",
+                         "rl.distill_teacher_temperature": 0.5}))
 
 
 @pytest.mark.parametrize("overrides, pattern", [
@@ -538,6 +540,8 @@ def test_quickstart_config_is_valid():
     ({"rl.clip_high": 0.28}, r"rl\.clip_high=0\.28 never acts.*rl\.proximal='behaviour'"),
     ({"rl.proximal": "old"}, r"rl\.proximal='old'"),
     ({"rl.top_p": 0.0}, r"0 < top_p <= 1"),
+    ({"rl.teacher": "/teacher", "rl.distill_teacher_temperature": 0.5},  # was ignored by the sampled estimator
+     r"rl\.distill_teacher_temperature=0\.5 acts only with rl\.distill_estimator='full'.*Set rl\.distill_estimator"),
 ])
 def test_bad_rl_config_names_the_field(overrides, pattern):
     with pytest.raises(config_lib.ConfigError, match=pattern):
@@ -754,6 +758,25 @@ def test_kl_penalty_is_added_after_the_group_normalisation():
         close(s.rewards["kl_penalty"], 0.1 * 0.01 * (i % 3) * len(s.output_ids))
         close(s.advantage, s.rewards["kl_penalty"])  # every sample solved its task: no task signal
         assert s.rewards["reward"] == 1.0
+
+
+def test_kl_penalty_of_an_empty_completion_is_zero():
+    """A zero-length output (a stop string at once) has no tokens, so no KL: its penalty is 0, and its
+    neighbours' are their own sums. Hand: k1 = behaviour - ref; [-0.1, -0.2] vs [-0.3, -0.2]: 0.2 + 0,
+    penalty -0.1 * 0.2 = -0.02; [-0.5] * 3 vs [-0.6, -0.7, -0.5]: 0.1 + 0.2 + 0, penalty -0.03."""
+    producer, _, _, _ = _producer(lambda task, k: (task.answer, "stop"), kl_coef=0.1, kl_mode="reward",
+                                  kl_estimator="k1")
+    refs = {2: [-0.3, -0.2], 0: [], 3: [-0.6, -0.7, -0.5]}
+    producer.ref_logprobs = lambda samples: [np.asarray(refs[len(s.output_ids)]) for s in samples]
+
+    def sample(behaviour):
+        return Sample(0, 0, [1], [5] * len(behaviour), behaviour, [0] * len(behaviour), False, {"reward": 1.0})
+
+    for behaviours, expected in (([[-0.1, -0.2], [], [-0.5] * 3], [-0.02, 0.0, -0.03]),  # empty in the middle
+                                 (([-0.1, -0.2], []), [-0.02, 0.0])):  # and last
+        samples = [sample(list(b)) for b in behaviours]
+        producer._kl_penalty(samples)
+        close([s.rewards["kl_penalty"] for s in samples], expected)
 
 
 def test_reinforce_pp_normalises_over_the_batch_when_groups_are_cut():

@@ -1,12 +1,12 @@
 """The RL objective against an independent implementation: a plain NumPy re-implementation of the
-formulas in the README ("What the trainer optimises") computes the advantages, the per-token KL and
-the per-token and aggregated loss of one batch, for every rl.advantage × rl.policy_loss ×
+formulas in docs/explanation/rl-objective.md ("What the trainer optimises") computes the advantages,
+the per-token KL and the per-token and aggregated loss of one batch, for every rl.advantage × rl.policy_loss ×
 rl.aggregation, and they equal the trainer's (`producer.group_advantages`, `update.gae_fn`,
 `objective.token_terms`, `objective.rl_loss`).
 
 The NumPy side takes only the batch's samples and the per-token log-probs and values the model
 gives (the trainer's, behaviour, proximal and reference policies); every formula on top of them is
-written here again, loop by loop, from the README.
+written here again, loop by loop, from that page.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def _outputs(samples, per_target):
 
 
 def np_advantages(samples, advantage, values=None):
-    """Per sample, an array over its output tokens (README's advantage table)."""
+    """Per sample, an array over its output tokens (the page's advantage table)."""
     r = np.array([s.rewards["reward"] for s in samples], np.float64)
     groups = [[i for i, s in enumerate(samples) if s.group == g] for g in sorted({s.group for s in samples})]
     out = np.zeros(len(samples))
@@ -117,7 +117,7 @@ def np_advantages(samples, advantage, values=None):
 
 
 def np_token_loss(policy_loss, adv, logp, old, behaviour, ref, values=None, returns=None):
-    """Per-token loss of one sequence and its KL (README: policy loss x TIS + β·kl + value term)."""
+    """Per-token loss of one sequence and its KL (the page: policy loss x TIS + β·kl + value term)."""
     log_ratio = logp - old
     ratio = np.exp(log_ratio) if policy_loss == "ppo_clip" else np.full_like(logp, np.exp(log_ratio.mean()))
     lo, hi = (EPS_LOW, EPS_HIGH) if policy_loss == "ppo_clip" else (3e-4, 4e-4)
@@ -136,7 +136,7 @@ def np_token_loss(policy_loss, adv, logp, old, behaviour, ref, values=None, retu
 
 
 def np_aggregate(per_seq_losses, aggregation):
-    """Σ_t w_t·ℓ_t / W (README's aggregation table)."""
+    """Σ_t w_t·ℓ_t / W (the page's aggregation table)."""
     total = sum(x.sum() for x in per_seq_losses)
     seqs = len(per_seq_losses)
     if aggregation == "token_mean":

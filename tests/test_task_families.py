@@ -9,6 +9,7 @@ reasoning-gym's unfixed game_of_life_halting verifier, and a family that hangs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import subprocess
@@ -182,6 +183,38 @@ def test_audit_flags_a_verifier_that_accepts_anything(tmp_path, capsys):
     assert "test/accept_all" in capsys.readouterr().out
 
 
+class _NumericSum(Family):
+    """a + b = ? with the numeric verifier at its default tolerance (as ArithExpr and ASDiv pose it)."""
+
+    name = "test/numeric"
+
+    def sample(self, rng: np.random.Generator, level: int) -> Task:
+        a, b = (int(x) for x in rng.integers(1000, size=2))
+        return Task(index=0, prompt=f"What is {a} + {b}?", answer=str(a + b),
+                    verifier={"kind": "numeric", "answer": str(a + b)})
+
+
+class _LooseNumericSum(_NumericSum):
+    name = "test/loose_numeric"
+
+    def sample(self, rng: np.random.Generator, level: int) -> Task:
+        task = super().sample(rng, level)
+        return dataclasses.replace(task, verifier={**task.verifier, "rel_tol": 1e-6})
+
+
+def test_audit_large_near_miss_checks_integer_references_exactly():
+    """The audit re-poses an integer-reference task at 27,000,000 and answers ±1, +27: the numeric
+    verifier's default tolerance passes it (integers compare exactly), a relative 1e-6 does not."""
+    good = audit.audit_family("test/numeric", _NumericSum, samples=2)
+    assert good.status == "clean" and good.fp == 0, good.examples
+    task = _NumericSum(seed=0).task(0)
+    assert [(kind, posed.verifier["answer"], text) for kind, posed, text in audit.large_integer_probes(
+        _NumericSum(seed=0), task)] == [("large_near_miss", "27000000", f"<answer>{n}</answer>")
+                                         for n in (27000001, 26999999, 27000027)]
+    loose = audit.audit_family("test/loose_numeric", _LooseNumericSum, samples=2)
+    assert loose.false_positives == {"large_near_miss": 2 * 3}, loose.false_positives
+    assert "27000027" in " ".join(loose.examples)
+
 def test_audit_flags_code_execution():
     report = audit.audit_family("test/eval", _Evaluates, samples=1)
     assert report.false_positives.get("code") == 1 and not hasattr(__import__("builtins"), audit.CANARY)
@@ -228,6 +261,23 @@ def test_audit_game_of_life_halting_fixed_and_unfixed():
                                levels="first")
     assert after.status == "clean", after.examples
 
+
+def test_a_raising_reasoning_gym_scorer_is_a_verifier_error(monkeypatch):
+    """A scorer that raises on an answer is a verifier error (raised: the RL producer records it with
+    verifier_error 1 and leaves the sample out), not a 0 trained on; prime_factorization's scorer, the
+    one that raised on malformed answers, has a format gate that scores them 0 first."""
+    family = FAMILIES["rg/prime_factorization"](seed=0)
+    task = family.task(0, level=0)
+    assert family.score(task, family.reference_completion(task), False)["correct"] == 1.0
+    for junk in ("<answer>zzz</answer>", "<answer>2 × 2, True, False</answer>"):
+        assert family.score(task, junk, False)["reward"] == 0.0
+
+    def broken(answer, entry, original):
+        raise KeyError("metadata")
+
+    monkeypatch.setitem(rg.FIXES, "prime_factorization", broken)
+    with pytest.raises(rg.ScorerError, match="rg/prime_factorization: the scorer raised KeyError"):
+        family.score(task, "<answer>12</answer>", False)
 
 @pytest.mark.slow
 def test_whole_registry_passes_the_audit(tmp_path, capsys):

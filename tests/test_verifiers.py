@@ -55,12 +55,23 @@ def test_choice(answer, score):
     ("1234", "1,234", 1.0), ("1234", "1234.0", 1.0), (0.75, "3/4", 1.0), ("3/4", "0.75", 1.0),
     ("-2", "-2", 1.0), ("1000", "1e3", 1.0), ("0.1", "0.1000000001", 1.0),
     (12345678901234567890, "12345678901234567890", 1.0),
-    ("12345678901234567890", "12345678901234567891", 1.0),  # within rel_tol 1e-6: a float-like tolerance
+    ("12345678901234567890", "12345678901234567891", 0.0),  # an integer reference compares exactly
+    ("12345.5", "12345.51", 1.0),  # a non-integer reference: rel_tol 1e-6 by default
     ("5", "6", 0.0), ("5", "5, 0", 0.0), ("5", "five", 0.0), ("5", "", 0.0), ("5", "1/0", 0.0),
     ("1234", "1,23,4", 0.0), ("0.5", "0.51", 0.0),
 ])
 def test_numeric(want, answer, score):
     assert run_verifier({"kind": "numeric", "answer": want}, answer) == score
+
+
+def test_numeric_integer_references_compare_exactly():
+    """rel_tol 1e-6 is for non-integer references: on an integer of 1e6 or more (ArithExpr level 3,
+    ASDiv) it accepted off-by-one answers, up to ±27 at 2.7e7. An explicit tolerance still applies."""
+    for want in ("1000000", "27000000", 27000000, "-27000000"):
+        wrong = [str(int(want) + d) for d in (1, -1, 27)]
+        assert [run_verifier({"kind": "numeric", "answer": want}, w) for w in wrong] == [0.0, 0.0, 0.0]
+        assert run_verifier({"kind": "numeric", "answer": want}, f"{int(want):,}") == 1.0
+    assert run_verifier({"kind": "numeric", "answer": "27000000", "rel_tol": 1e-6}, "27000027") == 1.0
 
 
 def test_numeric_tolerances_and_bad_reference():
@@ -215,6 +226,56 @@ def test_code_infinite_loop_scores_zero(backend):
     assert code("def add(a, b):\n    while True:\n        pass\n", timeout_s=1) == 0.0
     assert time.perf_counter() - start < 10
 
+
+def test_code_timeout_with_little_cpu_used_is_an_infrastructure_failure(backend):
+    """A program stopped by its time limit having used almost no CPU (it sleeps, as a correct program on a
+    loaded host waits for a core) is run once more, then raises SandboxStalled: the producer records it as
+    a failure and does not train on it (it scored 0). A busy loop past the limit still scores 0."""
+    from rlvr.sandbox import SandboxStalled
+
+    start = time.perf_counter()
+    with pytest.raises(SandboxStalled, match=r"time limit \(wall_time\) twice, having used 0\.\d\d s of CPU in"):
+        code("import time\ntime.sleep(30)\n" + GOOD, timeout_s=4)  # stalled while loading: the run's wall clock
+    assert time.perf_counter() - start >= 8  # two runs of 4 s
+    with pytest.raises(SandboxStalled, match="twice"):  # in a call: runsc's per-call timer, else the wall clock
+        code("def add(a, b):\n    import time\n    time.sleep(30)\n", CHECK_TESTS, timeout_s=4)
+    for tests in (ADD_TESTS, CHECK_TESTS):
+        assert code("def add(a, b):\n    while True:\n        pass\n", tests, timeout_s=2) == 0.0
+
+
+class _TimedOut:
+    """An Executor whose every run hits the wall clock after 2 s, having used `cpu_s` seconds of CPU."""
+
+    def __init__(self, cpu_s):
+        self.cpu_s, self.runs = cpu_s, 0
+
+    def run(self, command=None, *, python=None, files=None, stdin=b"", env=None, limits=None, tag=None):
+        from rlvr.sandbox import WALL_TIME, Result, Timings
+
+        self.runs += 1
+        return Result("fake", None, 9, b"", b"", limit_hit=WALL_TIME, timings=Timings(run_s=2.0), cpu_s=self.cpu_s)
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("cpu_s, stalls", [(0.05, True), (0.3, False), (None, False)])
+def test_verdict_of_a_run_stopped_with_little_cpu_is_retried_once_then_raises(cpu_s, stalls):
+    """Under 10% of a core over the 2 s run (0.05 s of CPU): run twice, then SandboxStalled; 0.3 s (busy
+    enough) or CPU not measured (the bwrap backend): a wall_time verdict after one run, as before."""
+    from rlvr.sandbox import CallTest, CheckTest, Limits, SandboxStalled, verify_program
+
+    for tests in ([CallTest((2, 3), 5)], CheckTest(CHECK_TESTS)):
+        executor = _TimedOut(cpu_s)
+        judge = lambda tests=tests, executor=executor: verify_program(GOOD, tests, Limits(wall_s=2.0),
+                                                                      entry_point="add", pool=executor)
+        if stalls:
+            with pytest.raises(SandboxStalled, match=r"\(wall_time\) twice, having used 0\.05 s of CPU in 2\.0 s"):
+                judge()
+            assert executor.runs == 2
+        else:
+            verdict = judge()
+            assert not verdict.passed and verdict.reason == "wall_time" and executor.runs == 1
 
 def test_executor_selection(monkeypatch):
     monkeypatch.setenv("RLVR_CODE_EXECUTOR", "process")

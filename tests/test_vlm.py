@@ -221,3 +221,44 @@ def test_vlm_parameters_shard_by_the_logical_axis_rules():
     assert specs["visual/merger_fc1/kernel"] == P(None, "tensor")
     assert specs["visual/merger_fc2/kernel"] == P("tensor", "fsdp")
     assert specs["layers/self_attn/q_proj/kernel"] == P(None, "fsdp", "tensor")
+
+
+def test_full_distillation_of_a_vlm_sees_the_images():
+    """On-policy distillation's full estimator (rl.distill_estimator='full') on image rollouts: the
+    student's log-probs and its KL to a VLM teacher are those of both models' full forwards with the
+    images (they were computed as if there were none); a text teacher reads the same tokens as text."""
+    from rlvr.rl.objective import Objective, distill_logprobs
+
+    cfg = ModelConfig(family="qwen2", vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True, qk_norm=False, mrope_section=(2, 3, 3))
+    cfg = dataclasses.replace(cfg, vision=VisionConfig(
+        hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, out_hidden_size=64, window_size=56,
+        full_attention_layers=(1,), image_token_id=IMG))
+    rng = np.random.default_rng(2)
+    random_params = lambda c: jax.tree_util.tree_map_with_path(
+        lambda path, s: np.ones(s.shape, np.float32) if path[-1].key == "scale"
+        else rng.normal(0, 0.2, s.shape).astype(np.float32), abstract_params(c))
+    student, teacher = random_params(cfg), random_params(cfg)
+    text_cfg = dataclasses.replace(cfg, vision=None)
+    text_teacher = random_params(text_cfg)
+    pixels = [rng.normal(size=(t * h * w, cfg.vision.patch_dim)).astype(np.float32) for t, h, w in GRIDS]
+    ids, mask = _rows(rng, [([5, 3], [24]), ([2, 4], [6])])
+    imgs = vision.image_inputs(cfg.vision, pixels, [[GRIDS[0]], [GRIDS[1]]], ids, mask)
+    positions = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
+    batch = {"tokens": jnp.asarray(ids), "positions": jnp.asarray(positions), "segment_ids": jnp.asarray(mask),
+             **{f"image_{k}": jnp.asarray(v) for k, v in zip(vision.IMAGE_KEYS, imgs, strict=True)}}
+    obj = Objective(distill_coef=1.0, logprob_chunk_size=16)
+    valid = mask[:, 1:] * mask[:, :-1] > 0
+
+    def log_softmax(z):
+        z = z - z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+    ls = log_softmax(_logits(cfg, student, ids, mask, imgs).astype(np.float64))[:, :-1]
+    want_logp = np.take_along_axis(ls, ids[:, 1:, None], -1)[..., 0]
+    for teacher_cfg, params, teacher_imgs in ((cfg, teacher, imgs), (text_cfg, text_teacher, None)):
+        lt = log_softmax(_logits(teacher_cfg, params, ids, mask, teacher_imgs).astype(np.float64))[:, :-1]
+        logp, _, _, kl = jax.jit(lambda s, t, b, c=teacher_cfg: distill_logprobs(cfg, c, obj, s, t, b))(
+            student, params, batch)
+        np.testing.assert_allclose(np.asarray(logp)[valid], want_logp[valid], atol=1e-4)
+        np.testing.assert_allclose(np.asarray(kl)[valid], (np.exp(ls) * (ls - lt)).sum(-1)[valid], atol=1e-4)

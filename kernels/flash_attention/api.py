@@ -21,7 +21,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
-from rlvr.kernels.target import target_platform
+from rlvr.kernels.target import target_platform, tpu_generation
 
 from .common import AttentionSpec
 from .config import PLATFORMS, BlockSizes, default_block_sizes
@@ -56,7 +56,8 @@ def flash_attention(q, k, v, *, q_segment_ids=None, kv_segment_ids=None, q_posit
     logits) and differentiable, so partial results over key blocks can be merged by online softmax:
     out = sum_b exp(lse_b - lse) out_b with lse = logsumexp_b lse_b (guard blocks whose lse is -inf).
 
-    block_sizes: a `BlockSizes` (default: `config.DEFAULTS[platform]`). implementation: None,
+    block_sizes: a `BlockSizes` (default: `config.DEFAULTS[platform]`, on TPU per generation:
+    `config.TPU_GENERATIONS`). implementation: None,
     "pallas" or "xla" (see the module docstring).
     """
     b, t, h, d, s, kvh = _check_qkv(q, k, v)
@@ -72,12 +73,53 @@ def flash_attention(q, k, v, *, q_segment_ids=None, kv_segment_ids=None, q_posit
 
     platform = current_platform()
     name = choose_implementation(implementation, platform, d)
-    blocks = block_sizes or default_block_sizes(platform if platform in PLATFORMS else "cpu")
+    blocks = block_sizes or default_block_sizes(platform if platform in PLATFORMS else "cpu", tpu_generation())
     if name == "pallas":
         blocks.validate(platform)
-    out, lse = _run(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions, name=name, spec=spec,
-                    blocks=blocks, platform=platform)
+    run = functools.partial(_run, name=name, spec=spec, blocks=blocks, platform=platform)
+    mesh = partitioned_mesh() if name == "pallas" else None
+    if mesh is not None:
+        run = _over_mesh(run, mesh, b, h, kvh)
+    out, lse = run(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions)
     return (out, lse) if return_lse else out
+
+
+def partitioned_mesh():
+    """The multi-device mesh the call is traced under (`rlvr.sharding.activation_sharding`, else
+    `jax.set_mesh`), or None: none, one device, or already inside a `shard_map` (ring/Ulysses call the
+    kernel per device block). A Pallas call cannot be partitioned by XLA ("Mosaic kernels cannot be
+    automatically partitioned"), so under such a mesh it runs inside `shard_map` (`_over_mesh`)."""
+    from rlvr import sharding
+
+    abstract = jax.sharding.get_abstract_mesh()
+    if not abstract.empty and abstract.manual_axes:
+        return None
+    mesh = sharding.active_mesh() or (None if abstract.empty else abstract)
+    return mesh if mesh is not None and mesh.size > 1 else None
+
+
+def _over_mesh(run, mesh, batch: int, heads: int, kv_heads: int):
+    """`run` inside `jax.shard_map`: rows over the mesh's batch axes (data, fsdp) and heads over
+    `tensor`, each where it divides (`context_parallel.layout.specs`); the sequence stays whole on
+    a device (long sequences over devices are ring/Ulysses attention's job) and every other axis
+    replicates the call. Attention is independent across rows and heads, so no collective is needed."""
+    from rlvr.kernels.context_parallel import layout
+
+    qkv_spec, ids_spec, _ = layout.specs(mesh, None, batch, heads, kv_heads)
+    b_axes, h_axes = qkv_spec[0], qkv_spec[2]
+    lse_spec = jax.sharding.PartitionSpec(b_axes, h_axes, None)
+
+    def filled(q, k, v, q_seg, kv_seg, q_pos, kv_pos):
+        b, t, s = q.shape[0], q.shape[1], k.shape[1]
+        ones = lambda n: jnp.ones((b, n), jnp.int32)
+        arange = lambda n: jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+        ids = (ones(t) if q_seg is None else q_seg, ones(s) if kv_seg is None else kv_seg,
+               arange(t) if q_pos is None else q_pos, arange(s) if kv_pos is None else kv_pos)
+        body = jax.shard_map(run, mesh=mesh, in_specs=(qkv_spec,) * 3 + (ids_spec,) * 4,
+                             out_specs=(qkv_spec, lse_spec), check_vma=False)
+        return body(q, k, v, *ids)
+
+    return filled
 
 
 @functools.partial(jax.jit, static_argnames=("name", "spec", "blocks", "platform"))

@@ -72,11 +72,26 @@ DEFAULTS = {
     "tpu": BlockSizes(block_q=256, block_kv=512, block_q_bwd=256, block_kv_bwd=256),
 }
 
+# TPU sizes per generation (`rlvr.kernels.target.tpu_generation`). With the key sequence on the grid
+# (pallas_tpu.py) a program holds a few tiles whatever the length: about (2 bq + 4 bk) D bf16 blocks
+# (double-buffered) plus the f32 [bq, bk] logits and probabilities, ~3 MiB at 512 x 512 and D=128, inside
+# the 16 MiB scoped VMEM of v5e and v5p (32 MiB on v6e). Compile-checked by the TPU compiler at 2k-128k
+# tokens (benchmarks/tpu_compile.py); not timed on chips (none at hand), so not tuned.
+TPU_GENERATIONS = {
+    "v4": BlockSizes(block_q=512, block_kv=512, block_q_bwd=256, block_kv_bwd=256),
+    "v5e": BlockSizes(block_q=512, block_kv=512, block_q_bwd=256, block_kv_bwd=256),
+    "v5p": BlockSizes(block_q=512, block_kv=1024, block_q_bwd=512, block_kv_bwd=512),
+    "v6e": BlockSizes(block_q=512, block_kv=1024, block_q_bwd=512, block_kv_bwd=512),
+}
+
 # The smallest tile a short sequence is rounded up to.
 GRANULE = {"cpu": 8, "gpu": 16, "tpu": 128}
 
 
-def default_block_sizes(platform: str) -> BlockSizes:
+def default_block_sizes(platform: str, generation: str | None = None) -> BlockSizes:
+    """The platform's sizes; on TPU the generation's (`TPU_GENERATIONS`) when it is known."""
+    if platform == "tpu" and generation in TPU_GENERATIONS:
+        return TPU_GENERATIONS[generation]
     if platform not in DEFAULTS:
         raise ValueError(f"no default flash-attention block sizes for platform {platform!r}; "
                          f"known: {sorted(DEFAULTS)}")

@@ -41,12 +41,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from . import pallas_tpu, tiles
 from .common import (
     EMPTY_ROW_LSE,
-    MASK_VALUE,
     AttentionSpec,
-    cap,
-    cap_grad,
     fold_heads,
     heads_to_kv_major,
     tile_may_be_visible,
@@ -55,9 +53,6 @@ from .common import (
     visible,
 )
 from .config import BlockSizes, effective
-
-NT = (((1,), (1,)), ((), ()))  # a @ b.T
-NN = (((1,), (0,)), ((), ()))  # a @ b
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +70,7 @@ class Plan:
     platform: str
     interpret: bool
     skip: bool
+    grid_over_keys: bool  # pallas_tpu's layout (TPU, and the interpreter on CPU); False: Triton's
 
 
 def make_plan(spec: AttentionSpec, blocks: BlockSizes, t: int, s: int, groups: int, platform: str,
@@ -83,7 +79,7 @@ def make_plan(spec: AttentionSpec, blocks: BlockSizes, t: int, s: int, groups: i
     bqb, bkb = effective(blocks.q_bwd, t, platform), effective(blocks.kv_bwd, s, platform)
     t_tile, s_tile = math.lcm(bq, bqb), math.lcm(bk, bkb)
     return Plan(spec, bq, bk, bqb, bkb, -(-t // t_tile) * t_tile, -(-s // s_tile) * s_tile, groups, platform,
-                interpret, blocks.skip_masked_blocks and spec.may_skip_blocks)
+                interpret, blocks.skip_masked_blocks and spec.may_skip_blocks, platform != "gpu")
 
 
 def flash_attention_pallas(q, k, v, q_seg, kv_seg, q_pos, kv_pos, *, spec: AttentionSpec, blocks: BlockSizes,
@@ -124,6 +120,19 @@ def _flash_fwd(q, k, v, q_seg, q_pos, kv_seg, kv_pos, plan: Plan):
     return (out, lse), (q, k, v, q_seg, q_pos, kv_seg, kv_pos, out, lse)
 
 
+def _forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, plan: Plan):
+    layout = pallas_tpu.forward if plan.grid_over_keys else _forward_whole_keys
+    return layout(q, k, v, q_seg, q_pos, kv_seg, kv_pos, plan)
+
+
+def _backward_dq(*args):
+    return (pallas_tpu.backward_dq if args[-1].grid_over_keys else _backward_dq_whole_keys)(*args)
+
+
+def _backward_dkv(*args):
+    return (pallas_tpu.backward_dkv if args[-1].grid_over_keys else _backward_dkv_whole_keys)(*args)
+
+
 def _flash_bwd(plan: Plan, residuals, cotangents):
     q, k, v, q_seg, q_pos, kv_seg, kv_pos, out, lse = residuals
     d_out, d_lse = cotangents
@@ -141,10 +150,6 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 # -------------------------------------------------------------------------------------------- kernels
-
-
-def _dot(a, b, dims):
-    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
 def _skip_or(plan: Plan, q_pos, kv_pos, update, carry):
@@ -165,26 +170,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, qs_ref, qp_ref, ks_ref, kp_ref, o_ref, 
         kv_pos = kp_ref[:, keys]  # [1, bk]
 
         def update(carry):
-            m, denom, acc = carry
             mask = visible(q_seg, q_pos, ks_ref[:, keys], kv_pos, spec)
-            logits = jnp.where(mask, cap(_dot(q, k_ref[keys, :], NT) * spec.scale, spec), MASK_VALUE)
-            m_new = jnp.maximum(m, jnp.max(logits, axis=1, keepdims=True))
-            p = jnp.where(mask, jnp.exp(logits - m_new), 0.0)
-            alpha = jnp.exp(m - m_new)
-            v = v_ref[keys, :]
-            acc = alpha * acc + _dot(p.astype(v.dtype), v, NN)
-            return m_new, alpha * denom + jnp.sum(p, axis=1, keepdims=True), acc
+            return tiles.forward_update(spec, q, k_ref[keys, :], v_ref[keys, :], mask, carry)
 
         return _skip_or(plan, q_pos, kv_pos, update, carry)
 
-    rows, d = q.shape
-    init = (jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
-            jnp.zeros((rows, d), jnp.float32))
-    m, denom, acc = lax.fori_loop(0, plan.s_pad // bk, step, init)
-    seen = denom > 0.0
-    denom = jnp.where(seen, denom, 1.0)
-    o_ref[...] = (acc / denom).astype(o_ref.dtype)  # acc is 0 for a query that sees no key
-    lse_ref[...] = jnp.where(seen, m + jnp.log(denom), -jnp.inf)
+    carry = lax.fori_loop(0, plan.s_pad // bk, step, tiles.forward_init(*q.shape))
+    o_ref[...], lse_ref[...] = tiles.forward_result(*carry, o_ref.dtype)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, qp_ref, ks_ref, kp_ref, dq_ref, *,
@@ -198,12 +190,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, qp_ref, 
         kv_pos = kp_ref[:, keys]
 
         def update(dq):
-            k = k_ref[keys, :]
             mask = visible(q_seg, q_pos, ks_ref[:, keys], kv_pos, spec)
-            logits = cap(_dot(q, k, NT) * spec.scale, spec)
-            p = jnp.exp(jnp.where(mask, logits - lse, MASK_VALUE))
-            ds = cap_grad(p * (_dot(d_out, v_ref[keys, :], NT) - delta), logits, spec)
-            return dq + _dot(ds.astype(k.dtype), k, NN)
+            return tiles.dq_update(spec, q, k_ref[keys, :], v_ref[keys, :], d_out, lse, delta, mask, dq)
 
         return _skip_or(plan, q_pos, kv_pos, update, dq)
 
@@ -213,7 +201,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, qp_ref, 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, qp_ref, ks_ref, kp_ref, dk_ref, dv_ref,
                 *, plan: Plan):
-    """Transposed tiles: logits^T [bk, bq] = k @ q^T, so dv = p^T @ dO and dk = ds^T @ q are plain matmuls."""
     spec, bq = plan.spec, plan.block_q_bwd
     per_head = plan.t_pad // bq
     k, v = k_ref[...], v_ref[...]  # [bk, D]
@@ -225,14 +212,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, qp_ref,
         q_pos = qp_ref[:, times]  # [1, bq]
 
         def update(carry):
-            dk, dv = carry
-            q, d_out = q_ref[rows, :], do_ref[rows, :]
             mask = visible(qs_ref[:, times], q_pos, kv_seg, kv_pos, spec)
-            logits = cap(_dot(k, q, NT) * spec.scale, spec)
-            p = jnp.exp(jnp.where(mask, logits - lse_ref[:, rows], MASK_VALUE))
-            dv = dv + _dot(p.astype(d_out.dtype), d_out, NN)
-            ds = cap_grad(p * (_dot(v, d_out, NT) - delta_ref[:, rows]), logits, spec)
-            return dk + _dot(ds.astype(q.dtype), q, NN), dv
+            return tiles.dkv_update(spec, q_ref[rows, :], k, v, do_ref[rows, :], lse_ref[:, rows], delta_ref[:, rows],
+                               mask, carry)
 
         return _skip_or(plan, q_pos, kv_pos, update, carry)
 
@@ -264,15 +246,7 @@ def _compiler_params(platform: str, grid_rank: int, head_dim: int):
     raise ValueError(f"flash_attention: no compiled Pallas backend for platform {platform!r}")
 
 
-def _col(x):  # [B, T] -> [B, T, 1]
-    return x[:, :, None]
-
-
-def _row(x):  # [B, T] -> [B, 1, T]
-    return x[:, None, :]
-
-
-def _forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, plan: Plan):
+def _forward_whole_keys(q, k, v, q_seg, q_pos, kv_seg, kv_pos, plan: Plan):
     b, kvh, gt, d = q.shape
     bq, per_head = plan.block_q, plan.t_pad // plan.block_q
     tile = pl.BlockSpec((None, None, bq, d), lambda i, h, j: (i, h, j, 0))
@@ -284,10 +258,10 @@ def _forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, plan: Plan):
         [tile, pl.BlockSpec((None, None, bq, 1), lambda i, h, j: (i, h, j, 0))],
         [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, kvh, gt, 1), jnp.float32)],
         "flash_attention_fwd", d,
-    )(q, k, v, _col(q_seg), _col(q_pos), _row(kv_seg), _row(kv_pos))
+    )(q, k, v, tiles.col(q_seg), tiles.col(q_pos), tiles.row(kv_seg), tiles.row(kv_pos))
 
 
-def _backward_dq(q, k, v, d_out, lse, delta, q_seg, q_pos, kv_seg, kv_pos, plan: Plan):
+def _backward_dq_whole_keys(q, k, v, d_out, lse, delta, q_seg, q_pos, kv_seg, kv_pos, plan: Plan):
     b, kvh, gt, d = q.shape
     bq, per_head = plan.block_q_bwd, plan.t_pad // plan.block_q_bwd
     tile = pl.BlockSpec((None, None, bq, d), lambda i, h, j: (i, h, j, 0))
@@ -299,10 +273,10 @@ def _backward_dq(q, k, v, d_out, lse, delta, q_seg, q_pos, kv_seg, kv_pos, plan:
         _dq_kernel, plan, (b, kvh, gt // bq),
         [tile, whole_kv, whole_kv, tile, tile_col, tile_col, q_col, q_col, kv_row, kv_row], tile,
         jax.ShapeDtypeStruct(q.shape, q.dtype), "flash_attention_dq", d,
-    )(q, k, v, d_out, lse, delta, _col(q_seg), _col(q_pos), _row(kv_seg), _row(kv_pos))
+    )(q, k, v, d_out, lse, delta, tiles.col(q_seg), tiles.col(q_pos), tiles.row(kv_seg), tiles.row(kv_pos))
 
 
-def _backward_dkv(q, k, v, d_out, lse, delta, q_seg, q_pos, kv_seg, kv_pos, plan: Plan):
+def _backward_dkv_whole_keys(q, k, v, d_out, lse, delta, q_seg, q_pos, kv_seg, kv_pos, plan: Plan):
     b, kvh, gt, d = q.shape
     bk = plan.block_kv_bwd
     whole_q = pl.BlockSpec((None, None, gt, d), lambda i, h, j: (i, h, 0, 0))
@@ -316,4 +290,5 @@ def _backward_dkv(q, k, v, d_out, lse, delta, q_seg, q_pos, kv_seg, kv_pos, plan
         [whole_q, tile, tile, whole_q, whole_q_row, whole_q_row, q_row, q_row, kv_col, kv_col], [tile, tile],
         [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         "flash_attention_dkv", d,
-    )(q, k, v, d_out, as_row(lse), as_row(delta), _row(q_seg), _row(q_pos), _col(kv_seg), _col(kv_pos))
+    )(q, k, v, d_out, as_row(lse), as_row(delta), tiles.row(q_seg), tiles.row(q_pos), tiles.col(kv_seg),
+      tiles.col(kv_pos))

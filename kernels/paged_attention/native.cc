@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "native_parallel.h"
@@ -616,17 +617,37 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
   return ffi::Error::Success();
 }
 
+// Why the buffers cannot be attended (an empty string if they can): the shapes the kernel indexes
+// by must agree, and the pool must hold a page to clamp page ids into (std::clamp of an empty range
+// is undefined). Checked here, not only in Python: the FFI target can be called directly.
+std::string InvalidInputs(ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& k_pages, ffi::AnyBuffer& v_pages,
+                          ffi::Buffer<ffi::S32>& page_table, ffi::Buffer<ffi::S32>& lengths,
+                          ffi::Buffer<ffi::S32>& layer) {
+  const auto qd = q.dimensions();
+  const auto kd = k_pages.dimensions();
+  const auto td = page_table.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || td.size() != 2) {
+    return "q [B, Q, H, D], k_pages [L, N, P, KVH, D] and page_table [B, R] expected";
+  }
+  if (!(v_pages.dimensions() == kd)) return "v_pages must have k_pages' shape [L, N, P, KVH, D]";
+  if (v_pages.element_type() != k_pages.element_type()) return "v_pages must have k_pages' dtype";
+  if (kd[0] == 0) return "the pool has no layers (k_pages [L, N, P, KVH, D] with L = 0)";
+  if (kd[1] == 0) return "the pool has no pages (k_pages [L, N, P, KVH, D] with N = 0)";
+  if (kd[2] == 0) return "page size 0 (k_pages [L, N, P, KVH, D] with P = 0)";
+  if (qd[3] != kd[4]) return "q's head dim D must be the pages' (q [B, Q, H, D], k_pages [L, N, P, KVH, D])";
+  if (kd[3] == 0 || qd[2] % kd[3] != 0) return "q's heads H must be a multiple of the pages' kv heads KVH > 0";
+  if (td[0] != qd[0]) return "page_table must have one row per query row (page_table [B, R], q [B, Q, H, D])";
+  if (lengths.dimensions().size() != 1 || lengths.dimensions()[0] != qd[0]) return "lengths must be [B]";
+  if (layer.element_count() != 1) return "layer must be one int32";
+  return "";
+}
+
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
                           ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> lengths,
                           ffi::Buffer<ffi::S32> layer, int64_t sliding_window, float softcap, float scale,
                           ffi::Result<ffi::Buffer<ffi::F32>> out) {
-  const auto qd = q.dimensions();
-  const auto kd = k_pages.dimensions();
-  if (qd.size() != 4 || kd.size() != 5 || page_table.dimensions().size() != 2 || qd[3] != kd[4] ||
-      kd[3] == 0 || qd[2] % kd[3] != 0 || lengths.dimensions().size() != 1 || lengths.dimensions()[0] != qd[0]) {
-    return ffi::Error::InvalidArgument("rlvr_paged_attention: q [B, Q, H, D], pages [L, N, P, KVH, D], "
-                                       "page_table [B, R], lengths [B] expected");
-  }
+  const std::string invalid = InvalidInputs(q, k_pages, v_pages, page_table, lengths, layer);
+  if (!invalid.empty()) return ffi::Error::InvalidArgument("rlvr_paged_attention: " + invalid);
   const Options options{sliding_window, softcap, scale};
   switch (k_pages.element_type()) {
     case ffi::F32:

@@ -47,7 +47,18 @@ def check(experiment, accelerator: Accelerator, aot_check: bool, hbm_fraction: f
         echo("fit check: skipped (--aot_check=false)")
         return []
     return fit.check_experiment(experiment, accelerator.devices, accelerator.hbm_gib, hbm_fraction,
-                                f"{accelerator.spec} ({accelerator.devices} devices)", python, echo)
+                                f"{accelerator.spec} ({accelerator.devices} devices)", python, echo,
+                                topology=compile_topology(accelerator))
+
+
+def compile_topology(accelerator: Accelerator) -> str | None:
+    """The TPU topology the fit check compiles for with the TPU compiler ('v5p:2x2x4'), or None (a GPU
+    target, or libtpu not installed: then XLA:CPU's estimate, labelled as such)."""
+    from rlvr.kernels.target import tpu_compiler_unavailable_reason
+
+    if accelerator.kind != "tpu" or not accelerator.topology or tpu_compiler_unavailable_reason():
+        return None
+    return f"{accelerator.name}:{accelerator.topology}"
 
 
 def k8s_validator(echo=print) -> Callable[[list[dict]], None] | None:

@@ -13,6 +13,9 @@ Per job, one YAML file with:
       Deployment, because the trainer must reach every server by name: weight updates are broadcast
       to each URL (`rl.sglang_urls` lists `<name>-i.<service>`), which one load-balanced Service
       address cannot do. The servers mount the same volume: weights are synced through the workdir.
+  --sglang_router=true: also a Deployment + Service of SGLang's router (sglang-router, in --sglang_image)
+      in front of those servers (`rl.sglang_router`): generation goes through it, control still to
+      each server (rlvr.rollout.router).
   --sandbox_workers=N: a Ray head (Deployment + Service) and N verifier worker pods under
       `runtimeClassName: gvisor` that join it; the trainer's verifiers run there (rl.verifier_backend).
 The workdir lives on a shared volume (--pvc, mounted at --mount_path) or a bucket path (--workdir_root).
@@ -31,6 +34,7 @@ from rlvr.launch.targets import common
 from rlvr.launch.targets.options import Accelerator, OptionError, accelerator_from, parse_options, positive
 
 TRAINER = "trainer"
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 
 
@@ -57,6 +61,9 @@ class K8sOptions:
     sglang_image: str = "lmsysorg/sglang:latest"
     sglang_gpus: int = 1  # GPUs (tensor parallel) per server
     sglang_port: int = 30000
+    sglang_router: bool = False  # an sglang-router Deployment + Service in front of the servers
+    sglang_router_port: int = 30100
+    sglang_router_policy: str = "cache_aware"  # cache_aware | round_robin | power_of_two | random
     sandbox_workers: int = 0
     sandbox_image: str = ""  # default: --image (needs ray and rlvr)
     sandbox_cpus: int = 4
@@ -71,7 +78,12 @@ class K8sOptions:
                               "or --workdir_root=gs://BUCKET/PATH.")
         if self.sglang_servers and not self.pvc:
             raise OptionError("--sglang_servers needs --pvc: the servers load new weights from the trainer's workdir.")
-        for name in ("coordinator_port", "sglang_gpus", "sglang_port", "sandbox_cpus"):
+        if self.sglang_router and not self.sglang_servers:
+            raise OptionError("--sglang_router=true needs --sglang_servers=N: the router balances over those servers.")
+        if self.sglang_router_policy not in ROUTER_POLICIES:
+            raise OptionError(f"--sglang_router_policy={self.sglang_router_policy!r}: use one of "
+                              f"{list(ROUTER_POLICIES)}.")
+        for name in ("coordinator_port", "sglang_gpus", "sglang_port", "sglang_router_port", "sandbox_cpus"):
             positive(name, getattr(self, name), "k8s")
         for name in ("sglang_servers", "sandbox_workers", "max_restarts"):
             if getattr(self, name) < 0:
@@ -183,6 +195,33 @@ def sglang_objects(name: str, model: str, opts: K8sOptions, labels: dict) -> lis
     ]
 
 
+def router_url(name: str, opts: K8sOptions) -> str:
+    return f"http://{name}-router:{opts.sglang_router_port}"
+
+
+def router_objects(name: str, opts: K8sOptions, labels: dict) -> list[dict[str, Any]]:
+    """A Service and a one-replica Deployment of the sglang-router (in the SGLang image) in front of
+    the StatefulSet's servers; the trainer sends generation to it and control to each server."""
+    router = f"{name}-router"
+    selector = {"rlvr/component": router}
+    port = opts.sglang_router_port
+    args = ["-m", "sglang_router.launch_router", "--host", "0.0.0.0", "--port", str(port),
+            "--worker-urls", *sglang_urls(name, opts), "--policy", opts.sglang_router_policy,
+            "--prometheus-host", "0.0.0.0", "--prometheus-port", "29000"]
+    container = {"name": "router", "image": opts.sglang_image, "command": ["python3"], "args": args,
+                 "ports": [{"containerPort": port, "name": "http"}, {"containerPort": 29000, "name": "metrics"}],
+                 "readinessProbe": {"httpGet": {"path": "/readiness", "port": port},
+                                    "periodSeconds": 10, "failureThreshold": 60}}
+    return [
+        {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(router, opts, labels),
+         "spec": {"selector": selector, "ports": [{"name": "http", "port": port, "targetPort": port}]}},
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _metadata(router, opts, labels),
+         "spec": {"replicas": 1, "selector": {"matchLabels": selector},
+                  "template": {"metadata": {"labels": {**labels, **selector}},
+                               "spec": {"containers": [container]}}}},
+    ]
+
+
 def ray_address(name: str) -> str:
     return f"ray://{name}-ray-head:10001"
 
@@ -226,6 +265,8 @@ def _extra_overrides(job, name: str, opts: K8sOptions) -> dict[str, Any]:
             raise OptionError(f"--sglang_servers: job {job.name} is a {job.config.get('job')!r} job; SGLang "
                               "servers serve RL rollouts only (drop the option).")
         extra.update({"rl.backend": "sglang", "rl.sglang_urls": ",".join(sglang_urls(name, opts))})
+        if opts.sglang_router:
+            extra["rl.sglang_router"] = router_url(name, opts)
     if opts.sandbox_workers:
         if job.config.get("job") != "rl":
             raise OptionError(f"--sandbox_workers: job {job.name} is a {job.config.get('job')!r} job; verifier "
@@ -248,6 +289,8 @@ def job_objects(job, name: str, acc: Accelerator, opts: K8sOptions) -> list[dict
     objects = [jobset(name, job, acc, opts, labels)]
     if opts.sglang_servers:
         objects += sglang_objects(name, _sglang_model(job, opts), opts, labels)
+    if opts.sglang_router:
+        objects += router_objects(name, opts, labels)
     if opts.sandbox_workers:
         objects += sandbox_objects(name, opts, labels)
     return objects

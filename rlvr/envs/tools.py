@@ -13,7 +13,8 @@ A `Tool` is a plain function plus its JSON schema, declared in the OpenAI/Qwen "
 `@tool` infers the parameters from the signature (str/int/float/bool/list/dict annotations; a
 parameter without a default is required); pass `parameters=` for anything richer. Arguments are
 validated against the schema with `jsonschema` (a dependency of rlvr's data extra; without it a
-minimal check of required names, unknown names and JSON types runs instead). A tool signals:
+minimal check of required names, unknown names and JSON types runs instead, and a RuntimeWarning
+says so once per process). A tool signals:
 
   ToolError  a legitimate failure (file not found, no unique match): an error observation only
   Refused    a forbidden operation (a path outside the workspace, writing the tests): an error
@@ -43,6 +44,7 @@ import json
 import re
 import types
 import typing
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -136,10 +138,19 @@ def tool(fn: Callable[..., Any] | None = None, *, name: str = "", description: s
     return make(fn) if fn is not None else make
 
 
+_warned: set[str] = set()
+
+
 def _validator(schema: Mapping[str, Any]) -> Callable[[dict], str | None]:
     try:
         import jsonschema
-    except ImportError:  # the minimal fallback (rlvr's data extra brings jsonschema)
+    except ImportError:  # the minimal fallback (rlvr's data extra brings jsonschema), said once
+        if "jsonschema" not in _warned:
+            _warned.add("jsonschema")
+            warnings.warn("jsonschema is not installed: tool arguments are checked for required names, unknown "
+                          "names and JSON types only (not enums, ranges, patterns or nested schemas); "
+                          "pip install jsonschema (rlvr's data extra) for full validation", RuntimeWarning,
+                          stacklevel=2)
         return lambda arguments: _minimal_check(schema, arguments)
     validator = jsonschema.Draft202012Validator(schema)
 

@@ -45,6 +45,10 @@ def parser() -> argparse.ArgumentParser:
                     help="the regression suite (an rl.task spec), e.g. FLY/data/heldout/rl.jsonl,add")
     pr.add_argument("--margin", type=float, default=0.02, help="largest pass@1 drop allowed per domain")
     pr.add_argument("--margins", default="", help="per-domain margins: traffic=0.1,arithmetic=0")
+    pr.add_argument("--min_tasks", type=int, default=promote_lib.Gate.min_tasks,
+                    help="refuse when fewer tasks were evaluated")
+    pr.add_argument("--alpha", type=float, default=promote_lib.Gate.alpha,
+                    help="the overall gain's one-sided p-value must be at most this (1: no significance test)")
     pr.add_argument("--eval_config", default="configs/eval_tasks.py", help="config of the eval job (settings)")
     pr.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="eval config override")
     pr.add_argument("--label", default=None, help="the promoted weight version's label")
@@ -79,13 +83,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     margins = tuple((k, float(v)) for k, v in _pairs([m for m in args.margins.split(",") if m], "--margins").items())
     overrides = {k: _value(v) for k, v in _pairs(args.set, "--set").items()}
-    decision = promote_lib.promote(args.candidate, args.server, args.fly, args.suite,
-                                   promote_lib.Gate(args.margin, margins), eval_config=args.eval_config,
-                                   overrides=overrides, label=args.label, models_dir=args.models_dir)
-    print(json.dumps({k: decision[k] for k in ("promote", "label", "domains")}))
+    gate = promote_lib.Gate(args.margin, margins, min_tasks=args.min_tasks, alpha=args.alpha)
+    decision = promote_lib.promote(args.candidate, args.server, args.fly, args.suite, gate,
+                                   eval_config=args.eval_config, overrides=overrides, label=args.label,
+                                   models_dir=args.models_dir)
+    print(json.dumps({k: decision[k] for k in ("promote", "label", "domains", "significance")}))
     if not decision["promote"]:
-        regressed = [d for d, v in decision["domains"].items() if v["regressed"]]
-        print(f"NOT PROMOTED: regression beyond the margin in {regressed}", file=sys.stderr)
+        print("NOT PROMOTED: " + "; ".join(decision["reasons"]), file=sys.stderr)
         return 1
     return 0
 

@@ -10,9 +10,10 @@ What each kind of feedback becomes (one answer can feed several):
   ratings              DPO pairs between answers to the same prompt whose ratings differ by more than
                        `min_rating_gap`: higher > lower
   outcome              RL task, when checkable: `outcome.verifier` (a verifier spec) as given, or
-                       `outcome.answer` with the exact verifier, or `passed: true` alone: the answer
-                       itself becomes the exact reference. A failed outcome without a reference is
-                       not checkable and is counted, not used
+                       `outcome.answer` with the exact verifier. An outcome without either is not
+                       checkable and is counted, not used: `passed: true` alone says that this one
+                       answer was acceptable, not that it is the only one (as an exact reference it
+                       would score every other right answer, worded or formatted otherwise, 0)
 
 Records are deduplicated (same prompt and same content: the earliest kept). The split is by time: the
 prompts first seen last (`heldout_fraction` of them) and every record on those prompts are held out, so
@@ -126,10 +127,8 @@ def _rl_task(answer: dict[str, Any], dropped: dict[str, int]) -> dict[str, Any] 
     if outcome is None:
         return None
     reference = outcome.get("answer")
-    if reference is None and outcome.get("passed") is True:
-        reference = (answer.get("text") or "").strip()
     spec = outcome.get("verifier") or ({"kind": "exact", "answer": reference} if reference else None)
-    if spec is None:
+    if spec is None:  # no reference: "passed" alone is a judgement of this answer, not a checker
         dropped["outcome not checkable"] = dropped.get("outcome not checkable", 0) + 1
         return None
     prompt = answer["prompt"]

@@ -9,17 +9,22 @@
    (`rlvr.trainers.evaluate`, settings from `--eval_config`) on the regression suite `--suite`, an
    `rl.task` spec: the held-out traffic tasks the flywheel built plus capability families.
 2. Per domain (the eval's `by_domain`), a drop of the candidate's pass@1 below the serving model's by
-   more than the domain's margin refuses the promotion. The decision, both evaluations and the
-   reasons are written to `FLY/promotions/<time>.json` either way.
+   more than the domain's margin refuses the promotion. So do fewer than `--min_tasks` evaluated
+   tasks, and an overall gain that is not significant: a one-sided two-proportion z-test of the
+   candidate's overall pass@1 against the serving model's, p-value above `--alpha` (1 turns it off).
+   The decision, both evaluations and the reasons are written to `FLY/promotions/<time>.json`
+   either way.
 3. Otherwise the server loads the candidate (`POST /update_weights_from_disk` with a new
-   `weight_version` label), and `FLY/serving.json` records it with the model it replaced, which
-   `rollback` loads back.
+   `weight_version` label) and must then report that label (`/model_info`): if it reports another,
+   the served model is loaded back and the promotion fails with an error. `FLY/serving.json`
+   records the promoted model with the one it replaced, which `rollback` loads back.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import tempfile
 import time
@@ -36,13 +41,28 @@ class Gate:
     margin: float = 0.02  # the largest pass@1 drop allowed in a domain
     margins: tuple[tuple[str, float], ...] = ()  # per-domain overrides
     metric: str = "pass@1"
+    min_tasks: int = 100  # fewer evaluated tasks (either model) refuse the promotion
+    alpha: float = 0.05  # the overall gain must be significant at this level (1: no test)
 
     def margin_of(self, domain: str) -> float:
         return dict(self.margins).get(domain, self.margin)
 
 
+def gain_p_value(serving: float, candidate: float, n_serving: int, n_candidate: int) -> tuple[float, float]:
+    """(z, one-sided p-value) of the two-proportion z-test of "the candidate's pass rate is higher":
+    z = (p_c - p_s) / sqrt(p (1 - p) (1/n_s + 1/n_c)), p the pooled rate; p-value = P(Z >= z). The
+    evaluations share their tasks, so the test (which assumes independent samples) is conservative
+    when the two models tend to solve the same tasks."""
+    pooled = (serving * n_serving + candidate * n_candidate) / (n_serving + n_candidate)
+    se = math.sqrt(pooled * (1 - pooled) * (1 / n_serving + 1 / n_candidate))
+    z = (candidate - serving) / se if se > 0 else 0.0
+    return z, 0.5 * math.erfc(z / math.sqrt(2))
+
+
 def compare(serving: dict[str, Any], candidate: dict[str, Any], gate: Gate) -> dict[str, Any]:
-    """Per domain: both scores, the change, the margin, and whether it regresses beyond it."""
+    """Per domain: both scores, the change, the margin, and whether it regresses beyond it; overall:
+    the task counts against `gate.min_tasks` and the gain's significance (`gain_p_value`). "promote"
+    when none refuses; "reasons" says why not."""
     domains = {}
     for domain, base in serving["by_domain"].items():
         new = candidate["by_domain"].get(domain)
@@ -53,7 +73,20 @@ def compare(serving: dict[str, Any], candidate: dict[str, Any], gate: Gate) -> d
         delta = new[gate.metric] - base[gate.metric]
         domains[domain] = {"serving": base[gate.metric], "candidate": new[gate.metric], "delta": delta,
                            "margin": gate.margin_of(domain), "regressed": delta < -gate.margin_of(domain)}
-    return {"domains": domains, "promote": not any(d["regressed"] for d in domains.values())}
+    reasons = [f"{gate.metric} in {d!r} dropped beyond its margin {v.get('margin')}: {v['serving']} -> {v['candidate']}"
+               for d, v in domains.items() if v["regressed"]]
+    tasks = {name: int(result["overall"]["tasks"]) for name, result in (("serving", serving), ("candidate", candidate))}
+    if min(tasks.values()) < gate.min_tasks:
+        reasons.append(f"{min(tasks.values())} tasks evaluated, fewer than min_tasks={gate.min_tasks}: add tasks to "
+                       "the suite (or lower --min_tasks)")
+    scores = serving["overall"][gate.metric], candidate["overall"][gate.metric]
+    z, p_value = gain_p_value(*scores, tasks["serving"], tasks["candidate"]) if min(tasks.values()) else (0.0, 1.0)
+    significance = {"serving": scores[0], "candidate": scores[1], "tasks": tasks, "z": z, "p_value": p_value,
+                    "alpha": gate.alpha, "significant": p_value <= gate.alpha}
+    if not significance["significant"]:
+        reasons.append(f"the overall {gate.metric} gain {scores[0]:.4f} -> {scores[1]:.4f} is not significant: "
+                       f"one-sided p-value {p_value:.4f} > alpha={gate.alpha} (evaluate more tasks, or raise --alpha)")
+    return {"domains": domains, "significance": significance, "reasons": reasons, "promote": not reasons}
 
 
 def _post(url: str, body: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
@@ -120,15 +153,34 @@ def promote(candidate: str, server: str, fly: str, suite: str, gate: Gate = Gate
                 "serving": served, "gate": dataclasses.asdict(gate),
                 **compare(results["serving"], results["candidate"], gate),
                 "evaluations": {k: {"by_domain": v["by_domain"], "overall": v["overall"]} for k, v in results.items()}}
+    error = _swap(server, hf_dir, label, served, decision) if decision["promote"] else None
     if decision["promote"]:
-        decision["update"] = load(server, hf_dir, label)
-        decision["promote"] = bool(decision["update"].get("success"))
-        if decision["promote"]:
-            record = {"version": label, "model_path": hf_dir, "promoted_at": decision["time"], "previous": served}
-            storage.write_text(storage.join(fly, SERVING), json.dumps(record, indent=1) + "\n")
+        record = {"version": label, "model_path": hf_dir, "promoted_at": decision["time"], "previous": served}
+        storage.write_text(storage.join(fly, SERVING), json.dumps(record, indent=1) + "\n")
     storage.write_text(storage.join(fly, "promotions", f"{int(decision['time'] * 1000)}.json"),
                        json.dumps(decision, indent=1) + "\n")
+    if error:
+        raise RuntimeError(f"promoting {candidate}: {error}")
     return decision
+
+
+def _swap(server: str, hf_dir: str, label: str, served: dict[str, Any], decision: dict[str, Any]) -> str | None:
+    """The server loads `hf_dir` as `label`; decision["promote"] stays true only if it then reports
+    `label`. If it reports another version, `served` is loaded back and the error is returned."""
+    decision["update"] = update = load(server, hf_dir, label)
+    if not update.get("success"):
+        decision["promote"] = False
+        decision["reasons"].append(f"the server did not load the candidate: {update.get('message')}")
+        return None
+    if update["served_version"] == label:
+        return None
+    decision["promote"] = False
+    decision["rollback"] = back = load(server, served["model_path"], served["version"])
+    error = (f"after loading {hf_dir} as {label!r} the server reports weight version {update['served_version']!r}; "
+             f"loaded {served['version']!r} back ({served['model_path']}), the server now reports "
+             f"{back['served_version']!r}")
+    decision["reasons"].append(error)
+    return error
 
 
 def load(server: str, hf_dir: str, label: str) -> dict[str, Any]:
@@ -147,5 +199,8 @@ def rollback(server: str, fly: str) -> dict[str, Any]:
     reply = load(server, previous["model_path"], previous["version"])
     if not reply.get("success"):
         raise RuntimeError(f"rollback to {previous['model_path']} failed: {reply.get('message')}")
+    if reply["served_version"] != str(previous["version"]):
+        raise RuntimeError(f"rollback to {previous['model_path']}: the server reports weight version "
+                           f"{reply['served_version']!r}, not {previous['version']!r}")
     storage.write_text(storage.join(fly, SERVING), json.dumps(previous, indent=1) + "\n")
     return reply

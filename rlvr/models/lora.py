@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -129,9 +130,10 @@ def _prod(dims) -> int:
 
 
 def _projections(tree: Mapping[str, Any], path=()):
-    """Yields (path, module dict) of every projection (a dict named in LORA_TARGETS with a kernel)."""
+    """Yields (path, module dict) of every decoder projection (a dict named in LORA_TARGETS with a kernel;
+    not a VLM's vision tower under `visual`, whose layers take no adapters and stay unquantised)."""
     for key, value in tree.items():
-        if isinstance(value, Mapping):
+        if isinstance(value, Mapping) and (path or key != "visual"):
             if key in LORA_TARGETS and "kernel" in value:
                 yield (*path, key), value
             else:
@@ -156,6 +158,10 @@ def quantize_base(lora: LoraConfig, base: Params) -> Params:
     for path, module in _projections(base):
         lead = _stacked(path)
         w2, shape = _as_2d(module["kernel"], path[-1], lead)
+        if w2.shape[-2] % lora.quant_block:
+            raise ValueError(f"lora.quant_block={lora.quant_block} must divide the input width of every quantised "
+                             f"projection; {'/'.join(path)} takes {w2.shape[-2]}: set lora.quant_block to a divisor "
+                             f"of it (e.g. {math.gcd(w2.shape[-2], lora.quant_block)}) or lora.quantize='none'.")
         q, scale = quantize(w2, bits, lora.quant_block)
         _set(out, (*path, "kernel"), q.reshape(*shape[:-1], -1))  # int4: the last dim packed, halved
         n_in = IN_DIMS[path[-1]]

@@ -83,14 +83,16 @@ class EmbeddedBackend:
 
 class SGLangBackend:
     """SGLang servers (or the embedded HTTP server) at `urls`; weights synced through `export_dir`.
+    With `router` (an sglang-router's URL), generation goes through the router and control to the
+    servers at `urls`, or to the router's registered workers when `urls` is empty
+    (`rlvr.rollout.router.RouterClient`).
 
     The client's coroutines run on one event loop in a background thread, so generation from the
     producer thread and weight updates from the trainer thread share one connection pool.
     """
 
     def __init__(self, urls: Sequence[str], cfg, export_dir: str, tokenizer_dir: str | None = None,
-                 keep_exports: int = 2, **client_options: Any):
-        from rlvr.rollout.client import SGLangClient
+                 keep_exports: int = 2, router: str | None = None, **client_options: Any):
 
         self.cfg = dataclasses.replace(cfg, value_head=False)  # a LoRA policy: exported merged (`update_weights`)
         self.export_dir, self.tokenizer_dir = export_dir, tokenizer_dir
@@ -99,7 +101,7 @@ class SGLangBackend:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="rlvr-sglang-client", daemon=True)
         self._thread.start()
-        self.client = self._run(_make_client(SGLangClient, list(urls), client_options))
+        self.client = self._run(_make_client(list(urls), router, client_options))
 
     def _run(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -125,10 +127,16 @@ class SGLangBackend:
             self._run(self.client.abort(rid), timeout=30)
 
     def health(self) -> dict[str, float]:
-        """Servers healthy, and requests retried / failed over to another server (cumulative)."""
+        """Servers healthy, and requests retried / failed over to another server (cumulative); behind
+        a router also the router's health and the requests sent to a worker directly."""
         report = self.client.report()
-        return {"rollout/servers_healthy": float(sum(s["healthy"] for s in report["servers"].values())),
-                "rollout/retries": float(report["retries"]), "rollout/failovers": float(report["failovers"])}
+        out = {"rollout/servers_healthy": float(sum(s["healthy"] for s in report["servers"].values())),
+               "rollout/retries": float(report["retries"]), "rollout/failovers": float(report["failovers"])}
+        if "router" in report:
+            out.update({"rollout/router_healthy": float(report["router"]["healthy"]),
+                        "rollout/direct": float(report["direct"]),
+                        "rollout/stale_answers": float(report["stale_answers"])})
+        return out
 
     def update_weights(self, params, version: int) -> None:
         from rlvr.models import hf, lora
@@ -151,8 +159,16 @@ class SGLangBackend:
             self._thread.join(timeout=10)
 
 
-async def _make_client(cls, urls, options):
-    return cls(urls, **options)  # created on the loop that will use it
+async def _make_client(urls, router, options):
+    """An SGLangClient over `urls`, or a RouterClient for `router` (created on the loop that will use it)."""
+    from rlvr.rollout.client import SGLangClient
+    from rlvr.rollout.router import RouterClient
+
+    if router is None:
+        return SGLangClient(urls, **options)
+    if urls:
+        return RouterClient(router, urls, **options)
+    return await RouterClient.discover(router, **options)
 
 
 def _policy(params):

@@ -9,7 +9,7 @@ exchange of JSON (rlvr.data.shards.gather_json) at a fixed point of the synchron
 process nothing is exchanged and every task is read and verified here.
 
 Multi-turn episodes (tools, sandboxes) run on every process: an environment's answers shape the next
-turn's prompt, which the SPMD engine needs everywhere (README "Running across hosts").
+turn's prompt, which the SPMD engine needs everywhere (docs/how-to/launch-on-a-pod.md, "Running across hosts").
 
 Held-out evaluation (rlvr.evaluation) splits its verifying the same way (`split`): task i's completions are
 scored only by process i mod N.

@@ -123,14 +123,20 @@ def distill_logprobs(cfg, teacher_cfg, obj: Objective, params, teacher_params, b
                      rng=None):
     """`model_logprobs(..., entropy=True)` and the full-vocabulary reverse KL [B, T-1] to the teacher at
     each position, from one student forward, always chunked (`obj.logprob_chunk_size`, else 512
-    positions): neither model's [B, T, V] logits exist."""
+    positions): neither model's [B, T, V] logits exist. A VLM student sees the batch's images; so does
+    the teacher when it is a VLM too (a text teacher reads the placeholders as text, as under the
+    sampled estimator, whose teacher batch has images only for a VLM teacher)."""
     from rlvr.kernels.chunked_logprob import token_logprobs
     from rlvr.losses.distill import full_reverse_kl
 
     chunk = obj.logprob_chunk_size or 512
     tokens, positions, segment_ids = batch["tokens"], batch["positions"], batch["segment_ids"]
-    x, head, tied, predicted = losses.hidden_and_head(cfg, params, tokens, positions, segment_ids, values, rng)
-    xt, head_t, tied_t, _ = losses.hidden_and_head(teacher_cfg, teacher_params, tokens, positions, segment_ids)
+    images = batch_images(batch)
+    teacher_images = images if teacher_cfg.vision is not None else None
+    x, head, tied, predicted = losses.hidden_and_head(cfg, params, tokens, positions, segment_ids, values, rng,
+                                                      images=images)
+    xt, head_t, tied_t, _ = losses.hidden_and_head(teacher_cfg, teacher_params, tokens, positions, segment_ids,
+                                                   images=teacher_images)
     logp, entropy = token_logprobs(x[:, :-1], head, tokens[:, 1:], chunk_size=chunk, return_entropy=True,
                                    vocab_major=tied, sampling=obj.sampling)
     kl = full_reverse_kl(x[:, :-1], head, xt[:, :-1], head_t, chunk_size=chunk, student_vocab_major=tied,

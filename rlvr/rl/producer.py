@@ -566,9 +566,10 @@ class Producer:
         sampled = np.concatenate([np.ones(len(s.output_ids)) if s.loss_mask is None else np.asarray(s.loss_mask)
                                   for s in samples])
         per_token = np.asarray(KL_ESTIMATORS[self.settings.kl_estimator](behaviour, ref)) * sampled  # not observations
-        starts = np.cumsum([0] + [len(s.behaviour_logp) for s in samples[:-1]])
-        for s, kl in zip(samples, np.add.reduceat(per_token, starts).tolist(), strict=True):
-            s.rewards["kl_penalty"] = -self.settings.kl_penalty_coef * kl
+        # per-sample sums (np.add.reduceat would give an empty output its neighbour's first token, or fail last)
+        ends = np.cumsum([len(s.behaviour_logp) for s in samples])
+        for s, kl in zip(samples, np.split(per_token, ends[:-1]), strict=True):
+            s.rewards["kl_penalty"] = -self.settings.kl_penalty_coef * float(kl.sum())
 
     def _distill(self, samples: list[Sample]) -> None:
         """Every sample's per-token teacher advantage, and rewards["teacher_kl"]: its mean per-token

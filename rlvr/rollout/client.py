@@ -8,8 +8,9 @@ does), so prompt ids, output ids and per-token logprobs are exact and map straig
 
 Routing: each request goes to the healthy server with the fewest requests in flight; requests
 with a `session_id` stick to one server (LRU-bounded map) so multi-turn conversations reuse the
-prefix cache, and the n samples of one request stick together for the same reason. With one URL
-(e.g. an sglang router) all of this degenerates gracefully.
+prefix cache, and the n samples of one request stick together for the same reason. Behind an
+sglang-router use `rlvr.rollout.router.RouterClient`: the router forwards generation only (its
+control routes answer 404) and silently drops some sampling parameters.
 
 Fault tolerance: per-request timeout; retries with exponential backoff on connection errors,
 timeouts and HTTP 408/429/5xx; FAILOVER when a server dies mid-rollout: it is marked unhealthy and
@@ -26,7 +27,8 @@ Using it with real SGLang (CUDA machines)::
     python -m sglang.launch_server --model-path /ckpt/step0 --port 30000   # one per GPU group
     python -m sglang_router.launch_router --worker-urls http://w1:30000 http://w2:30000 --port 30100
 
-    client = SGLangClient(["http://w1:30000", "http://w2:30000"])   # or ["http://router:30100"]
+    client = SGLangClient(["http://w1:30000", "http://w2:30000"])
+    client = RouterClient("http://router:30100", ["http://w1:30000", "http://w2:30000"])  # rlvr.rollout.router
     completions = client.generate_sync([Request("q0", prompt_ids, SamplingParams(n=8, max_new_tokens=512))])
 
 Weight sync from the JAX trainer needs no torch: export with
@@ -307,10 +309,14 @@ class SGLangClient:
                           cached_tokens=int(meta.get("cached_tokens") or 0), weight_version=version,
                           text=out.get("text"))
 
+    def _body(self, server: _Server, request: Request, rid: str) -> dict[str, Any]:
+        """The /generate body sent to `server` (a router client trims what its router would drop)."""
+        return self.payload(request, rid)
+
     async def _attempt(self, server: _Server, request: Request, rid: str) -> Completion | BaseException:
         """One POST /generate: the Completion, or the retryable error (non-retryable ones raise)."""
         try:
-            resp = await self._http(server).post(server.url + "/generate", json=self.payload(request, rid),
+            resp = await self._http(server).post(server.url + "/generate", json=self._body(server, request, rid),
                                            timeout=self.timeout)
         except (httpx.ConnectTimeout, httpx.ConnectError) as e:  # nobody listens there
             self._mark_down(server, e)
@@ -467,13 +473,20 @@ class SGLangClient:
         return {s.url: s.healthy for s in self._servers}
 
     async def loads(self) -> dict[str, dict[str, int]]:
-        """{url: {"num_running_reqs", "num_waiting_reqs"}} from GET /v1/loads."""
-        out = {}
+        """{url: {"num_running_reqs", "num_waiting_reqs"}} from GET /v1/loads of every healthy server.
+        A server that dies meanwhile is marked down and left out; one that answers with an error
+        (e.g. a router, which has no /v1/loads) raises: an empty answer would read as "idle"."""
+        out, failed = {}, {}
         for url, result in (await self._broadcast("/v1/loads", method="GET")).items():
             if isinstance(result, dict):
                 rows = result.get("loads") or [result]
                 out[url] = {key: sum(int(row.get(key, 0)) for row in rows)
                             for key in ("num_running_reqs", "num_waiting_reqs")}
+            elif not isinstance(result, httpx.TransportError):
+                failed[url] = result
+        if failed:
+            raise SGLangError(f"GET /v1/loads failed on {failed}; behind an sglang-router, give the client "
+                              "the workers' URLs (rlvr.rollout.router.RouterClient)")
         return out
 
     async def abort(self, rid: str) -> None:

@@ -15,6 +15,9 @@ task, `family.score(task, text, truncated=False)` is computed for probe completi
   multi            the reference among wrong candidates ("True, False, 0, 1, yes, no") in one tag
   two_tags         the reference tag followed by a second, wrong tag (the last tag is what counts)
   near_miss        a numeric answer ±1 (and +0.4 for integers), a yes/no or true/false flipped
+  large_near_miss  for a task whose verifier spec has an integer "answer": the task re-posed with the
+                   reference 27,000,000, answered ±1 and +27 (a relative tolerance of 1e-6, harmless on
+                   small answers, accepts those: ArithExpr's top level, ASDiv)
   cross            the reference of another task of the same level (tasks with a single answer only,
                    when the answers differ: a verifier must check *this* task)
   code             Python that sets a canary if a verifier `eval`s the answer: flagged when the canary
@@ -62,6 +65,7 @@ FILLER = ("The quick brown fox jumps over the lazy dog. " * 50)[:2000]
 _FLIPS = {"true": "false", "false": "true", "yes": "no", "no": "yes"}
 CANARY = "rlvr_audit_canary"
 CODE_PROBE = f"<answer>setattr(__import__('builtins'), '{CANARY}', 1)</answer>"
+LARGE = 27_000_000  # the integer reference of the large_near_miss probes
 
 
 class AuditTimeout(BaseException):
@@ -125,6 +129,19 @@ def near_misses(answer: str) -> list[str]:
     if flipped is not None:
         return [flipped.capitalize() if text[:1].isupper() else flipped]
     return []
+
+
+def large_integer_probes(family: Family, task: Task) -> list[tuple[str, Task, str]]:
+    """("large_near_miss", the task re-posed with the integer reference `LARGE`, a wrong answer) for a
+    task whose verifier spec holds an integer "answer" (see the module doc); [] otherwise."""
+    spec = task.verifier or {}
+    answer = spec.get("answer")
+    if isinstance(answer, bool) or not re.fullmatch(r"[-+]?\d+", str(answer).strip()):
+        return []
+    large = LARGE if isinstance(answer, int) else str(LARGE)
+    posed = dataclasses.replace(task, answer=str(LARGE), verifier={**spec, "answer": large})
+    wrap = (lambda text: f"<answer>{text}</answer>") if family.answer_format == "tag" else (lambda text: text)
+    return [("large_near_miss", posed, wrap(str(LARGE + delta))) for delta in (1, -1, 27)]
 
 
 def probes(family: Family, task: Task, reference: str | None, other: str | None) -> list[tuple[str, str]]:
@@ -264,6 +281,8 @@ class _Auditor:
                 continue
             for kind, text in kinds:
                 self.check_probe(task, kind, text)
+            for kind, posed, text in large_integer_probes(self.family, task):
+                self.check_probe(posed, kind, text)
 
     def check_reference(self, task: Task, reference: str | None) -> None:
         if reference is None:

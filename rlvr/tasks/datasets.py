@@ -533,7 +533,9 @@ def _same_value(value: Any, allowed: Any) -> bool:
     if isinstance(allowed, bool) or isinstance(value, bool):
         return value is allowed
     if isinstance(allowed, (int, float)):
-        return isinstance(value, (int, float)) and math.isclose(value, allowed, rel_tol=1e-9)
+        if not isinstance(value, (int, float)):
+            return False
+        return value == allowed if isinstance(allowed, int) else math.isclose(value, allowed, rel_tol=1e-9)
     if isinstance(allowed, str):
         return isinstance(value, str) and _BFCL_PUNCTUATION.sub("", value).lower() == _BFCL_PUNCTUATION.sub(
             "", allowed).lower()

@@ -18,7 +18,9 @@ What the audit found (see `python -m rlvr.tasks.audit --families='rg/*' --unfixe
   * Partial credit: reasoning-gym pays for wrong answers — 0.01/0.05 for well-formed ones, and
     len(oracle)/len(answer) (often > 0.5) when the right answer is a substring of a longer one, so
     hedging pays. A score below 1 is capped at `partial_cap` (0.1); `correct` needs terminal == 1.
-  * A scorer that raises on a model's answer scores it 0 (the answer was malformed for it).
+  * A scorer that raises on a model's answer is a verifier error (`ScorerError`: the RL producer
+    records it as a failure with `verifier_error` 1 and does not train on it; the audit reports it),
+    not a 0: malformed answers are scored 0 by a `FIXES` format gate before the scorer sees them.
   * `EXCLUDED`: families that cannot be self-checked or whose reward is trivially hackable; they
     are left out of `FAMILIES`.
   * Self-check: `sample` only serves items whose reference answer scores 1 (`skipped` counts the
@@ -294,6 +296,7 @@ FIXES: dict[str, Callable[[str, Mapping[str, Any], Scorer], float]] = {
     "survo": _format(r"\d+(?:\s+\d+)*", "lines that are not matrix rows were skipped"),
     "sokoban": _format(r"[LRUD]+", "characters that are not moves were skipped"),
     "rush_hour": _format(r"[A-Z][+-]\d+(?:[\s,]+[A-Z][+-]\d+)*", "text that is not a move was skipped"),
+    "prime_factorization": _format(r"\d+(?:\s*×\s*\d+)*", "it int()s every ×-separated field: other text raised"),
 }
 AUDIT_ALLOWED = {  # probe kinds a family rightly accepts, with the reason (reported, not failed)
     "power_function": {"near_miss": "the question asks for 3 significant figures: ±1 on a 6-digit value is right",
@@ -429,6 +432,10 @@ def _json_or_none(value: Any) -> Any:
         return None
 
 
+class ScorerError(RuntimeError):
+    """A reasoning-gym scorer raised on an answer: a verifier error, not a wrong answer."""
+
+
 class ReasoningGymFamily(Family):
     """One reasoning-gym dataset as an rlvr task family (see the module doc).
 
@@ -539,7 +546,10 @@ class ReasoningGymFamily(Family):
             return None
         else:
             reference = str(entry["answer"])
-        return None if self.score_answer(reference, entry, level) >= 1.0 else "reference scored below 1"
+        try:
+            return None if self.score_answer(reference, entry, level) >= 1.0 else "reference scored below 1"
+        except ScorerError:
+            return "the scorer raised on the reference"
 
     def _task(self, entry: Mapping[str, Any], level: int, item: int) -> Task:
         question = entry["question"]
@@ -576,8 +586,9 @@ class ReasoningGymFamily(Family):
         try:
             with self._quiet():
                 score = float(fix(answer, entry, original) if fix else original(answer, entry))
-        except Exception:  # the scorer choked on the answer: a malformed answer scores 0
-            return 0.0
+        except Exception as error:  # a verifier error, recorded as one (FIXES gate malformed answers)
+            raise ScorerError(f"{self.name}: the scorer raised {type(error).__name__}: {error} on the answer "
+                              f"{answer[:80]!r}") from error
         if score >= 1.0:
             return 1.0
         return max(0.0, score if self.partial_cap is None else min(score, self.partial_cap))

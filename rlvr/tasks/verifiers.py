@@ -16,7 +16,9 @@ The kinds, all in the explicit table `VERIFIERS`:
 
 A verifier that crashes raises (the RL producer records the failure); one that runs out of time
 raises `VerifierTimeout`. A candidate *program* that runs out of time is a wrong answer: the code
-verifier scores it 0 (the verdict is the program's fault, not the verifier's).
+verifier scores it 0 (the verdict is the program's fault, not the verifier's), unless it used little
+CPU on the way (a loaded host, or a program that sleeps): run once more and stalled again, that raises
+rlvr.sandbox.SandboxStalled, an infrastructure failure recorded like a crash, never trained on.
 """
 
 from __future__ import annotations
@@ -115,14 +117,18 @@ def parse_number(text: str | float | int) -> fractions.Fraction | None:
 
 
 def verify_numeric(spec: Mapping[str, Any], answer: str) -> float:
-    """|got - want| <= max(rel_tol·max(|got|, |want|), abs_tol), in exact rational arithmetic."""
+    """|got - want| <= max(rel_tol·max(|got|, |want|), abs_tol), in exact rational arithmetic. The
+    default tolerances (rel_tol 1e-6, abs_tol 1e-9) are for non-integer references; an integer
+    reference compares exactly unless the spec sets them (1e-6 of 2.7e7 would accept ±27)."""
     want, got = parse_number(spec["answer"]), parse_number(answer)
     if want is None:
         raise ValueError(f"numeric verifier: reference answer {spec['answer']!r} is not a number")
     if got is None:
         return 0.0
-    rel = fractions.Fraction(repr(float(spec.get("rel_tol", 1e-6))))
-    tol = max(rel * max(abs(got), abs(want)), fractions.Fraction(repr(float(spec.get("abs_tol", 1e-9)))))
+    exact = want.denominator == 1
+    rel, absolute = (fractions.Fraction(repr(float(spec.get(key, 0 if exact else default))))
+                     for key, default in (("rel_tol", 1e-6), ("abs_tol", 1e-9)))
+    tol = max(rel * max(abs(got), abs(want)), absolute)
     return float(abs(got - want) <= tol)
 
 
@@ -398,7 +404,8 @@ def code_tests(spec: Mapping[str, Any]) -> Any:
 
 
 def verify_code(spec: Mapping[str, Any], answer: str) -> float:
-    """1.0 iff the program (``` fences stripped) passes the task's tests; a timeout scores 0.
+    """1.0 iff the program (``` fences stripped) passes the task's tests; a timeout scores 0 (one with
+    little CPU used, twice, raises rlvr.sandbox.SandboxStalled: see the module doc).
 
     rlvr.sandbox.verify_program runs the program in a fresh sandbox (or on `code_executor`'s pool) only
     to answer calls of its entry point; the verdict is decided on the host from the returned values as

@@ -11,8 +11,7 @@ Writes eval.json and eval.md (tables by level, family and domain) to the workdir
 Off-policy distillation data: with `eval.split="train"` the tasks come from the training stream, and
 `eval.sft_out=PATH` writes the policy's completions as SFT JSONL (`{"prompt", "completion"}`, or chat
 `{"messages"}` for chat prompts; only those the verifier accepts when `eval.sft_passed_only`), which
-`job=sft` with `data.source=jsonl data.path=PATH` then trains a student on (README: LoRA, QLoRA and
-distillation).
+`job=sft` with `data.source=jsonl data.path=PATH` then trains a student on (docs/how-to/distillation.md).
 """
 
 from __future__ import annotations

@@ -154,7 +154,8 @@ def build_backend(config: ml_collections.ConfigDict, model: api.Model, params, t
                                         replicas=e.replicas, seed=config.seed)
     urls = [u.strip() for u in rl.sglang_urls.split(",") if u.strip()]
     backend = backends.SGLangBackend(urls, model.cfg, os.path.join(workdir, "weights"),
-                                     tokenizer_dir=config.tokenizer.path or None)
+                                     tokenizer_dir=config.tokenizer.path or None,
+                                     router=rl.sglang_router.strip() or None)
     backend.update_weights(params, version)  # the servers start from the trainer's policy
     return backend
 
@@ -410,7 +411,7 @@ def check_processes(rl: ml_collections.ConfigDict, processes: int) -> None:
                               "rl.max_staleness steps), rl.backend='embedded', rl.deterministic_rollout=True, "
                               "rl.schedule.lag_factor=0 and deadline_s=0, and no rl.agent; or run the trainer as "
                               "one JAX process (one host) with rl.backend='sglang' and SGLang servers on the other "
-                              "machines (README 'Running across hosts').")
+                              "machines (docs/how-to/launch-on-a-pod.md, 'Running across hosts').")
 
 
 def start_run(config: ml_collections.ConfigDict, workdir: str) -> Run:
