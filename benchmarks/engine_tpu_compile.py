@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "engine_tpu_compile.json"))
     args = parser.parse_args()
     cfg = qwen3_1_7b()
-    record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    record = {"benchmark": "engine_tpu_compile", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": f"{platform.machine()} {os.cpu_count()} CPUs (shared; compile times are this host's)",
               "load": os.getloadavg()[0], "command": "python " + " ".join(sys.argv),
               "model": "Qwen3-1.7B (shapes)", "engine": ENGINE, "results": []}
