@@ -15,12 +15,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from rlvr.kernels.target import target_platform
+
 
 def as_bits(x: jax.Array) -> jax.Array:
-    """16-bit floats as uint16 (a free bitcast), other dtypes (uint16 bits among them) unchanged:
-    XLA:CPU gathers and scatters bf16 by converting the whole operand to f32 and back (a whole KV
-    pool per layer and step, ~10x the decode time), integers it moves as they are."""
-    if jnp.dtype(x.dtype).itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating):
+    """16-bit floats as uint16 (a free bitcast on CPU), other dtypes (uint16 bits among them)
+    unchanged: XLA:CPU gathers and scatters bf16 by converting the whole operand to f32 and back (a
+    whole KV pool per layer and step, ~10x the decode time), integers it moves as they are. Only
+    when compiling for CPU (`target_platform`): the TPU compiler keeps a bitcast-convert as a real
+    op, so the bits view of the pool around each layer's KV write was a pool-sized copy per layer
+    in the compiled TPU decode (benchmarks/results/engine_tpu_compile.json); there x is unchanged."""
+    if (jnp.dtype(x.dtype).itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating)
+            and target_platform() == "cpu"):
         return jax.lax.bitcast_convert_type(x, jnp.uint16)
     return x
 

@@ -364,3 +364,42 @@ def test_engine_decodes_through_the_paged_kernel_identically():
             got = outputs[other][rid]
             assert got.output_ids == ref.output_ids
             np.testing.assert_allclose(got.output_logprobs, ref.output_logprobs, atol=2e-5)
+
+
+@pytest.mark.parametrize("mesh_shape", [{"tensor": 2}, {"data": 2, "tensor": 2}, {"data": 2, "tensor": 4}])
+def test_pallas_on_a_mesh_runs_in_a_shard_map_and_matches_the_reference(mesh_shape):
+    """A Mosaic kernel cannot be partitioned by XLA, so on a multi-device mesh the Pallas path runs
+    inside `jax.shard_map` (heads over `tensor`, rows over `data`): with the pool sharded over KV
+    heads and the mesh set (`jax.set_mesh`, as the engine's calls do), interpret mode on the fake
+    CPU devices equals `paged_attention_reference` and the dense numpy reference. With tensor=4 and
+    2 KV heads the heads cannot split (they stay whole; rows still split over data)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from rlvr.kernels.paged_attention import paged_attention_reference
+
+    from rlvr import sharding
+
+    mesh = sharding.make_mesh(mesh_shape, jax.devices()[:int(np.prod(list(mesh_shape.values())))])
+    rng = np.random.default_rng(7)
+    layers, num_pages, page_size, kv_heads, head_dim, batch, width = 3, 11, 4, 2, 8, 4, 3
+    k, v = (rng.standard_normal((layers, num_pages, page_size, kv_heads, head_dim)).astype(np.float32)
+            for _ in range(2))
+    table = rng.integers(1, num_pages, (batch, width)).astype(np.int32)
+    lengths = np.array([1, 5, 12, 0], np.int32)
+    q = rng.standard_normal((batch, 1, 2 * kv_heads, head_dim)).astype(np.float32)
+    pool = NamedSharding(mesh, P(None, None, None, "tensor" if kv_heads % mesh.shape["tensor"] == 0 else None))
+    k_dev, v_dev = jax.device_put(k, pool), jax.device_put(v, pool)
+
+    @jax.jit
+    def run(q, k, v, table, lengths, layer):
+        kw = dict(layer=layer, sliding_window=6)
+        return (paged_attention(q, k, v, table, lengths, implementation="pallas", interpret=True, **kw),
+                paged_attention_reference(q, k, v, table, lengths, **kw))
+
+    with jax.set_mesh(mesh):
+        got, reference = run(q, k_dev, v_dev, table, lengths, jnp.int32(2))
+        text = run.lower(q, k_dev, v_dev, table, lengths, jnp.int32(2)).as_text()
+    assert "shard_map" in text or "sdy.manual_computation" in text, "the Pallas call is not inside a shard_map"
+    np.testing.assert_allclose(np.asarray(got), np.asarray(reference), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(got), dense_reference(q, k[2], v[2], table, lengths, 6), rtol=2e-5,
+                               atol=2e-5)

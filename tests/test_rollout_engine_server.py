@@ -232,8 +232,9 @@ def test_sglang_launch_flags_configure_the_engine(tmp_path, caplog):
 
 def test_tp_size_shards_the_checkpoint_over_the_tensor_axis_with_the_same_outputs(tmp_path):
     """`--tp 2` (SGLang's tensor parallelism) reads the weights split over two devices' tensor axis;
-    greedy tokens and log-probs equal the one-device engine's; /server_info says tp_size 2; more
-    devices than the host has is an error naming the flag."""
+    greedy tokens and log-probs equal the one-device engine's; the KV pool is split over the KV heads
+    too, and stays so across calls; /server_info says tp_size 2; more devices than the host has is an
+    error naming the flag."""
     from rlvr.rollout.server import build_engine, engine_options, parse_args
 
     export_hf_checkpoint(CFG, make_params(0), str(tmp_path))
@@ -248,8 +249,14 @@ def test_tp_size_shards_the_checkpoint_over_the_tensor_axis_with_the_same_output
     assert split.server_args()["tp_size"] == 2 and whole.server_args()["tp_size"] == 1
     requests = [Request(rid=str(i), input_ids=list(range(3 + i, 14 + 2 * i)), sampling=SamplingParams(
         max_new_tokens=6, temperature=0.0)) for i in range(3)]
+    pool = jax.sharding.PartitionSpec(None, None, None, "tensor")  # the pool's KV heads split like the weights'
+    assert split.pool["k"].sharding.spec == pool and split.pool["v"].sharding.spec == pool
     got, want = split.generate(requests), whole.generate(requests)
     assert [c.output_ids for c in got] == [c.output_ids for c in want]
     np.testing.assert_allclose([c.output_logprobs for c in got], [c.output_logprobs for c in want], atol=1e-5)
+    assert split.pool["k"].sharding.spec == pool  # the calls return it as they take it (no resharding, no recompile)
+    compiles = split.metrics()["compiles_decode"], split.metrics()["compiles_prefill"]
+    assert [c.output_ids for c in split.generate(requests)] == [c.output_ids for c in want]
+    assert (split.metrics()["compiles_decode"], split.metrics()["compiles_prefill"]) == compiles
     with pytest.raises(SystemExit, match="--tp-size 16"):
         build_engine(args.hf_dir, {}, 16)

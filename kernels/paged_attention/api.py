@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from rlvr.kernels.bits import from_bits
 from rlvr.kernels.paged_attention.native import NativeDecode, native_paged_attention, native_unavailable_reason
 from rlvr.kernels.paged_attention.pallas import paged_attention_pallas
@@ -63,10 +65,51 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_t
         out = ragged_paged_attention(q4[:, 0], k_pages, v_pages, ragged, lengths, **options)[:, None]
     elif choice == "pallas":  # (a bits pool, see rlvr.kernels.bits, is read as its bf16 values)
         k_pages, v_pages = from_bits(k_pages, k_pages.dtype), from_bits(v_pages, v_pages.dtype)
-        out = paged_attention_pallas(q4, k_pages, v_pages, page_table, lengths, interpret=interpret, **options)
+        out = sharded_pallas(q4, k_pages, v_pages, page_table, lengths, interpret=interpret, **options)
     else:
         out = paged_attention_reference(q4, k_pages, v_pages, page_table, lengths, **options)
     return out[:, 0] if single else out
+
+
+def sharded_pallas(q, k_pages, v_pages, page_table, lengths, *, layer=None, mesh=None, **options) -> jax.Array:
+    """`paged_attention_pallas`, inside `jax.shard_map` when a mesh of more than one device is in
+    context (`mesh`, else `rlvr.sharding.activation_sharding`'s, else `jax.set_mesh`'s): a Mosaic
+    kernel cannot be partitioned by XLA ("Please wrap the call in a shard_map"). Heads (q's H and the
+    pool's KV heads) split over the `tensor` axis and rows over `data`/`fsdp` where they divide them;
+    each device then runs the kernel on its rows and heads with its shard of the pool (the engine
+    shards the pool over KV heads: `rlvr.rollout.engine.Engine._new_pool`) and the rows' page
+    table and lengths. Other axes see the arguments replicated."""
+    from rlvr.kernels.context_parallel.layout import BATCH_AXES, HEAD_AXES, dividing_axes
+
+    mesh = _kernel_mesh(mesh)
+    kernel = functools.partial(paged_attention_pallas, **options)
+    if mesh is None:
+        return kernel(q, k_pages, v_pages, page_table, lengths, layer=layer)
+    rows = dividing_axes(mesh, BATCH_AXES, q.shape[0])
+    heads = tuple(a for a in dividing_axes(mesh, HEAD_AXES, q.shape[2], k_pages.shape[-2]) if a not in rows)
+    row, head = (None if not a else a[0] if len(a) == 1 else a for a in (rows, heads))
+    pool = P(*([None] * (k_pages.ndim - 2)), head, None)
+    q_spec = P(row, None, head, None)
+    layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
+    layered = k_pages.ndim == 5
+
+    def local(q, k, v, table, lens, layer):
+        return kernel(q, k, v, table, lens, layer=layer if layered else None)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, pool, pool, P(row, None), P(row), P()),
+                         out_specs=q_spec, check_vma=False)(q, k_pages, v_pages, page_table, lengths, layer)
+
+
+def _kernel_mesh(mesh=None):
+    """The mesh a kernel call runs on (see `sharded_pallas`), None when it has one device."""
+    if mesh is None:
+        from rlvr import sharding
+
+        mesh = sharding.active_mesh()
+    if mesh is None:
+        abstract = jax.sharding.get_abstract_mesh()
+        mesh = None if abstract.empty else abstract
+    return mesh if mesh is not None and mesh.size > 1 else None
 
 
 def pallas_unavailable_reason(interpret: bool = False) -> str | None:

@@ -121,10 +121,11 @@ class Dispatch:
         host_slots = slots[: len(seqs)]
         sampling = {k: v[slots] for k, v in self._sampling.items()}
         start = time.perf_counter()
-        self.pool, self.state, tok, logprob, more = device_fns.prefill(
-            self.decode_cfg, self._filters(host_slots) if filters is None else filters, self.params, self.pool,
-            table, tokens, positions, segments, self.state, slots, completes, sampling, self._top(finishing),
-            self._masks(finishing, rows), images, NativeDecode() if self.native_decode else None)
+        with self.mesh_context():
+            self.pool, self.state, tok, logprob, more = device_fns.prefill(
+                self.decode_cfg, self._filters(host_slots) if filters is None else filters, self.params, self.pool,
+                table, tokens, positions, segments, self.state, slots, completes, sampling, self._top(finishing),
+                self._masks(finishing, rows), images, NativeDecode() if self.native_decode else None)
         self._times["prefill_calls"] += 1
         self._time_call("prefill", rows * chunk, start, tok)
         self._restore_counts([s for s in finishing if s is not None])
@@ -246,9 +247,10 @@ class Dispatch:
         mask = self._masks(seqs, self.max_slots)
         start = time.perf_counter()
         limit = jnp.int32(1 if mask is not None else steps or self.decode_steps)
-        self.pool, self.state, toks, logprobs, emitted, more = device_fns.decode(
-            self.decode_cfg, self.decode_steps, filters, self.params, self.pool, table, ragged, self.state, active,
-            self._sampling_device, self._top(seqs), mask, limit)
+        with self.mesh_context():
+            self.pool, self.state, toks, logprobs, emitted, more = device_fns.decode(
+                self.decode_cfg, self.decode_steps, filters, self.params, self.pool, table, ragged, self.state,
+                active, self._sampling_device, self._top(seqs), mask, limit)
         self._times["decode_calls"] += 1
         self._time_call("decode", (int(active.sum()), self.max_slots), start, emitted)
         self.inflight.append(_Inflight("decode", seqs, toks, logprobs, emitted, self.weight_version, more, pages))

@@ -37,6 +37,7 @@ requested-id log-probs and stop_regex (`extras`, `sequence.Sequence.accept`), pa
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -54,6 +55,7 @@ from rlvr.models.transformer import fuse_projections, init_paged_cache, pack_pro
 from rlvr.rollout import device_fns
 from rlvr.rollout import extras as extras_lib
 from rlvr.rollout import images as images_lib
+from rlvr.rollout.compile_check import pool_spec
 from rlvr.rollout.dispatch import Dispatch, _Inflight
 from rlvr.rollout.pages import PagePool, PrefixCache
 from rlvr.rollout.sequence import Sequence, sampling_table
@@ -170,12 +172,25 @@ class Engine(Slots, Dispatch):
         self.call_times: list[tuple[str, Any, float]] | None = None
 
     def _new_pool(self) -> dict:
-        """An empty page pool on the params' mesh. On CPU a bf16 pool is stored as its uint16 bits
-        (`rlvr.kernels.bits.bits_pool`): XLA:CPU copies the whole pool at every bitcast of a bf16
-        pool carried through the decode loop (four ~150 MB copies a step at the realistic shape)."""
+        """An empty page pool on the params' mesh, its KV heads split over the `tensor` axis where it
+        divides them (`compile_check.pool_spec`: a tensor-parallel engine keeps each device's heads'
+        pages, and the paged kernel's shard_map reads them there). On CPU a bf16 pool is stored as its
+        uint16 bits (`rlvr.kernels.bits.bits_pool`): XLA:CPU copies the whole pool at every bitcast of
+        a bf16 pool carried through the decode loop (four ~150 MB copies a step at the realistic shape)."""
         pool = {k: v for k, v in init_paged_cache(self.cfg, self.pages.capacity, self.page_size,
                                                   self.kv_dtype).items() if k != "page_table"}
-        return self.on_mesh(bits_pool(pool) if target_platform() == "cpu" else pool)
+        pool = bits_pool(pool) if target_platform() == "cpu" else pool
+        mesh = self._mesh()
+        if mesh is None:
+            return pool
+        return jax.device_put(pool, jax.sharding.NamedSharding(mesh, pool_spec(self.cfg, mesh)))
+
+    def mesh_context(self):
+        """The context the device calls are traced in: the params' mesh set (`jax.set_mesh`) when it
+        has several devices, so the paged Pallas kernel runs inside a shard_map over it (a Mosaic
+        kernel cannot be partitioned by XLA: `kernels/paged_attention/api.sharded_pallas`)."""
+        mesh = self._mesh()
+        return jax.set_mesh(mesh) if mesh is not None and mesh.size > 1 else contextlib.nullcontext()
 
     def on_mesh(self, tree):
         """`tree` replicated on the params' mesh, where the device functions return the page pool and
