@@ -44,9 +44,9 @@ def measure(cfg, topology: str, mesh_shape: dict[str, int], programs: list[str])
     import importlib.metadata
 
     import jax
+    from rlvr.kernels.target import compile_for, compiled_report
 
     from rlvr import sharding
-    from rlvr.kernels.target import compile_for
     from rlvr.models import params as params_lib
     from rlvr.rollout import compile_check
 
@@ -69,10 +69,11 @@ def measure(cfg, topology: str, mesh_shape: dict[str, int], programs: list[str])
                              "compile_s": round(time.perf_counter() - start, 1)})
                 print(json.dumps(rows[-1]), file=sys.stderr)
                 continue
-        report = compile_check.report(program)
-        memory = report["bytes"]
+        report = compiled_report(program)
+        memory = {**report["per_device_bytes"], "total": report["per_device_total_bytes"]}
         rows.append({**row, "temp_gib": round(memory["temp"] / GIB, 2), "total_gib": round(memory["total"] / GIB, 2),
-                     "temp_over_pool": round(memory["temp"] / sizes["pool"], 3), "mosaic": report["mosaic"],
+                     "temp_over_pool": round(memory["temp"] / sizes["pool"], 3),
+                     "mosaic": report["mosaic_kernels"] > 0,
                      "tflops": round(report["flops"] / 1e12, 3),
                      "compile_s": round(compile_check.compile_seconds[name], 1), "bytes": memory})
         print(json.dumps(rows[-1]), file=sys.stderr)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
 from rlvr.kernels.target import target_platform
 
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 
@@ -88,3 +90,26 @@ def compile_for(topology: str) -> Iterator:
     topo = tpu_topology(topology)
     with jax.default_device(topo.devices[0]):
         yield topo
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+MOSAIC_CALL = 'custom_call_target="tpu_custom_call"'  # what a Pallas TPU kernel compiles to
+
+
+def compiled_report(compiled) -> dict[str, Any]:
+    """What a compiled program needs and holds, per device: argument/output/temp/alias/code bytes
+    (`memory_analysis`) and their resident total (argument + output + temp - alias), FLOPs and bytes
+    accessed (`cost_analysis`), the collectives by kind and the Mosaic (Pallas TPU) kernel calls in
+    its HLO (0 on TPU means the kernels fell back to XLA)."""
+    memory = compiled.memory_analysis()
+    per_device = {name: int(getattr(memory, f"{name}_size_in_bytes"))
+                  for name in ("argument", "output", "temp", "alias", "generated_code")}
+    cost = compiled.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, list) else cost
+    text = compiled.as_text()
+    return {"per_device_bytes": per_device,
+            "per_device_total_bytes": per_device["argument"] + per_device["output"] + per_device["temp"]
+            - per_device["alias"],
+            "flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+            "collectives": {kind: len(re.findall(rf"\s{kind}(?:-start)?\(", text)) for kind in COLLECTIVES},
+            "mosaic_kernels": text.count(MOSAIC_CALL)}

@@ -11,8 +11,9 @@ What is compiled, per job kind:
   rl            the RL train step (`rlvr.rl.objective.rl_loss` on a batch of the configured rollout
                 shape, the frozen reference inside it when the KL is a loss term), plus what stays
                 resident beside it: the reference params (KL as a reward penalty) and, for the
-                embedded rollout engine, its copy of the params and its paged KV cache (allocated
-                unsharded, so counted whole on one device)
+                embedded rollout engine, its copy of the params and its paged KV cache (split over
+                KV heads on a tensor axis, else whole on every device) and, compiled for a TPU
+                topology, the larger temp of its prefill and decode programs
   eval          not checked: reported as such, never as a pass
 On a TPU target with the TPU compiler installed (the `tpu` extra: libtpu, deviceless) every job is
 compiled by it for the slice's topology; otherwise XLA:CPU's buffer assignment approximates a TPU/GPU
@@ -197,8 +198,13 @@ def analyze_rl(config, topology: str | None = None) -> dict[str, Any]:
     if use_ref and not program.in_step_reference and base is None:  # (a LoRA policy's reference is its base)
         components["reference_params"] = params
     notes = [report["compiler"]]
-    if rl.backend == "embedded":
+    if rl.backend == "embedded" and topology is not None:  # the engine's programs, compiled too
+        engine = aot.analyze_engine(config, topology)
+        components.update(engine_params=engine["engine_params_bytes"], engine_kv_cache=engine["engine_pool_bytes"],
+                          engine_temp=engine["temp_bytes"])
+    elif rl.backend == "embedded":
         components.update(engine_bytes(program.cfg, rl.engine, params))
+        notes.append("engine: weights + KV pages counted, its programs' temp not")
     else:
         notes.append("rollout runs on the SGLang servers: their memory is not checked here")
     return {"needed_bytes": sum(components.values()), "components": components, "note": "; ".join(notes)}

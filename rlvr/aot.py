@@ -6,7 +6,9 @@
     python -m rlvr.aot --config=configs/sft_tiny.py --devices=64 --config.mesh.fsdp=8 --hbm_gib=16
 
 Every job kind with a train step compiles: sft, dpo, rm, and rl (the RL loss, with the frozen
-reference inside the step when the KL is a loss term and the value head under GAE). The state is
+reference inside the step when the KL is a loss term and the value head under GAE; with the embedded
+rollout engine also its prefill and decode programs, whose weights, KV pages and temp stay resident
+beside the train step and are added to the total). The state is
 ShapeDtypeStructs with shardings on a mesh of the target's devices. It prints one JSON line: per-chip
 argument/output/temp/alias bytes (`memory_analysis`), FLOPs and bytes accessed (`cost_analysis`), the
 collectives and Pallas (Mosaic) kernels in the compiled HLO, compile seconds, and the verdict against
@@ -25,7 +27,6 @@ import dataclasses
 import functools
 import json
 import os
-import re
 import sys
 import time
 from typing import Any
@@ -33,7 +34,6 @@ from typing import Any
 # Per-chip HBM in GiB of the TPU generations (Cloud TPU system-architecture pages: v4 32 GiB, v5e 16 GB,
 # v5p 95 GiB, v6e 32 GB), by the generation prefix of a topology name.
 TPU_HBM_GIB = {"v4": 32.0, "v5e": 16.0, "v5p": 95.0, "v6e": 32.0}
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 def _preparse_devices(argv: list[str]) -> None:
@@ -157,23 +157,6 @@ def _loss_fn(config, cfg):
     return functools.partial(preference.preference_loss, cfg, config.preference)
 
 
-def program_report(compiled) -> dict[str, Any]:
-    """Per-device memory (bytes), cost, and what the compiled HLO holds: collectives by kind and the
-    Mosaic (Pallas TPU) kernel calls."""
-    memory = compiled.memory_analysis()
-    per_device = {name: int(getattr(memory, f"{name}_size_in_bytes"))
-                  for name in ("argument", "output", "temp", "alias", "generated_code")}
-    cost = compiled.cost_analysis() or {}
-    cost = cost[0] if isinstance(cost, list) else cost
-    text = compiled.as_text()
-    return {"per_device_bytes": per_device,
-            "per_device_total_bytes": per_device["argument"] + per_device["output"] + per_device["temp"]
-            - per_device["alias"],
-            "flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
-            "collectives": {kind: len(re.findall(rf"\s{kind}(?:-start)?\(", text)) for kind in COLLECTIVES},
-            "mosaic_kernels": text.count('custom_call_target="tpu_custom_call"')}
-
-
 def target_devices(topology: str | None):
     """(devices, context to lower and compile in, compiler label) for a TPU topology or the host."""
     import jax
@@ -199,13 +182,42 @@ def analyze(config, topology: str | None = None) -> dict[str, Any]:
     program = train_step_program(config, mesh)  # abstract values only: built on the host
     with context:  # traced, lowered and compiled for the target
         compiled = program.step.lower(*program.args).compile()
+    from rlvr.kernels.target import compiled_report
+
     state, base = program.args[0], program.args[4]
     nbytes = lambda tree: int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
     return {"job": config.job, "compiler": compiler, "topology": topology, "devices": len(devices),
             "mesh": dict(mesh.shape), "params": program.cfg.num_params(), "attention": program.cfg.attention,
             "param_bytes_total": nbytes(state["params"]) + nbytes(base), "trained_param_bytes": nbytes(state["params"]),
             "optimizer_state_bytes": nbytes(state["opt_state"]), "in_step_reference": program.in_step_reference,
-            "compile_s": round(time.perf_counter() - started, 1), **program_report(compiled)}
+            "compile_s": round(time.perf_counter() - started, 1), **compiled_report(compiled)}
+
+
+def analyze_engine(config, topology: str | None = None, programs=("prefill", "decode")) -> dict[str, Any]:
+    """An RL job's embedded rollout engine compiled as the job runs it: its prefill and decode programs
+    (`rlvr.rollout.compile_check`) at `rl.engine`'s slots, pages and dtypes, on the train mesh its
+    params live on (a tensor axis splits the KV pool over heads; without one each chip holds it all).
+    Per chip: the engine's weights, KV pool, and each program's report (`compiled_report`);
+    `temp_bytes` is the larger program's temp (they never run at once)."""
+    from rlvr import sharding
+    from rlvr.kernels.target import compiled_report
+    from rlvr.models import params as params_lib
+    from rlvr.rollout import compile_check
+
+    cfg, engine = model_config_of(config), config.rl.engine
+    devices, context, compiler = target_devices(topology)
+    mesh = sharding.make_mesh(dict(config.mesh), devices)
+    params = _abstract(params_lib.abstract_params(cfg), params_lib.param_shardings(cfg, mesh))
+    kwargs = dict(max_slots=engine.max_slots, max_len=engine.max_len, page_size=engine.page_size,
+                  dtype=engine.dtype, kv_dtype=engine.kv_dtype or engine.dtype, decode_steps=engine.decode_steps,
+                  prefill_rows=engine.prefill_rows, prefill_chunk=engine.prefill_chunk)
+    sizes = compile_check.engine_sizes(cfg, params, mesh, **kwargs)
+    with context:
+        compiled = compile_check.engine_programs(cfg, params, mesh, programs=tuple(programs), **kwargs)
+    reports = {name: {**compiled_report(program), "compile_s": round(compile_check.compile_seconds[name], 1)}
+               for name, program in compiled.items()}
+    return {"compiler": compiler, "engine_params_bytes": sizes["params"], "engine_pool_bytes": sizes["pool"],
+            "temp_bytes": max(r["per_device_bytes"]["temp"] for r in reports.values()), "programs": reports}
 
 
 def main(argv: list[str]) -> int:
@@ -223,6 +235,11 @@ def main(argv: list[str]) -> int:
     flags.FLAGS(argv)
     config = start.resolve(config_flag.value)
     report = analyze(config, topology.value)
+    if config.job == "rl" and config.rl.backend == "embedded":
+        engine = analyze_engine(config, topology.value)
+        report["engine"] = engine
+        report["per_device_total_bytes"] += engine["engine_params_bytes"] + engine["engine_pool_bytes"] + \
+            engine["temp_bytes"]
     budget = hbm.value if hbm.value is not None else (hbm_gib_of(topology.value) if topology.value else 0.0)
     report["per_device_total_gib"] = round(report["per_device_total_bytes"] / 2**30, 4)
     fits = not budget or report["per_device_total_bytes"] <= budget * 2**30

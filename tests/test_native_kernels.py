@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from rlvr.kernels import native_build
 from rlvr.kernels.paged_attention import native as paged_native
 

@@ -20,7 +20,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from rlvr.kernels.context_parallel import ring_attention, ulysses_attention
 from rlvr.kernels.flash_attention import BlockSizes, flash_attention, reference_attention
-from rlvr.kernels.target import compile_for, target_platform, tpu_compiler_unavailable_reason, tpu_topology
+from rlvr.kernels.target import (
+    compile_for,
+    compiled_report,
+    target_platform,
+    tpu_compiler_unavailable_reason,
+    tpu_topology,
+)
 
 from rlvr import aot, config_lib, sharding
 
@@ -60,7 +66,7 @@ def test_flash_attention_forward_and_backward_on_a_data_by_tensor_mesh(topology)
     q = _sds((4, 1024, 8, 128), mesh, P("data", None, "tensor", None))
     kv = _sds((4, 1024, 2, 128), mesh, P("data", None, "tensor", None))
     compiled = _compile_loss_and_grads(topology, mesh, lambda q, k, v: flash_attention(q, k, v), q, kv, kv)
-    report = aot.program_report(compiled)
+    report = compiled_report(compiled)
     assert report["mosaic_kernels"] >= 3, "flash attention fell back to XLA"
     assert report["collectives"]["all-gather"] == 0 and report["collectives"]["all-to-all"] == 0
     per_device_inputs = 3 * 1 * 1024 * 4 * 128 * 2  # q and dq-sized shards in bf16, roughly
@@ -77,7 +83,7 @@ def test_context_parallel_attention_on_a_sequence_mesh(topology, kind):
     kv = _sds((1, 2048, 4, 128), mesh, P(None, "sequence", None, None))
     attend = ring_attention if kind == "ring" else ulysses_attention
     compiled = _compile_loss_and_grads(topology, mesh, lambda q, k, v: attend(q, k, v, mesh=mesh), q, kv, kv)
-    report = aot.program_report(compiled)
+    report = compiled_report(compiled)
     assert report["mosaic_kernels"] >= 3, f"{kind} attention's blocks fell back to XLA"
     moved = report["collectives"]["collective-permute" if kind == "ring" else "all-to-all"]
     assert moved > 0, f"{kind} attention moves no data between chips"
@@ -91,7 +97,7 @@ def test_flash_attention_compiles_at_32k_tokens_per_device_on_v5e():
         kv = jax.ShapeDtypeStruct((1, 32768, 1, 128), jnp.bfloat16)
         grads = jax.grad(lambda q, k, v: jnp.sum(flash_attention(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
         compiled = jax.jit(grads).lower(q, kv, kv).compile()
-    assert aot.program_report(compiled)["mosaic_kernels"] >= 3
+    assert compiled_report(compiled)["mosaic_kernels"] >= 3
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)

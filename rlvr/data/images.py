@@ -288,7 +288,8 @@ class ImageTokenStream(TokenStream):
 
     def next_rows(self, rows: Sequence[int]) -> dict[str, np.ndarray]:
         """Rows `rows` of the next batch. Not sharded: the image arrays' size is the batch's most patches
-        (capacity 0), so every process builds the whole batch (docs/how-to/launch-on-a-pod.md, 'Running across hosts')."""
+        (capacity 0), so every process builds the whole batch (docs/how-to/launch-on-a-pod.md,
+        "Running across hosts")."""
         return {key: value[list(rows)] for key, value in next(self).items()}
 
     def peek(self) -> dict[str, np.ndarray]:

@@ -4,7 +4,7 @@
     with compile_for("v5p:2x2x1") as topo:
         mesh = sharding.make_mesh({"tensor": 2, "data": 2}, topo.devices)
         programs = engine_programs(cfg, params_shapes, mesh, max_slots=128, max_len=1536, page_size=64)
-        print({name: report(compiled) for name, compiled in programs.items()})
+        print({name: compiled_report(compiled) for name, compiled in programs.items()})
 
 `engine_programs` lowers and compiles the same jitted functions `Engine` calls
 (`device_fns.prefill` and `device_fns.decode`, with the arguments `Dispatch` passes) for
@@ -13,8 +13,9 @@ runs, so a pod's engine is checked on a CPU host with the TPU compiler (libtpu, 
 `rlvr.kernels.target`). The pool and the decode state are laid out as the engine lays them out
 (`Engine.pool_sharding`: KV heads over `tensor`), the decode's attention is the engine's on that
 platform (the paged Pallas kernel on TPU, inside a shard_map on a multi-device mesh), and
-`report` gives per-chip memory (argument, output, temp, alias: XLA's memory analysis), FLOPs and
-bytes (its cost analysis) and whether the Mosaic kernel is in the program (no silent XLA fallback).
+`rlvr.kernels.target.compiled_report` gives per-chip memory (argument, output, temp, alias: XLA's
+memory analysis), FLOPs and bytes (its cost analysis) and the Mosaic kernels in the program (none:
+a silent XLA fallback).
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ from rlvr.kernels.paged_attention import ragged_pages
 from rlvr.models.config import ModelConfig
 from rlvr.rollout import device_fns
 from rlvr.rollout.sequence import sampling_table
-
-MOSAIC_CALL = "tpu_custom_call"  # the custom call a Pallas TPU kernel compiles to
 
 
 def decode_params_shapes(cfg: ModelConfig, params_shapes, dtype: str) -> dict:
@@ -153,17 +152,3 @@ def _replicated(args: tuple, mesh: Mesh) -> tuple:
     """Host (numpy) arguments as replicated ShapeDtypeStructs on `mesh`; abstract ones unchanged."""
     return tuple(jax.tree.map(lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else _abstract(x, mesh), a)
                  for a in args)
-
-
-def report(compiled) -> dict[str, Any]:
-    """Per-chip bytes of a compiled program (argument, output, temp, alias, generated code: XLA's
-    memory analysis; `total` = argument + output + temp - alias, what it needs resident), its FLOPs
-    and bytes accessed (cost analysis) and whether the Mosaic kernel of a Pallas call is in it."""
-    memory = compiled.memory_analysis()
-    sizes = {name: int(getattr(memory, f"{name}_size_in_bytes"))
-             for name in ("argument", "output", "temp", "alias", "generated_code")}
-    sizes["total"] = sizes["argument"] + sizes["output"] + sizes["temp"] - sizes["alias"]
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost or {}
-    return {"bytes": sizes, "flops": float(cost.get("flops", 0.0)),
-            "bytes_accessed": float(cost.get("bytes accessed", 0.0)), "mosaic": MOSAIC_CALL in compiled.as_text()}
