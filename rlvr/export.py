@@ -169,7 +169,7 @@ def verify_image_logits(model: api.Model, out: str, seed: int = 0) -> dict[str, 
 
 def _data_url(picture) -> str:
     from rlvr.tasks.charts import png_data_url
-    from rlvr.tasks.rendering import png_bytes
+    from rlvr.tasks.rendered import png_bytes
 
     return png_data_url(png_bytes(picture))
 
