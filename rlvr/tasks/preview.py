@@ -124,14 +124,14 @@ def _checkpoint_vision(path: str):
     import json
     import os
 
-    from rlvr.models import vlm_hf
+    from rlvr.models import hf
 
     config_path = os.path.join(path, "config.json") if path else ""
     if not config_path or not os.path.exists(config_path):
         return None
     with open(config_path) as f:
         config = json.load(f)
-    return vlm_hf.config_from_hf(config).vision if config.get("model_type") == vlm_hf.MODEL_TYPE else None
+    return hf.vlm_config_from_hf(config).vision if config.get("model_type") == hf.VLM_MODEL_TYPE else None
 
 
 if __name__ == "__main__":
