@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from rlvr.models.config import ModelConfig
-from rlvr.models.transformer import _matmul  # the model's own product (bf16: fp32 accumulation)
+from rlvr.models.layers import _matmul  # the model's own product (bf16: fp32 accumulation)
 from rlvr.train import flops
 
 # Our own measurement of Tunix 0.1.7 with the peer script on the same fixed config and a 2-core CPU

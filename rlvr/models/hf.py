@@ -1,4 +1,5 @@
-"""Hugging Face interop: config translation, the one parameter name table, load and export (decoders and the Qwen2.5-VL VLM).
+"""Hugging Face interop: config translation, the one parameter name table, load and export (the decoders
+and the Qwen2.5-VL VLM).
 
 `PARAM_TABLE` is the single source of truth for how a Hugging Face tensor maps to an rlvr
 parameter. Each `HFParam` says, declaratively:
