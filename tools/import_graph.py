@@ -5,7 +5,8 @@ Rooms are modules (one file each; a package's `__init__.py` is the package's roo
 
 - "all": every import statement anywhere in the file, including ones inside functions (a lazy
   import is still a dependency) and `importlib.import_module("literal")` calls;
-- "top": only statements at module level (what runs when the module is first imported).
+- "top": only statements at module level (what runs when the module is first imported; an
+  `if TYPE_CHECKING:` block is module level too, so a typing-only import still shows there).
 
 `from rlvr.pkg import name` is an edge to `rlvr.pkg.name` when that is a module, else to `rlvr.pkg`.
 The parent packages a dotted import initialises on the way are not edges (they are not what the
