@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/cad_sandbox.py [--per-level 8] [--out benchmarks/results/cad_sandbox.json]
 
-One step is what scoring a candidate costs (rlvr.domains.cad.families.score_script): OpenSCAD in a fresh gVisor
+One step is what scoring a candidate costs (rlvr.domains.cad.scad.score_script): OpenSCAD in a fresh gVisor
 sandbox (`rlvr.sandbox.run`, binary STL on stdout), then on the host the strict STL parse, manifold3d's
 volumetric IoU, the Chamfer distance and the three depth renders against the target. The candidate is the
 task's reference program (a typical successful step; targets are built beforehand and not timed). For the

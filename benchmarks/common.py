@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from rlvr.models.config import ModelConfig
-from rlvr.models.transformer import _matmul  # the model's own product (bf16: fp32 accumulation)
+from rlvr.models.layers import _matmul  # the model's own product (bf16: fp32 accumulation)
 from rlvr.train import flops
 
 

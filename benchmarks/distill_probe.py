@@ -26,7 +26,6 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import emit  # noqa: E402
 
 from rlvr import api, sharding  # noqa: E402
-from rlvr.rl import distill  # noqa: E402
 from rlvr.rl.batching import Sample  # noqa: E402
 from rlvr.rl.objective import Sampling  # noqa: E402
 from rlvr.rl.update import reference_logprobs_fn  # noqa: E402
@@ -45,7 +44,7 @@ def answers(tokenizer, problems: int, seed: int = 5) -> list[Sample]:
 
 
 def probe(path: str, rows: list[Sample], tokenizer, mesh) -> dict:
-    cfg, params = distill.load_teacher(path, mesh, tokenizer.vocab_size, "--teacher/--student")
+    cfg, params = api.load_teacher(path, mesh, tokenizer.vocab_size, "--teacher/--student")
     logp = reference_logprobs_fn(cfg, params, 16, tokenizer.pad_id, Sampling(1.0, -1, 1.0, 0.0))(rows)
     right, dotted = logp[0::2], logp[1::2]
     return {"workdir": path, "logp_per_right_digit": round(float(np.mean([x[:-1].mean() for x in right])), 4),

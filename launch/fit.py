@@ -228,7 +228,7 @@ def main(argv: list[str]) -> int:
         overrides = {k: ast.literal_eval(v) for k, v in job.items()}
         config = config_lib.load_config(request["config_spec"], overrides)
         try:
-            config_lib.validate(config, devices, TRAINERS)
+            start.validate(config, devices, TRAINERS)
             config = start.resolve(config)  # the checkpoint's architecture, the derived RL budgets
         except config_lib.ConfigError as e:
             print(f"config error on {devices} devices: {e}", file=sys.stderr)

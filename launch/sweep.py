@@ -166,9 +166,11 @@ def resolve(config_spec: str, overrides: Mapping[str, Any], label: str,
             except (TypeError, ValueError, AttributeError) as single:
                 raise LaunchError(f"job {label}: {key}={value!r}: {single}") from None
         raise LaunchError(f"job {label}: overrides {dict(overrides)}: {e}") from None
+    from rlvr import start  # local: reading a checkpoint's architecture pulls in the tokenizer libraries
+
     devices = num_devices if num_devices is not None else smallest_mesh(config.mesh)
     try:
-        config_lib.validate(config, devices, trainer_names())
+        start.validate(config, devices, trainer_names())
     except config_lib.ConfigError as e:
         raise LaunchError(f"job {label}: {e}") from None
     return config

@@ -17,7 +17,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh
 
-from rlvr import sharding
+from rlvr import config_lib, sharding, start
 from rlvr.config_lib import ConfigError, load_config  # noqa: F401  (re-exported)
 from rlvr.models import lora
 from rlvr.models import params as params_lib
@@ -44,8 +44,6 @@ def build_mesh(config: ml_collections.ConfigDict) -> Mesh:
 def build_tokenizer(config: ml_collections.ConfigDict) -> Tokenizer:
     """The job's tokenizer: `tokenizer.path`, else the starting checkpoint's (init.*), else byte-level;
     with `tokenizer.chat_template` and `tokenizer.system_prompt` applied (rlvr.start)."""
-    from rlvr import start
-
     return start.build_tokenizer(start.tokenizer_settings(config))
 
 
@@ -55,8 +53,6 @@ def build_model(config: ml_collections.ConfigDict, mesh: Mesh | None = None, src
     `mesh`. With `lora.rank` > 0 that is the frozen base, quantised when `lora.quantize` is set, with
     fresh adapters (rlvr.models.lora). `src` (a `start.Source`) replaces the config's starting point
     (the RL warm start's SFT run)."""
-    from rlvr import start
-
     mesh = mesh or build_mesh(config)
     cfg = start.model_config(config)
     params = start_params(config, cfg, mesh, src or start.source(config))
@@ -106,8 +102,6 @@ def with_value_head(model: Model, wanted: bool = True) -> Model:
 
 def load_run_config(workdir: str) -> ml_collections.ConfigDict:
     """The resolved config a job wrote to `workdir/config.json`."""
-    from rlvr import start
-
     return start.run_config(workdir)
 
 
@@ -118,14 +112,13 @@ def load_trained(workdir: str, step: int | None = None, mesh: Mesh | None = None
     point: `start.run_source`), so the model has the base and the adapters (`lora.merge` folds them)."""
     import os
 
-    from rlvr import start
     from rlvr.train import step as step_lib
     from rlvr.train.checkpoint import Checkpointer
     from rlvr.train.optimizer import build_optimizer
 
     config = load_run_config(workdir)
     mesh = mesh or build_mesh(config)
-    cfg = start.recorded_model(config)
+    cfg = config_lib.recorded_model(config)
     optimizer = build_optimizer(config.optimizer, config.train.num_steps)
     abstract = step_lib.abstract_state(cfg, optimizer, step_lib.state_shardings(cfg, optimizer, mesh))
     checkpoints = Checkpointer(os.path.join(workdir, "checkpoints"))
@@ -142,9 +135,31 @@ def load_trained(workdir: str, step: int | None = None, mesh: Mesh | None = None
     return Model(cfg, params, mesh, start.workdir_tokenizer(workdir))
 
 
-def check_vocab(cfg: ModelConfig, tokenizer: Tokenizer) -> None:
-    from rlvr import start
+def load_teacher(path: str, mesh: Mesh, vocab: int, field: str = "rl.teacher", step: int = 0):
+    """(ModelConfig, plain params) of the teacher at `path` (an HF directory or an rlvr workdir: a LoRA
+    run's adapters merged; its checkpoint `step`, 0 = the latest), without a value head; also the SFT
+    job's logit-distillation teacher (`distill.teacher`, rlvr.losses.distill). `vocab`: the student
+    tokenizer's size, which the teacher's vocabulary must cover; `field`: the config key named in errors."""
+    from rlvr.models import hf
 
+    kind = start.init_overrides(path)  # raises a ConfigError naming the path when it is neither
+    if "init.hf_checkpoint" in kind:
+        if step:
+            raise ConfigError(f"{field}_step={step}: {path!r} is a Hugging Face directory (one set of weights); "
+                              "a checkpoint step applies to an rlvr workdir teacher only: set it to 0.")
+        cfg, params = hf.load_hf_checkpoint(path, mesh=mesh)
+    else:
+        model = load_trained(path, step or None, mesh=mesh)
+        cfg, params = lora.without_lora(model.cfg), lora.merge(model.cfg, model.params)
+    params = {k: v for k, v in params.items() if k != "value_proj"}
+    cfg = dataclasses.replace(cfg, value_head=False)
+    if cfg.vocab_size < vocab:
+        raise ConfigError(f"{field}={path!r}: its vocabulary ({cfg.vocab_size}) is smaller than the student "
+                          f"tokenizer's ({vocab}); the teacher must share the student's tokenizer.")
+    return cfg, params
+
+
+def check_vocab(cfg: ModelConfig, tokenizer: Tokenizer) -> None:
     start.check_vocab(cfg, tokenizer)
 
 

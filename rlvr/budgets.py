@@ -2,8 +2,8 @@
 
 The user sets `rl.max_new_tokens` (tokens per completion; per model turn for multi-turn tasks).
 The rest is derived from the prompts of `rl.task`, measured with the job's tokenizer, chat template
-and prompt format (`rlvr.tasks.preview.measure`: every item of dataset families, a sample per level
-of procedural ones):
+and prompt format (`measure`, which `python -m rlvr.tasks.preview` also prints: every item of dataset
+families, a sample per level of procedural ones):
 
   rl.max_prompt_len    0 = the longest measured prompt
   rl.seq_len           0 = max_prompt_len + max_new_tokens, rounded up to a multiple of 8 (train rows)
@@ -18,13 +18,64 @@ all (the model's context, or the cap) are a ConfigError naming the longest. Mult
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 
 import ml_collections
 
 from rlvr.config_lib import ConfigError
+from rlvr.models.config import VisionConfig
+from rlvr.rl.producer import is_episode_task, prompt_ids
+from rlvr.tasks import build_tasks
+from rlvr.tasks.base import HELD_OUT, TRAIN, Task
+from rlvr.tasks.datasets import DatasetFamily
 
 ROW_MULTIPLE = 8  # derived train rows are a multiple of this many tokens
+PER_LEVEL = 16  # procedural families: tasks measured per level and split
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """One task's rendered prompt length."""
+
+    tokens: int
+    task: Task
+
+    def describe(self) -> str:
+        split = "held-out" if self.task.stream == HELD_OUT else "train"
+        return f"{self.task.family} level {self.task.level} #{self.task.index} ({split}): {self.tokens} tokens"
+
+
+def sample_tasks(mixture, per_level: int = PER_LEVEL) -> list[Task]:
+    """Tasks of every family of `mixture` whose prompts bound the run's: a dataset family's items of
+    both splits, else `per_level` tasks per level of the train and held-out streams."""
+    out = []
+    for family in mixture.families.values():
+        if isinstance(family, DatasetFamily):
+            out += family.split_tasks(TRAIN) + family.split_tasks(HELD_OUT)
+            continue
+        for level in family.levels():
+            out += [family.task(i, stream, level) for stream in (TRAIN, HELD_OUT) for i in range(per_level)]
+    return out
+
+
+def measure(tasks: Sequence[Task], tokenizer, prompt_format: str, vision=None) -> list[Measured]:
+    """Prompt lengths of the single-turn tasks (multi-turn prompts come from their environment);
+    `vision` (a VLM's VisionConfig): image placeholders counted as the model sees them."""
+    return [Measured(len(prompt_ids(tokenizer, t, prompt_format, vision)), t) for t in tasks
+            if not is_episode_task(t)]
+
+
+def episodic_families(tasks: Sequence[Task]) -> list[str]:
+    """The multi-turn families among `tasks` (their prompts come from an environment, not measured)."""
+    return sorted({t.family for t in tasks if is_episode_task(t)})
+
+
+def longest(measured: Sequence[Measured], count: int = 3) -> str:
+    """The `count` longest prompts, described (for error messages)."""
+    top = sorted(measured, key=lambda m: -m.tokens)[:count]
+    return "; ".join(m.describe() for m in top)
 
 
 def derive(prompt_len: int, max_new_tokens: int, page_size: int) -> tuple[int, int]:
@@ -50,9 +101,6 @@ def resolve(config: ml_collections.ConfigDict, tokenizer, recorded: ml_collectio
     """Fills rl.max_new_tokens, prompt_format, max_prompt_len, seq_len and engine.max_len of an
     unlocked, otherwise resolved config (see the module docstring) and prints them. Returns the
     multi-turn (tool-using) families of rl.task."""
-    from rlvr.models.config import VisionConfig
-    from rlvr.tasks import build_tasks, preview
-
     rl = config.rl
     inherit(rl, recorded)
     if config.tokenizer.system_prompt and rl.prompt_format == "raw":
@@ -62,16 +110,16 @@ def resolve(config: ml_collections.ConfigDict, tokenizer, recorded: ml_collectio
         tasks = build_tasks(rl, config.seed)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    sampled = preview.sample_tasks(tasks)
+    sampled = sample_tasks(tasks)
     vision = VisionConfig.of(config.model.get("vision"))
-    measured = preview.measure(sampled, tokenizer, rl.prompt_format, vision)
-    episodic = preview.episodic_families(sampled)
+    measured = measure(sampled, tokenizer, rl.prompt_format, vision)
+    episodic = episodic_families(sampled)
     if episodic and not rl.seq_len:
         raise ConfigError(f"rl.seq_len is not set: the multi-turn tasks {episodic} need an episode budget (prompt, "
                           "every turn and observation), e.g. --config.rl.seq_len=4096.")
     context = config.model.max_position_embeddings
-    longest = max((m.tokens for m in measured), default=0)
-    cap = rl.max_prompt_len or (rl.seq_len - rl.max_new_tokens if rl.seq_len else longest)
+    most = max((m.tokens for m in measured), default=0)
+    cap = rl.max_prompt_len or (rl.seq_len - rl.max_new_tokens if rl.seq_len else most)
     if cap <= 0:
         raise ConfigError(f"rl.max_new_tokens={rl.max_new_tokens} leaves no room for the prompt in rl.seq_len="
                           f"{rl.seq_len}; raise rl.seq_len or set it to 0 (derived).")
@@ -80,20 +128,20 @@ def resolve(config: ml_collections.ConfigDict, tokenizer, recorded: ml_collectio
     if not rl.seq_len and cap + rl.max_new_tokens > context:
         raise ConfigError(f"prompts of up to {cap} tokens plus rl.max_new_tokens={rl.max_new_tokens} exceed the "
                           f"model's context (model.max_position_embeddings={context}); longest prompts: "
-                          f"{preview.longest(measured)}. Lower rl.max_new_tokens, set rl.max_prompt_len to skip "
+                          f"{longest(measured)}. Lower rl.max_new_tokens, set rl.max_prompt_len to skip "
                           "longer prompts, or choose other tasks (rl.task).")
     too_long = [m for m in measured if m.tokens > seq_len - rl.max_new_tokens]
     if measured and len(too_long) == len(measured):
         raise ConfigError(f"no prompt of rl.task={rl.task!r} fits: all {len(measured)} measured are longer than "
                           f"rl.seq_len={seq_len} - rl.max_new_tokens={rl.max_new_tokens}; longest: "
-                          f"{preview.longest(measured)}. Set rl.seq_len=0 and rl.max_prompt_len=0 (derived), or "
+                          f"{longest(measured)}. Set rl.seq_len=0 and rl.max_prompt_len=0 (derived), or "
                           "lower rl.max_new_tokens.")
     rl.max_prompt_len, rl.seq_len, rl.engine.max_len = seq_len - rl.max_new_tokens, seq_len, max_len
-    print(f"budgets: prompts <= {rl.max_prompt_len} tokens (longest of {len(measured)} measured: {longest}), "
+    print(f"budgets: prompts <= {rl.max_prompt_len} tokens (longest of {len(measured)} measured: {most}), "
           f"responses <= {rl.max_new_tokens} -> rows of rl.seq_len={seq_len} tokens, engine cache "
           f"rl.engine.max_len={max_len} per sequence")
     if too_long:
         print(f"WARNING: {len(too_long)} of {len(measured)} measured prompts of rl.task are longer than "
-              f"{rl.max_prompt_len} tokens and will be skipped (longest: {preview.longest(too_long)}); "
+              f"{rl.max_prompt_len} tokens and will be skipped (longest: {longest(too_long)}); "
               "set rl.max_prompt_len=0 and rl.seq_len=0 to fit them all.")
     return episodic

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import ml_collections
 from ml_collections import config_dict
 
-from rlvr.models.config import PRESETS, ModelConfig, validate_attention_mesh
+from rlvr.models.config import PRESETS, LoraConfig, ModelConfig, validate_attention_mesh
 
 
 class ConfigError(ValueError):
@@ -497,20 +497,38 @@ def _validate_distill(config: ml_collections.ConfigDict) -> None:
                           "need top_k >= 1, 0 < weight <= 1 (1 = the teacher alone), chunk_size >= 1.")
 
 
-def validate(config: ml_collections.ConfigDict, num_devices: int,
-             jobs: dict[str, Callable] | None = None) -> None:
-    """Checks values before any compile. Raises ConfigError naming the field."""
-    from rlvr import (
-        sharding,  # local: keeps config files importable without jax set-up
-        start,
-    )
+def recorded_model(config: ml_collections.ConfigDict) -> ModelConfig:
+    """The architecture a config writes out (`model.*` and `lora.*`): what a random-init job runs, and
+    what a finished job ran, read from its resolved config (configs recorded before adapters existed
+    have no `lora` section: full fine-tuning)."""
+    return dataclasses.replace(ModelConfig.from_mapping(config.model),
+                               lora=LoraConfig.from_mapping(config.get("lora")))
+
+
+def _written_model(config: ml_collections.ConfigDict) -> ModelConfig:
+    """`recorded_model` of a random-init config, its bad values a ConfigError."""
+    if config.init.hf_checkpoint or config.init.workdir:
+        raise ConfigError("init.* names a checkpoint whose architecture config_lib.validate does not read: "
+                          "validate with rlvr.start.validate (it passes the checkpoint's architecture).")
+    try:
+        return recorded_model(config)
+    except ValueError as e:  # a model.* or lora.* value ModelConfig refuses
+        raise ConfigError(str(e)) from None
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int, jobs: dict[str, Callable] | None = None,
+             architecture: Callable[[ml_collections.ConfigDict], ModelConfig] | None = None) -> None:
+    """Checks values before any compile. Raises ConfigError naming the field. `architecture` reads the
+    model the job runs (`rlvr.start.model_config`: a starting checkpoint's; what `rlvr.start.validate`
+    passes); None: the config's own `model.*` and `lora.*`, for a random-init config."""
+    from rlvr import sharding  # local: keeps config files importable without jax set-up
 
     if jobs is not None:
         _one_of(config, "job", jobs)
     _existing_path(config, "init.hf_checkpoint", "checkpoint directory")
     _existing_path(config, "init.workdir", "workdir")
     _validate_distill(config)
-    model = start.model_config(config)  # the checkpoint's architecture when there is one
+    model = (architecture or _written_model)(config)  # the checkpoint's architecture when there is one
     try:
         mesh = sharding.mesh_shape_from_config(dict(config.mesh), num_devices)
         validate_attention_mesh(model, mesh)

@@ -17,7 +17,7 @@ DIR/base (`peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(b
 DIR)`; SGLang: `--enable-lora --lora-paths name=DIR`).
 
 A VLM run (Qwen2.5-VL layout) exports as `Qwen2_5_VLForConditionalGeneration` with a
-preprocessor_config.json set to our image preprocessing (rlvr.models.vlm_hf.processor_config).
+preprocessor_config.json set to our image preprocessing (rlvr.models.hf.processor_config).
 
 `--verify` (needs the `hf` extra) reloads DIR with transformers (and peft) and checks, on a few chat
 prompts, that its chat template renders the same ids as the run's and that its greedy generation
@@ -169,7 +169,7 @@ def verify_image_logits(model: api.Model, out: str, seed: int = 0) -> dict[str, 
 
 def _data_url(picture) -> str:
     from rlvr.tasks.charts import png_data_url
-    from rlvr.tasks.rendering import png_bytes
+    from rlvr.tasks.rendered import png_bytes
 
     return png_data_url(png_bytes(picture))
 

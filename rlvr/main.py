@@ -50,7 +50,7 @@ def run(config: ml_collections.ConfigDict, workdir: str):
     if storage.is_remote(workdir):
         with storage.staged(workdir) as local:
             return run(config, local)
-    config_lib.validate(config, jax.device_count(), TRAINERS)
+    start.validate(config, jax.device_count(), TRAINERS)
     if jax.process_count() > 1:  # every process drives the same engine: rollout may not depend on timing
         config.rl.deterministic_rollout = True
     config = start.resolve(config)

@@ -30,6 +30,7 @@ import shutil
 
 import ml_collections
 
+from rlvr import config_lib
 from rlvr.config_lib import ConfigError
 from rlvr.data.chat import check_tool_calls
 from rlvr.models.config import RUNTIME_FIELDS, LoraConfig, ModelConfig, VisionConfig
@@ -134,11 +135,10 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
     return dataclasses.replace(cfg, lora=lora)
 
 
-def recorded_model(config: ml_collections.ConfigDict) -> ModelConfig:
-    """The model a finished job ran, from its resolved config (`model.*` and `lora.*`; configs
-    recorded before adapters existed have no `lora` section: full fine-tuning)."""
-    return dataclasses.replace(ModelConfig.from_mapping(config.model),
-                               lora=LoraConfig.from_mapping(config.get("lora")))
+def validate(config: ml_collections.ConfigDict, num_devices: int, jobs: dict | None = None) -> None:
+    """`config_lib.validate` against the architecture the job runs (`model_config`: a starting
+    checkpoint's, read here). Raises ConfigError naming the field."""
+    config_lib.validate(config, num_devices, jobs, model_config)
 
 
 def run_source(config: ml_collections.ConfigDict, workdir: str) -> Source:

@@ -53,6 +53,17 @@ def test_invalid_values_name_the_field(overrides, field):
         _validate(overrides)
 
 
+def test_validate_needs_the_architecture_of_a_checkpoint_config(tmp_path):
+    """config_lib (the schema) does not read checkpoints: for a config starting from one, validate is told
+    the architecture (rlvr.start.validate passes the checkpoint's) or says what to call."""
+    config = config_lib.load_config(TINY, {"init.hf_checkpoint": str(tmp_path)})
+    with pytest.raises(config_lib.ConfigError, match=r"init\.\* names a checkpoint.*rlvr\.start\.validate"):
+        config_lib.validate(config, 8, TRAINERS)
+    seen = []
+    config_lib.validate(config, 8, TRAINERS, lambda c: seen.append(c) or config_lib.recorded_model(c))
+    assert seen == [config]
+
+
 def test_cli_reports_config_errors_before_compiling(repo_root, python, tmp_path):
     cmd = [python, "-m", "rlvr.main", f"--config={TINY}:smoke", f"--workdir={tmp_path}",
            "--config.data.batch_size=-1"]

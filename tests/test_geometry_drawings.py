@@ -8,7 +8,7 @@ import numpy as np
 
 from rlvr.tasks.base import HELD_OUT
 from rlvr.tasks.geometry_drawings import GRID_PX, LINE, GeometryDrawingFamily
-from rlvr.tasks.rendering import image_of
+from rlvr.tasks.rendered import image_of
 
 
 def _outline(task) -> np.ndarray:

@@ -29,7 +29,7 @@ from rlvr.launch import distributed, fit, sweep
 from rlvr.launch.local_cluster import k8s_pod_env
 from rlvr.launch.targets import TARGETS, k8s, k8s_validate, options, xm
 
-from rlvr import config_lib
+from rlvr import config_lib, start
 
 # --- helpers -------------------------------------------------------------------------------------
 
@@ -53,7 +53,7 @@ def flags_to_config(args: list[str], devices: int):
             key, _, text = arg[len("--config."):].partition("=")
             overrides[key] = sweep.parse_value(base, key, text)
     config = config_lib.load_config(spec, overrides)
-    config_lib.validate(config, devices, sweep.trainer_names())
+    start.validate(config, devices, sweep.trainer_names())
     return config
 
 

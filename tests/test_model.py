@@ -188,7 +188,7 @@ def test_bf16_embedding_rows_gathered_as_bits_keep_values_and_gradient():
 def test_bf16_projections_accumulate_in_float32():
     """A bf16 Linear multiplies with float32 accumulation and rounds once: equal (within one bf16
     rounding) to the product of the operands upcast to float32."""
-    from rlvr.models.transformer import _matmul
+    from rlvr.models.layers import _matmul
 
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((4, 256)), jnp.bfloat16)

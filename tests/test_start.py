@@ -150,9 +150,9 @@ def test_a_warm_start_on_a_checkpoint_must_be_asked_for(hf_dir):
     config = rl_config(hf_dir, **{"rl.sft_steps": 10})
     with pytest.raises(config_lib.ConfigError, match=r"rl\.sft_steps=10 would run an SFT warm start.*"
                                                       r"rl\.sft_steps=0.*rl\.sft_on_checkpoint=True"):
-        config_lib.validate(config, jax.device_count(), TRAINERS)
-    config_lib.validate(rl_config(hf_dir, **{"rl.sft_steps": 10, "rl.sft_on_checkpoint": True}), jax.device_count(),
-                        TRAINERS)
+        start.validate(config, jax.device_count(), TRAINERS)
+    start.validate(rl_config(hf_dir, **{"rl.sft_steps": 10, "rl.sft_on_checkpoint": True}), jax.device_count(),
+                   TRAINERS)
     with pytest.raises(config_lib.ConfigError, match=r"rl\.max_new_tokens is not set"):
         start.resolve(rl_config(hf_dir, **{"rl.max_new_tokens": 0}))
 

@@ -5,7 +5,7 @@ malformed answers score 0."""
 import numpy as np
 
 from rlvr.tasks.base import HELD_OUT
-from rlvr.tasks.rendering import image_of
+from rlvr.tasks.rendered import image_of
 from rlvr.tasks.ui_screens import (
     FIELD_VALUES,
     FORMS,

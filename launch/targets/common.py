@@ -33,14 +33,14 @@ def check(experiment, accelerator: Accelerator, aot_check: bool, hbm_fraction: f
     off) the fit check. Raises OptionError / fit.FitError (both ValueError) naming the job."""
     from rlvr.launch import sweep
 
-    from rlvr import config_lib
+    from rlvr import config_lib, start
 
     if not 0 < hbm_fraction <= 1:
         raise OptionError(f"--hbm_fraction={hbm_fraction}: must be in (0, 1].")
     for job in experiment.jobs:
         config = config_lib.load_config(experiment.config_spec, job.overrides)
         try:
-            config_lib.validate(config, accelerator.devices, sweep.trainer_names())
+            start.validate(config, accelerator.devices, sweep.trainer_names())
         except config_lib.ConfigError as e:
             raise OptionError(f"job {job.name} on {accelerator.spec} ({accelerator.devices} devices): {e}") from None
     if not aot_check:

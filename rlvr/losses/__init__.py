@@ -53,8 +53,7 @@ def model_values(cfg, params, tokens: jax.Array, positions=None, segment_ids=Non
 
 def _hidden_and_values(cfg, params, tokens, positions, segment_ids, values: bool, rng=None, images=None):
     """(final-norm hidden states [B, T, E], value-head predictions [B, T] or None)."""
-    from rlvr.models.transformer import Transformer, dropout_rngs
-    from rlvr.models.vision import VisionLanguageModel
+    from rlvr.models.transformer import Transformer, VisionLanguageModel, dropout_rngs
 
     if values and not cfg.value_head:
         raise ValueError("model.value_head is False; set it to True to use value predictions.")

@@ -1,4 +1,5 @@
-"""Hugging Face interop: config translation, the one parameter name table, load and export.
+"""Hugging Face interop: config translation, the one parameter name table, load and export (the decoders
+and the Qwen2.5-VL VLM).
 
 `PARAM_TABLE` is the single source of truth for how a Hugging Face tensor maps to an rlvr
 parameter. Each `HFParam` says, declaratively:
@@ -178,9 +179,7 @@ def iter_hf_tensors(cfg: ModelConfig, params: Params) -> Iterator[tuple[str, np.
 def to_hf_tensors(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
     """All parameters as `{hf_name: numpy array}` in HF layout (value head excluded)."""
     if cfg.vision is not None:
-        from rlvr.models import vlm_hf
-
-        return vlm_hf.to_hf_tensors(cfg, params)
+        return vlm_to_hf_tensors(cfg, params)
     return dict(iter_hf_tensors(cfg, params))
 
 
@@ -249,10 +248,8 @@ def _sliding_from_hf(hf: Mapping[str, Any], model_type: str) -> int:
 def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
     """A `ModelConfig` from a HF `config.json` dict (llama / qwen2 / qwen3 / mistral; qwen2_5_vl: a VLM)."""
     model_type = hf.get("model_type")
-    if model_type == "qwen2_5_vl":
-        from rlvr.models import vlm_hf
-
-        return vlm_hf.config_from_hf(hf, **overrides)
+    if model_type == VLM_MODEL_TYPE:
+        return vlm_config_from_hf(hf, **overrides)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"config.json model_type={model_type!r} is not supported; supported model types "
                          f"are {SUPPORTED_MODEL_TYPES}.")
@@ -304,9 +301,7 @@ def _check_exportable(cfg: ModelConfig) -> None:
 def config_to_hf(cfg: ModelConfig, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A `config.json` dict that transformers 5.x (and 4.x / SGLang) loads."""
     if cfg.vision is not None:
-        from rlvr.models import vlm_hf
-
-        out = vlm_hf.config_to_hf(cfg) | dict(extra or {})
+        out = vlm_config_to_hf(cfg) | dict(extra or {})
         # the special ids in the decoder's config too (else transformers takes Qwen's 151645 as the eos)
         out["text_config"] |= {k: v for k, v in (extra or {}).items() if k.endswith("_token_id")}
         return out
@@ -438,9 +433,7 @@ def load_hf_checkpoint(
     if mesh is None:
         mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
     if cfg.vision is not None:
-        from rlvr.models import vlm_hf
-
-        return cfg, vlm_hf.load_vlm_params(cfg, path, mesh, rules)
+        return cfg, load_vlm_params(cfg, path, mesh, rules)
     files = weight_files(path)
     _check_names(cfg, files.keys())
     return cfg, load_table(cfg, table_for(cfg), files, abstract_params(cfg), param_shardings(cfg, mesh, rules))
@@ -525,8 +518,136 @@ def export_hf_checkpoint(
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump(ids, f, indent=2)
     if cfg.vision is not None:  # a VLM: its image processor's settings (`AutoProcessor`, SGLang)
-        from rlvr.models import vlm_hf
-
         with open(os.path.join(out_dir, "preprocessor_config.json"), "w") as f:
-            json.dump(vlm_hf.processor_config(cfg.vision), f, indent=2)
+            json.dump(processor_config(cfg.vision), f, indent=2)
     write_safetensors(to_hf_tensors(cfg, params), out_dir, max_shard_bytes)
+
+
+# --- the Qwen2.5-VL-layout VLM (rlvr.models.vision) ------------------------------------------------------
+# The decoder's tensors are the text model's (`PARAM_TABLE`, family qwen2, same names: HF saves Qwen2.5-VL as
+# `model.layers.*`, `lm_head.weight`); the encoder's are `VISION_TABLE`, rows of the same `HFParam` kind over
+# `VisionConfig.dim_sizes`. Loading reads each device shard straight into place (`load_table`), as the text
+# path does; the load / export / config functions above hand a `qwen2_5_vl` checkpoint (or a config with
+# `vision`) to the `vlm_*` functions here.
+
+VLM_MODEL_TYPE = "qwen2_5_vl"
+
+_B = "visual.blocks.{i}."
+_HD = ("heads", "head_dim")
+VISION_TABLE: tuple[HFParam, ...] = (
+    _row("visual.patch_embed.proj.weight", "visual/patch_embed/kernel",
+         (("embed",), ("channels",), ("frames",), ("patch",), ("patch",)), (1, 2, 3, 4, 0)),
+    _row(_B + "norm1.weight", "visual/blocks/norm1/scale", (("embed",),), (0,)),
+    _row(_B + "norm2.weight", "visual/blocks/norm2/scale", (("embed",),), (0,)),
+    _row(_B + "attn.qkv.weight", "visual/blocks/qkv/kernel", (("qkv", *_HD), ("embed",)), (3, 0, 1, 2)),
+    _row(_B + "attn.qkv.bias", "visual/blocks/qkv/bias", (("qkv", *_HD),), (0, 1, 2)),
+    _row(_B + "attn.proj.weight", "visual/blocks/proj/kernel", (("embed",), _HD), (1, 2, 0)),
+    _row(_B + "attn.proj.bias", "visual/blocks/proj/bias", (("embed",),), (0,)),
+    *(_row(_B + f"mlp.{name}.weight", f"visual/blocks/{name}/kernel", dims, (1, 0))
+      for name, dims in (("gate_proj", (("mlp",), ("embed",))), ("up_proj", (("mlp",), ("embed",))),
+                         ("down_proj", (("embed",), ("mlp",))))),
+    *(_row(_B + f"mlp.{name}.bias", f"visual/blocks/{name}/bias", ((dim,),), (0,))
+      for name, dim in (("gate_proj", "mlp"), ("up_proj", "mlp"), ("down_proj", "embed"))),
+    _row("visual.merger.ln_q.weight", "visual/ln_q/scale", (("embed",),), (0,)),
+    _row("visual.merger.mlp.0.weight", "visual/merger_fc1/kernel", (("merged",), ("merged",)), (1, 0)),
+    _row("visual.merger.mlp.0.bias", "visual/merger_fc1/bias", (("merged",),), (0,)),
+    _row("visual.merger.mlp.2.weight", "visual/merger_fc2/kernel", (("out",), ("merged",)), (1, 0)),
+    _row("visual.merger.mlp.2.bias", "visual/merger_fc2/bias", (("out",),), (0,)),
+)
+
+
+def _vlm_text_dict(config: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
+    """The decoder's HF fields as a qwen2 config (nested `text_config` of transformers 5, or the flat
+    hub layout), and the M-RoPE sections."""
+    text = dict(config.get("text_config") or config)
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or config.get("rope_scaling") or {})
+    section = tuple(rope.pop("mrope_section", ()))
+    if rope.get("type") == "mrope" or rope.get("rope_type") == "mrope":
+        rope = {k: v for k, v in rope.items() if k != "type"} | {"rope_type": "default"}
+    rope.setdefault("rope_theta", text.get("rope_theta", 1e6))
+    text |= {"model_type": "qwen2", "rope_parameters": rope, "rope_scaling": None,
+             "tie_word_embeddings": config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
+    return text, section
+
+
+def vlm_config_from_hf(config: Mapping[str, Any], **overrides: Any) -> ModelConfig:
+    """The VLM's config (the decoder's, with `vision`) from a Qwen2.5-VL `config.json` dict."""
+    if config.get("model_type") != VLM_MODEL_TYPE:
+        raise ValueError(f"config.json model_type={config.get('model_type')!r}: the VLM loader reads "
+                         f"{VLM_MODEL_TYPE!r} checkpoints (Qwen2.5-VL layout).")
+    text, section = _vlm_text_dict(config)
+    cfg = config_from_hf(text, mrope_section=section, **{k: v for k, v in overrides.items() if k != "vision"})
+    vision = dict(config["vision_config"])
+    if vision.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"vision_config.hidden_act={vision['hidden_act']!r}: the encoder's MLP is SwiGLU (silu).")
+    theta = (vision.get("rope_parameters") or {}).get("rope_theta", 10_000.0)
+    ids = {k: config[k] for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id") if k in config}
+    vcfg = VisionConfig(
+        hidden_size=vision["hidden_size"], intermediate_size=vision["intermediate_size"],
+        num_layers=vision["depth"], num_heads=vision["num_heads"], out_hidden_size=vision["out_hidden_size"],
+        in_channels=vision.get("in_channels", vision.get("in_chans", 3)), patch_size=vision["patch_size"],
+        temporal_patch_size=vision["temporal_patch_size"], spatial_merge_size=vision["spatial_merge_size"],
+        window_size=vision["window_size"], full_attention_layers=tuple(vision["fullatt_block_indexes"]),
+        rope_theta=float(theta), **ids)
+    if vcfg.out_hidden_size != cfg.hidden_size:
+        raise ValueError(f"vision_config.out_hidden_size={vcfg.out_hidden_size} must equal the decoder's "
+                         f"hidden_size={cfg.hidden_size}.")
+    return dataclasses.replace(cfg, vision=vcfg)
+
+
+def vlm_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """A transformers-5 `config.json` dict (nested text and vision configs)."""
+    vcfg = cfg.vision
+    text = config_to_hf(dataclasses.replace(cfg, vision=None))
+    text.pop("architectures")
+    text.pop("rope_scaling")
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": list(cfg.mrope_section)}
+    text["model_type"] = f"{VLM_MODEL_TYPE}_text"
+    vision = {"model_type": f"{VLM_MODEL_TYPE}_vision", "depth": vcfg.num_layers, "hidden_size": vcfg.hidden_size,
+              "intermediate_size": vcfg.intermediate_size, "num_heads": vcfg.num_heads, "hidden_act": "silu",
+              "out_hidden_size": vcfg.out_hidden_size, "in_channels": vcfg.in_channels,
+              "patch_size": vcfg.patch_size, "temporal_patch_size": vcfg.temporal_patch_size,
+              "spatial_merge_size": vcfg.spatial_merge_size, "window_size": vcfg.window_size,
+              "fullatt_block_indexes": list(vcfg.full_attention_layers),
+              "rope_parameters": {"rope_type": "axial", "rope_theta": vcfg.rope_theta}}
+    return {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": VLM_MODEL_TYPE,
+            "text_config": text, "vision_config": vision, "tie_word_embeddings": cfg.tie_word_embeddings,
+            "image_token_id": vcfg.image_token_id, "vision_start_token_id": vcfg.vision_start_token_id,
+            "vision_end_token_id": vcfg.vision_end_token_id, "dtype": cfg.param_dtype}
+
+
+def processor_config(vcfg: VisionConfig) -> dict[str, Any]:
+    """`preprocessor_config.json` of an export: the Qwen2-VL image processor set to what
+    `rlvr.data.images.preprocess` does (CLIP mean/std, bicubic resize to multiples of the merged patch
+    within MIN_PIXELS..MAX_PIXELS), so transformers' and SGLang's processors give the patches we trained on."""
+    from rlvr.data import images
+
+    return {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+            "do_convert_rgb": True, "do_resize": True, "do_rescale": True, "do_normalize": True,
+            "rescale_factor": 1 / 255, "resample": 3, "image_mean": list(images.CLIP_MEAN),
+            "image_std": list(images.CLIP_STD), "min_pixels": images.MIN_PIXELS, "max_pixels": images.MAX_PIXELS,
+            "size": {"shortest_edge": images.MIN_PIXELS, "longest_edge": images.MAX_PIXELS},
+            "patch_size": vcfg.patch_size, "temporal_patch_size": vcfg.temporal_patch_size,
+            "merge_size": vcfg.spatial_merge_size}
+
+
+def load_vlm_params(cfg: ModelConfig, path: str, mesh: Mesh, rules: sharding.Rules) -> Params:
+    """The VLM's params (`cfg` from `config_from_hf`) from a checkpoint directory, each shard read into place."""
+    files = weight_files(path)
+    missing = [n for e in VISION_TABLE for n in e.names(cfg.vision) if n not in files]
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} vision tensors, e.g. {missing[:3]}; is it Qwen2.5-VL?")
+    shapes, shardings = abstract_params(cfg), param_shardings(cfg, mesh, rules)
+    text_cfg = dataclasses.replace(cfg, vision=None)
+    params = load_table(text_cfg, table_for(text_cfg), files, shapes, shardings)
+    return params | load_table(cfg.vision, list(VISION_TABLE), files, shapes, shardings)
+
+
+def vlm_to_hf_tensors(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
+    """All parameters as `{hf_name: numpy array}` in the HF layout."""
+    tensors = to_hf_tensors(dataclasses.replace(cfg, vision=None), params)
+    for entry in VISION_TABLE:
+        value = np.asarray(jax.device_get(get_path(params, entry.path)))
+        for i, name in enumerate(entry.names(cfg.vision)):
+            tensors[name] = to_hf(entry, cfg.vision, value[i] if entry.per_layer else value)
+    return tensors

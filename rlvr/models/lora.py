@@ -36,7 +36,7 @@ from jax.sharding import Mesh
 
 from rlvr.models import params as params_lib
 from rlvr.models.config import LORA_TARGETS, QUANTIZE, LoraConfig, ModelConfig
-from rlvr.models.transformer import dequantize, pack_int4
+from rlvr.models.layers import dequantize, pack_int4
 
 Params = dict[str, Any]
 ADAPTER_LEAVES = ("lora_a", "lora_b")

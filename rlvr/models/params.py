@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from rlvr import sharding
 from rlvr.models.config import ModelConfig
-from rlvr.models.transformer import Transformer
+from rlvr.models.transformer import Transformer, init_vlm_boxed
 
 Params = dict[str, Any]
 
@@ -21,8 +21,6 @@ def init_boxed(cfg: ModelConfig, rng: jax.Array):
     """The model's params with their logical-axis boxes (flax `Partitioned`); a VLM's (`cfg.vision`)
     include its encoder's under `visual`."""
     if cfg.vision is not None:
-        from rlvr.models.vision import init_vlm_boxed
-
         return init_vlm_boxed(cfg, rng)
     tokens = jnp.zeros((1, 1), jnp.int32)
     return Transformer(cfg).init(rng, tokens)["params"]

@@ -3,9 +3,9 @@
 Reading order: `ImageInputs` (what a batch carries for its images, built on the host by
 `image_inputs` from the processor's patches and grids), `VisionTransformer` (the ViT: patch
 embedding, blocks with 2-D RoPE and windowed or full attention, the 2x2 patch merger),
-`VisionLanguageModel` (the decoder of rlvr.models.transformer with image features written at the
-`<|image_pad|>` placeholders and M-RoPE positions from `mrope_positions`); run it with
-`rlvr.models.transformer.forward(cfg, params, ..., images=ImageInputs)`.
+`rlvr.models.transformer.VisionLanguageModel` (the decoder with image features written at the
+`<|image_pad|>` placeholders and M-RoPE positions from `mrope_positions`; it lives beside the decoder,
+which runs it from `forward(cfg, params, ..., images=ImageInputs)`).
 
 Layout, as HF's `Qwen2_5_VLForConditionalGeneration`:
 * patches arrive flattened [channels*2*14*14] in merge-block order (the 4 patches of each 2x2
@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlvr.models.config import ModelConfig, VisionConfig
-from rlvr.models.transformer import Linear, RMSNorm, Transformer, apply_rope, dot_product_attention
+from rlvr.models.config import VisionConfig
+from rlvr.models.layers import Linear, RMSNorm, apply_rope, dot_product_attention
 
 Params = dict[str, Any]
 
@@ -231,37 +231,6 @@ def scatter_image_features(embeds: jax.Array, tokens: jax.Array, features: jax.A
     index = jnp.clip(jnp.cumsum(is_image, axis=1) - 1, 0, features.shape[1] - 1)
     gathered = jnp.take_along_axis(features.astype(embeds.dtype), index[..., None], axis=1)
     return jnp.where(is_image[..., None], gathered, embeds)
-
-
-class VisionLanguageModel(Transformer):
-    """The decoder (`Transformer`, its parameters at the same paths) with a `visual` encoder
-    (`cfg.vision`)."""
-
-    def setup(self):
-        super().setup()
-        self.visual = VisionTransformer(self.cfg.vision, self.cfg.dtype, self.cfg.param_dtype)
-
-    def __call__(self, tokens, positions=None, segment_ids=None, images: ImageInputs | None = None, cache=None):
-        """(logits float32 [B, T, V], cache); without `images`, the text model."""
-        if images is None:
-            return super().__call__(tokens, positions, segment_ids, cache)
-        x, cache = self.image_hidden_states(tokens, positions, segment_ids, images, cache)
-        return self.logits(x), cache
-
-    def image_hidden_states(self, tokens, positions, segment_ids, images: ImageInputs, cache=None):
-        """`hidden_states` with the images' features at the placeholders and M-RoPE positions."""
-        features = self.visual(images.patches, images.vit_positions, images.frame_ids, images.window_ids)
-        embeds = scatter_image_features(self.embed(tokens), tokens, features, self.cfg.vision.image_token_id)
-        return self.hidden_states(tokens, positions, segment_ids, cache, embeds, images.rope_positions)
-
-
-def init_vlm_boxed(cfg: ModelConfig, rng: jax.Array):
-    """The VLM's params with their logical-axis boxes, from a one-image dummy batch."""
-    v = cfg.vision
-    grid = [(1, v.spatial_merge_size, v.spatial_merge_size)]
-    tokens = np.full((1, 1), v.image_token_id)
-    dummy = image_inputs(v, [np.zeros((v.merge_unit, v.patch_dim), np.float32)], [grid], tokens, np.ones_like(tokens))
-    return VisionLanguageModel(cfg).init(rng, jnp.asarray(tokens), None, None, dummy)["params"]
 
 
 IMAGE_KEYS = ImageInputs._fields

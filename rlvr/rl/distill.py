@@ -18,42 +18,12 @@ estimate is replaced by the exact per-position term: the train step runs the tea
 adds rl.distill_coef · Σ_v π_student(v)(log π_student(v) − log π_teacher(v)) at every sampled position
 to the loss (`rlvr.rl.objective`, `rlvr.losses.distill.full_reverse_kl`; the raw softmaxes), both
 models' logits in chunks. Either way neither model's [tokens × vocab] logits are materialised.
-`rl.teacher_step` picks a workdir teacher's checkpoint (0 = its latest).
+`rl.teacher_step` picks a workdir teacher's checkpoint (0 = its latest); `rlvr.api.load_teacher` loads it.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
-from jax.sharding import Mesh
-
-from rlvr.config_lib import ConfigError
-
-
-def load_teacher(path: str, mesh: Mesh, vocab: int, field: str = "rl.teacher", step: int = 0):
-    """(ModelConfig, plain params) of the teacher at `path` (an HF directory or an rlvr workdir: a LoRA
-    run's adapters merged; its checkpoint `step`, 0 = the latest), without a value head; also the SFT
-    job's logit-distillation teacher (`distill.teacher`, rlvr.losses.distill). `vocab`: the student
-    tokenizer's size, which the teacher's vocabulary must cover; `field`: the config key named in errors."""
-    from rlvr import api, start
-    from rlvr.models import hf, lora
-
-    kind = start.init_overrides(path)  # raises a ConfigError naming the path when it is neither
-    if "init.hf_checkpoint" in kind:
-        if step:
-            raise ConfigError(f"{field}_step={step}: {path!r} is a Hugging Face directory (one set of weights); "
-                              "a checkpoint step applies to an rlvr workdir teacher only: set it to 0.")
-        cfg, params = hf.load_hf_checkpoint(path, mesh=mesh)
-    else:
-        model = api.load_trained(path, step or None, mesh=mesh)
-        cfg, params = lora.without_lora(model.cfg), lora.merge(model.cfg, model.params)
-    params = {k: v for k, v in params.items() if k != "value_proj"}
-    cfg = dataclasses.replace(cfg, value_head=False)
-    if cfg.vocab_size < vocab:
-        raise ConfigError(f"{field}={path!r}: its vocabulary ({cfg.vocab_size}) is smaller than the student "
-                          f"tokenizer's ({vocab}); the teacher must share the student's tokenizer.")
-    return cfg, params
 
 
 def teacher_token_advantages(behaviour_logp: list[np.ndarray], teacher_logp: list[np.ndarray],

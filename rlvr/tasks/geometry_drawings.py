@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from rlvr.tasks.base import Task
-from rlvr.tasks.rendering import RenderedFamily, canvas, exact_number, font, image_task
+from rlvr.tasks.rendered import RenderedFamily, canvas, exact_number, font, image_task
 
 FILL, LINE, GRID_LINE, TEXT = "#c6dbef", "#08519c", "#d9d9d9", "#000000"
 LEVELS = {0: "rectangle_area", 1: "right_triangle_area", 2: "third_angle", 3: "segment_length"}

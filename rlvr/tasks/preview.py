@@ -7,69 +7,19 @@
 Prints a few rendered prompts per family (exactly the text the tokens decode to), then per family the
 prompt lengths of every measured task (dataset families: all items of both splits; procedural
 families: `--per_level` tasks per level and split), and with `--max_new_tokens` the budgets a run
-would derive (`rlvr.budgets`). `measure` is what RL and eval jobs use to derive those budgets.
+would derive; the measuring is `rlvr.budgets.measure`, the one RL and eval jobs derive those budgets with.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import sys
 from collections.abc import Sequence
 
 import numpy as np
 
-from rlvr.tasks.base import HELD_OUT, TRAIN, Task
-
-PER_LEVEL = 16  # procedural families: tasks measured per level and split
-
-
-@dataclasses.dataclass(frozen=True)
-class Measured:
-    """One task's rendered prompt length."""
-
-    tokens: int
-    task: Task
-
-    def describe(self) -> str:
-        split = "held-out" if self.task.stream == HELD_OUT else "train"
-        return f"{self.task.family} level {self.task.level} #{self.task.index} ({split}): {self.tokens} tokens"
-
-
-def sample_tasks(mixture, per_level: int = PER_LEVEL) -> list[Task]:
-    """Tasks of every family of `mixture` whose prompts bound the run's: a dataset family's items of
-    both splits, else `per_level` tasks per level of the train and held-out streams."""
-    from rlvr.tasks.datasets import DatasetFamily
-
-    out = []
-    for family in mixture.families.values():
-        if isinstance(family, DatasetFamily):
-            out += family.split_tasks(TRAIN) + family.split_tasks(HELD_OUT)
-            continue
-        for level in family.levels():
-            out += [family.task(i, stream, level) for stream in (TRAIN, HELD_OUT) for i in range(per_level)]
-    return out
-
-
-def measure(tasks: Sequence[Task], tokenizer, prompt_format: str, vision=None) -> list[Measured]:
-    """Prompt lengths of the single-turn tasks (multi-turn prompts come from their environment);
-    `vision` (a VLM's VisionConfig): image placeholders counted as the model sees them."""
-    from rlvr.rl.producer import is_episode_task, prompt_ids
-
-    return [Measured(len(prompt_ids(tokenizer, t, prompt_format, vision)), t) for t in tasks
-            if not is_episode_task(t)]
-
-
-def episodic_families(tasks: Sequence[Task]) -> list[str]:
-    from rlvr.rl.producer import is_episode_task
-
-    return sorted({t.family for t in tasks if is_episode_task(t)})
-
-
-def longest(measured: Sequence[Measured], count: int = 3) -> str:
-    """The `count` longest prompts, described (for error messages)."""
-    top = sorted(measured, key=lambda m: -m.tokens)[:count]
-    return "; ".join(m.describe() for m in top)
+from rlvr import budgets
+from rlvr.budgets import PER_LEVEL, Measured, longest, measure, sample_tasks
 
 
 def family_table(measured: Sequence[Measured]) -> str:
@@ -127,9 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         print(family_table(measured))
         print(f"longest prompts: {longest(measured)}")
     if args.max_new_tokens and measured:
-        from rlvr.budgets import derive
-
-        seq_len, max_len = derive(max(m.tokens for m in measured), args.max_new_tokens, page_size=16)
+        seq_len, max_len = budgets.derive(max(m.tokens for m in measured), args.max_new_tokens, page_size=16)
         print(f"with rl.max_new_tokens={args.max_new_tokens}: rl.seq_len={seq_len}, rl.engine.max_len={max_len} "
               "(page size 16)")
     return 0
@@ -176,14 +124,14 @@ def _checkpoint_vision(path: str):
     import json
     import os
 
-    from rlvr.models import vlm_hf
+    from rlvr.models import hf
 
     config_path = os.path.join(path, "config.json") if path else ""
     if not config_path or not os.path.exists(config_path):
         return None
     with open(config_path) as f:
         config = json.load(f)
-    return vlm_hf.config_from_hf(config).vision if config.get("model_type") == vlm_hf.MODEL_TYPE else None
+    return hf.vlm_config_from_hf(config).vision if config.get("model_type") == hf.VLM_MODEL_TYPE else None
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """UI screenshots: procedurally rendered tables and forms (PIL) with verifiable answers.
 
-Two families; each task's user message holds the screenshot as an image content part (rlvr.tasks.rendering).
+Two families; each task's user message holds the screenshot as an image content part (rlvr.tasks.rendered).
 
 `ui_table`: a table of fruit sold per month, its rows numbered in a "#" column (numeric verifier, exact):
   0  3 rows, 2 months and a Total column (values 1-9): "what is the total in row k?" (read the Total cell)
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from rlvr.tasks.base import Task, pick
-from rlvr.tasks.rendering import SIZE_PX, RenderedFamily, canvas, exact_number, font, image_task
+from rlvr.tasks.rendered import SIZE_PX, RenderedFamily, canvas, exact_number, font, image_task
 
 ITEMS = ("Apples", "Pears", "Plums", "Figs", "Limes", "Kiwis", "Dates", "Grapes")
 MONTHS = ("Jan", "Feb", "Mar", "Apr")

@@ -36,7 +36,7 @@ def measure_matmul_peak(dtype: str = "float32", size: int = 1024, repeats: int =
 
     On CPU one matmul uses all cores, so this is the whole machine's figure; on
     accelerators it is per device. 16-bit operands are multiplied with float32 accumulation, as
-    the model's projections are (`transformer._matmul`; a bf16-output product runs XLA:CPU's
+    the model's projections are (`layers._matmul`; a bf16-output product runs XLA:CPU's
     upcast path at a third of that)."""
     def product(x):
         return x @ x if jnp.dtype(x.dtype).itemsize >= 4 else jnp.matmul(x, x, preferred_element_type=jnp.float32)

@@ -41,7 +41,7 @@ import numpy as np
 from rlvr import api, evaluation, observe, start
 from rlvr.envs.sandboxes import pool_counters
 from rlvr.launch.ray_workers import make_verifier_workers
-from rlvr.rl import backends, distill
+from rlvr.rl import backends
 from rlvr.rl.batching import build_batch
 from rlvr.rl.objective import sampling_of, token_means
 from rlvr.rl.producer import Producer, ProducerSettings, ScoredBatch, load_moments, passed
@@ -429,7 +429,7 @@ def start_run(config: ml_collections.ConfigDict, workdir: str) -> Run:
     ref_params = restore_or_init_state(run)
     run.backend = build_backend(config, model, run.policy_params(), tokenizer, workdir, version=run.start)
     rl, steps = config.rl, config.train.num_steps * config.rl.updates_per_batch
-    teacher_cfg, teacher = (distill.load_teacher(rl.teacher, model.mesh, tokenizer.vocab_size, step=rl.teacher_step)
+    teacher_cfg, teacher = (api.load_teacher(rl.teacher, model.mesh, tokenizer.vocab_size, step=rl.teacher_step)
                             if rl.teacher else (None, None))
     sampled = teacher is not None and rl.distill_estimator == "sampled"
     run.producer = build_producer(run, ref_params, (teacher_cfg, teacher) if sampled else None)

@@ -155,10 +155,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     tokens_per_batch = config.data.batch_size * config.data.seq_len
     loss_fn, frozen, frozen_sharding = configured_loss(config, model.cfg), None, None
     if config.distill.teacher:
-        from rlvr.rl.distill import load_teacher
-
         d = config.distill
-        teacher_cfg, teacher = load_teacher(d.teacher, model.mesh, tokenizer.vocab_size, "distill.teacher")
+        teacher_cfg, teacher = api.load_teacher(d.teacher, model.mesh, tokenizer.vocab_size, "distill.teacher")
         loss_fn = functools.partial(distill_loss, model.cfg, teacher_cfg, d.top_k, d.weight, d.chunk_size)
         frozen = {"teacher": teacher}
         frozen_sharding = jax.tree.map(lambda x: x.sharding, frozen)

@@ -181,13 +181,11 @@ class CadEnv(ToolEnv):
             self.earn("compiles", self.shaping.compiles, rewards)
 
     def judge(self) -> float:
-        from rlvr.domains.cad.families import score_script, script_of
-
         target = self.target()
         for view in render.VIEWS:  # what was asked, next to every episode (once per target: named by content)
             self._save(target.images[view], "target", view)
-        script = script_of(self.answer) if self.answer is not None else ""  # no answer: every measure logged as 0
-        scores, stl = score_script(script, self.task, episode=self.episode() if script else None)
+        script = scad.script_of(self.answer) if self.answer is not None else ""  # no answer: every measure logged as 0
+        scores, stl = scad.score_script(script, self.task, episode=self.episode() if script else None)
         self.details.update({f"cad.{k}": v for k, v in scores.items() if k != "terminal"})
         if scores["compiles"] and stl is not None:
             for view in render.VIEWS:

@@ -19,8 +19,6 @@ path where it is cached (it exists on the host; the sandbox cannot see it).
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from rlvr.domains.cad import generate as gen
@@ -28,29 +26,9 @@ from rlvr.domains.cad import scad
 from rlvr.domains.cad import verify as cv
 from rlvr.envs.families import EnvFamily
 from rlvr.tasks.base import Family, Task
-from rlvr.tasks.verifiers import strip_fences
 
 INSTRUCTION = ("Write an OpenSCAD program that builds this part. Give the whole program inside <answer></answer> "
                "tags.")
-
-
-def script_of(answer: str) -> str:
-    """The OpenSCAD program in an answer (the last fenced block, or the text)."""
-    return strip_fences(answer).strip()
-
-
-def score_script(script: str, task: Task, backend: str | None = None,
-                 episode: Any = None) -> tuple[dict[str, float], bytes | None]:
-    """(the layered score, the mesh) of `script` for `task`: run in the sandbox (or `episode`), judged on the host."""
-    from rlvr.tasks.verifiers import executor_backend
-
-    target = cv.target(scad.target_stl(task.metadata["script"]))
-    if not script.strip():
-        return cv.score(None, target), None
-    backend = backend or executor_backend()
-    executor = scad.pool(backend) if episode is None else None
-    _, stl = scad.run_candidate(script, backend=backend, episode=episode, executor=executor)
-    return cv.score(stl, target), stl
 
 
 def components(scores: dict[str, float]) -> dict[str, float]:
@@ -77,7 +55,7 @@ class CadScript(Family):
         answer = self.answer_text(completion)
         if answer is None or truncated:
             return {"terminal": 0.0, "format": 0.0}
-        return {**components(score_script(script_of(answer), task)[0]), "format": 1.0}
+        return {**components(scad.score_script(scad.script_of(answer), task)[0]), "format": 1.0}
 
     def reference_completion(self, task: Task) -> str:
         return f"<answer>\n{task.answer}</answer>"

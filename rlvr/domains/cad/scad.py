@@ -22,6 +22,10 @@ import subprocess
 import tempfile
 from typing import Any
 
+from rlvr.domains.cad import verify
+from rlvr.tasks.base import Task
+from rlvr.tasks.verifiers import strip_fences
+
 OPENSCAD = "/usr/bin/openscad"
 MAIN = "model.scad"
 ARGV = [OPENSCAD, "-o", "-", "--export-format", "binstl", MAIN]
@@ -117,3 +121,24 @@ def target_stl(script: str) -> bytes:
         return stl
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+# --- a model's answer, run and judged ------------------------------------------------------------------
+
+def script_of(answer: str) -> str:
+    """The OpenSCAD program in an answer (the last fenced block, or the text)."""
+    return strip_fences(answer).strip()
+
+
+def score_script(script: str, task: Task, backend: str | None = None,
+                 episode: Any = None) -> tuple[dict[str, float], bytes | None]:
+    """(the layered score, the mesh) of `script` for `task`: run in the sandbox (or `episode`), judged on the host."""
+    from rlvr.tasks.verifiers import executor_backend
+
+    target = verify.target(target_stl(task.metadata["script"]))
+    if not script.strip():
+        return verify.score(None, target), None
+    backend = backend or executor_backend()
+    executor = pool(backend) if episode is None else None
+    _, stl = run_candidate(script, backend=backend, episode=episode, executor=executor)
+    return verify.score(stl, target), stl

@@ -14,7 +14,7 @@ Tools (declared to the chat template):
 tool declarations, observations cut to 300 characters.
 
 Rewards (rlvr.envs.tool_env): terminal = the family's verdict on the answer (rlvr.domains.finance.families
-`score_answer`: the same check as the single-turn family, against the raw data); process
+`verify.score_answer`: the same check as the single-turn family, against the raw data); process
 `cell_located` (Shaping.cell_located x the fraction of the cells the answer rests on that a tool output
 showed: item and amount on one line) and `tool_result_in_answer` (a number a tool returned appears in
 the answer); format and safety penalties as in every tool environment.
@@ -85,11 +85,9 @@ class FinanceDocsEnv(ToolEnv):
 
     def __init__(self, task: Task, *, python: bool = False, compact: bool = False, sandbox: Any = None,
                  **options: Any):
-        from rlvr.domains.finance.families import shown_values
-
         self.filing = gen.Filing.from_json(task.metadata["filing"])
         self.check = task.metadata["check"]
-        self.values = shown_values(self.filing, self.check)
+        self.values = gen.shown_values(self.filing, self.check)
         self.lines = [ln for ln in gen.to_markdown(self.filing, self.values).splitlines() if ln.strip()]
         self.python, self.sandbox, self.compact = python, sandbox, compact
         self.outputs: list[str] = []  # successful tool outputs
@@ -172,11 +170,9 @@ class FinanceDocsEnv(ToolEnv):
             self.earn("tool_result_in_answer", self.shaping.tool_result_in_answer, rewards)
 
     def judge(self) -> float:
-        from rlvr.domains.finance.families import score_answer
-
         if self.answer is None:
             return 0.0
-        return float(score_answer(self.answer, self.filing, self.check)["terminal"])
+        return float(fv.score_answer(self.answer, self.filing, self.check)["terminal"])
 
     def options(self) -> dict[str, Any]:
         return {**super().options(), "python": self.python, "compact": self.compact}

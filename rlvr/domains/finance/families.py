@@ -157,28 +157,7 @@ def make_question(rng: np.random.Generator, level: int) -> tuple[gen.Filing, str
     raise RuntimeError(f"finance level {level}: no unambiguous question in 50 filings")
 
 
-def shown_values(filing: gen.Filing, check: dict) -> dict:
-    """The values the document shows (level 3: one cell altered)."""
-    if check["type"] != "fix":
-        return filing.values
-    values = {k: dict(v) for k, v in filing.values.items()}
-    values[check["shown"]["item"]][check["shown"]["year"]] = check["shown"]["value"]
-    return values
-
-
 # --- scoring and probes ----------------------------------------------------------------------------------
-
-def score_answer(answer: str, filing: gen.Filing, check: dict) -> dict[str, float]:
-    """{"terminal", "process"?} of an answer text against the raw data."""
-    kind = check["type"]
-    if kind == "amount":
-        return {"terminal": float(fv.same_amount(answer, filing.value(check["item"], check["year"]), filing))}
-    if kind == "ratio":
-        return {"terminal": float(fv.check_ratio(answer, fv.F(check["exact"])))}
-    if kind == "fix":
-        return {"terminal": fv.check_cell_fix(answer, filing, check["item"], check["year"])}
-    return fv.check_conclusion(answer, filing, check["truth"])
-
 
 def wrong_unit_word(filing: gen.Filing) -> str:
     return "million" if filing.unit == "thousands" else "thousand"
@@ -252,7 +231,7 @@ class FinanceDocs(Family):
         return list(LEVELS)
 
     def document(self, filing: gen.Filing, check: dict) -> str:
-        values = shown_values(filing, check)
+        values = gen.shown_values(filing, check)
         return gen.to_html(filing, values) if self.render == "html" else gen.to_markdown(filing, values)
 
     def question_task(self, rng: np.random.Generator, level: int) -> tuple[gen.Filing, str, str, dict, dict]:
@@ -271,7 +250,7 @@ class FinanceDocs(Family):
         if answer is None or truncated:
             return {"terminal": 0.0, "format": 0.0}
         filing = gen.Filing.from_json(task.metadata["filing"])
-        return {**score_answer(answer, filing, task.metadata["check"]), "format": 1.0}
+        return {**fv.score_answer(answer, filing, task.metadata["check"]), "format": 1.0}
 
     def audit_probes(self, task: Task) -> list[tuple[str, str]]:
         filing = gen.Filing.from_json(task.metadata["filing"])

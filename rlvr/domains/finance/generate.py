@@ -322,3 +322,12 @@ def to_pdf(filing: Filing, values: dict | None = None) -> bytes:
     out = io.BytesIO()
     SimpleDocTemplate(out, pagesize=A4, title=filing.company, invariant=1).build(story)
     return out.getvalue()
+
+
+def shown_values(filing: Filing, check: dict) -> dict:
+    """The values the document shows (level 3: one cell altered)."""
+    if check["type"] != "fix":
+        return filing.values
+    values = {k: dict(v) for k, v in filing.values.items()}
+    values[check["shown"]["item"]][check["shown"]["year"]] = check["shown"]["value"]
+    return values

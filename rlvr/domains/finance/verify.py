@@ -229,3 +229,15 @@ def claim(metric: str, filing: Filing, year: int, values: Mapping[tuple[str, int
 
 def amount_str(value: int) -> str:
     return f"{value:,}"
+
+
+def score_answer(answer: str, filing: Filing, check: dict) -> dict[str, float]:
+    """{"terminal", "process"?} of an answer text against the raw data."""
+    kind = check["type"]
+    if kind == "amount":
+        return {"terminal": float(same_amount(answer, filing.value(check["item"], check["year"]), filing))}
+    if kind == "ratio":
+        return {"terminal": float(check_ratio(answer, F(check["exact"])))}
+    if kind == "fix":
+        return {"terminal": check_cell_fix(answer, filing, check["item"], check["year"])}
+    return check_conclusion(answer, filing, check["truth"])
