@@ -225,7 +225,10 @@ def _to_python(value: Any) -> Any:
 class Progress:
     """A one-line progress display: `step 40/100 [####----] loss=1.23 2.1 it/s`."""
 
-    def __init__(self, total: int, start: int = 0, stream=sys.stderr, width: int = 24):
+    def __init__(self, total: int, start: int = 0, stream=None, width: int = 24):
+        # sys.stderr looked up per bar, not bound at import: a replaced stderr (pytest's capture, a
+        # notebook's) may be closed by the next bar's time.
+        stream = sys.stderr if stream is None else stream
         self.total, self.start, self.stream, self.width = total, start, stream, width
         self.t0 = time.perf_counter()
         self.tty = stream.isatty()
