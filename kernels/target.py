@@ -113,3 +113,20 @@ def compiled_report(compiled) -> dict[str, Any]:
             "flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
             "collectives": {kind: len(re.findall(rf"\s{kind}(?:-start)?\(", text)) for kind in COLLECTIVES},
             "mosaic_kernels": text.count(MOSAIC_CALL)}
+
+
+_HBM_REFUSAL = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM "
+                          r"\(([\d.]+)([KMGT])\)")
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def hbm_refusal(error: Exception) -> dict[str, Any] | None:
+    """The TPU compiler's refusal of a program too large for a chip ("Ran out of memory on HBM"), as a
+    report: the bytes it said the program's temporaries need (a lower bound on the total) and the
+    chip's available HBM; None for any other error. A refusal is a verdict (does not fit), not a crash."""
+    found = _HBM_REFUSAL.search(str(error))
+    if found is None:
+        return None
+    needed, available = (float(found.group(i)) * _UNITS[found.group(i + 1)] for i in (1, 3))
+    return {"refused": str(error).strip().splitlines()[0][:300], "per_device_total_bytes": int(needed),
+            "available_bytes": int(available), "per_device_bytes": None}

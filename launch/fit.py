@@ -156,8 +156,9 @@ def analyze_job(config, topology: str | None = None) -> dict[str, Any]:
 
     if config.job in ("sft", "dpo", "rm"):
         report = aot.analyze(config, topology)
+        note = report["compiler"] + (f"; refused: {report['refused']}" if report.get("refused") else "")
         return {"needed_bytes": report["per_device_total_bytes"],
-                "components": {"train_step": report["per_device_total_bytes"]}, "note": report["compiler"]}
+                "components": {"train_step": report["per_device_total_bytes"]}, "note": note}
     if config.job == "rl":
         return analyze_rl(config, topology)
     return {"needed_bytes": None, "components": {},
@@ -197,9 +198,11 @@ def analyze_rl(config, topology: str | None = None) -> dict[str, Any]:
     use_ref = rl.reference_model or rl.kl_coef > 0
     if use_ref and not program.in_step_reference and base is None:  # (a LoRA policy's reference is its base)
         components["reference_params"] = params
-    notes = [report["compiler"]]
+    notes = [report["compiler"]] + (["train step refused: " + report["refused"]] if report.get("refused") else [])
     if rl.backend == "embedded" and topology is not None:  # the engine's programs, compiled too
         engine = aot.analyze_engine(config, topology)
+        notes += [f"engine {name} refused: {r['refused']}"
+                  for name, r in engine["programs"].items() if r.get("refused")]
         components.update(engine_params=engine["engine_params_bytes"], engine_kv_cache=engine["engine_pool_bytes"],
                           engine_temp=engine["temp_bytes"])
     elif rl.backend == "embedded":

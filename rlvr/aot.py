@@ -12,7 +12,9 @@ beside the train step and are added to the total). The state is
 ShapeDtypeStructs with shardings on a mesh of the target's devices. It prints one JSON line: per-chip
 argument/output/temp/alias bytes (`memory_analysis`), FLOPs and bytes accessed (`cost_analysis`), the
 collectives and Pallas (Mosaic) kernels in the compiled HLO, compile seconds, and the verdict against
-the chip's HBM (`--hbm_gib`, default the topology's chip); it exits 1 when the job does not fit.
+the chip's HBM (`--hbm_gib`, default the topology's chip); it exits 1 when the job does not fit. A program
+the TPU compiler refuses as too large for a chip's HBM is reported as not fitting (`refused`, with the
+temporaries' size it gave as a lower bound), not as a crash.
 
 With `--topology` the target platform is the TPU (`rlvr.kernels.target.compile_for`): attention
 'flash' builds its Mosaic kernels, and the numbers are the TPU compiler's. Without it, XLA:CPU's buffer
@@ -170,27 +172,31 @@ def target_devices(topology: str | None):
 
 def analyze(config, topology: str | None = None) -> dict[str, Any]:
     """Compiles the job's train step for `config.mesh` over the target's devices (a TPU `topology`, or
-    the visible devices) without allocating, and returns the report (`program_report`) plus the
+    the visible devices) without allocating, and returns the report (`compiled_report`, or `hbm_refusal`) plus the
     parameter and optimizer-state bytes in all."""
     import jax
 
     from rlvr import sharding
+    from rlvr.kernels.target import compiled_report, hbm_refusal
 
     devices, context, compiler = target_devices(topology)
     mesh = sharding.make_mesh(dict(config.mesh), devices)
     started = time.perf_counter()
     program = train_step_program(config, mesh)  # abstract values only: built on the host
     with context:  # traced, lowered and compiled for the target
-        compiled = program.step.lower(*program.args).compile()
-    from rlvr.kernels.target import compiled_report
-
+        try:
+            report = compiled_report(program.step.lower(*program.args).compile())
+        except Exception as error:  # the TPU compiler refuses a program that cannot fit a chip
+            report = hbm_refusal(error)
+            if report is None:
+                raise
     state, base = program.args[0], program.args[4]
     nbytes = lambda tree: int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
     return {"job": config.job, "compiler": compiler, "topology": topology, "devices": len(devices),
             "mesh": dict(mesh.shape), "params": program.cfg.num_params(), "attention": program.cfg.attention,
             "param_bytes_total": nbytes(state["params"]) + nbytes(base), "trained_param_bytes": nbytes(state["params"]),
             "optimizer_state_bytes": nbytes(state["opt_state"]), "in_step_reference": program.in_step_reference,
-            "compile_s": round(time.perf_counter() - started, 1), **compiled_report(compiled)}
+            "compile_s": round(time.perf_counter() - started, 1), **report}
 
 
 def analyze_engine(config, topology: str | None = None, programs=("prefill", "decode")) -> dict[str, Any]:
@@ -200,7 +206,7 @@ def analyze_engine(config, topology: str | None = None, programs=("prefill", "de
     Per chip: the engine's weights, KV pool, and each program's report (`compiled_report`);
     `temp_bytes` is the larger program's temp (they never run at once)."""
     from rlvr import sharding
-    from rlvr.kernels.target import compiled_report
+    from rlvr.kernels.target import compiled_report, hbm_refusal
     from rlvr.models import params as params_lib
     from rlvr.rollout import compile_check
 
@@ -212,12 +218,22 @@ def analyze_engine(config, topology: str | None = None, programs=("prefill", "de
                   dtype=engine.dtype, kv_dtype=engine.kv_dtype or engine.dtype, decode_steps=engine.decode_steps,
                   prefill_rows=engine.prefill_rows, prefill_chunk=engine.prefill_chunk)
     sizes = compile_check.engine_sizes(cfg, params, mesh, **kwargs)
-    with context:
-        compiled = compile_check.engine_programs(cfg, params, mesh, programs=tuple(programs), **kwargs)
-    reports = {name: {**compiled_report(program), "compile_s": round(compile_check.compile_seconds[name], 1)}
-               for name, program in compiled.items()}
+    reports, temp = {}, 0
+    for name in programs:
+        started = time.perf_counter()
+        with context:
+            try:
+                [compiled] = compile_check.engine_programs(cfg, params, mesh, programs=(name,), **kwargs).values()
+                reports[name] = compiled_report(compiled)
+                temp = max(temp, reports[name]["per_device_bytes"]["temp"])
+            except Exception as error:  # refused as too large for a chip: its temporaries are the lower bound
+                reports[name] = hbm_refusal(error)
+                if reports[name] is None:
+                    raise
+                temp = max(temp, reports[name]["per_device_total_bytes"] - sizes["params"] - sizes["pool"])
+        reports[name]["compile_s"] = round(time.perf_counter() - started, 1)
     return {"compiler": compiler, "engine_params_bytes": sizes["params"], "engine_pool_bytes": sizes["pool"],
-            "temp_bytes": max(r["per_device_bytes"]["temp"] for r in reports.values()), "programs": reports}
+            "temp_bytes": temp, "programs": reports}
 
 
 def main(argv: list[str]) -> int:

@@ -137,3 +137,18 @@ def test_flash_under_a_mesh_equals_the_reference_in_interpret_mode():
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
     for name, g, ref in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
         np.testing.assert_allclose(g, ref, atol=5e-5, err_msg=name)
+
+
+def test_a_program_too_large_for_the_chip_is_a_refusal_not_a_crash():
+    """The TPU compiler refuses a program whose temporaries exceed a v5e chip's 16 GiB: `hbm_refusal`
+    turns that into a report (the size it gave, as a lower bound) and any other error into None."""
+    from rlvr.kernels.target import hbm_refusal
+
+    x = jax.ShapeDtypeStruct((46000,), jnp.float32)  # two sorted 46k x 46k outer products: ~24 GiB of temps
+    with compile_for("v5e:2x2"), pytest.raises(Exception) as refused:
+        jax.jit(lambda x: jnp.sort(jnp.outer(x, x).ravel())[:8] + jnp.sort(jnp.outer(x + 1, x).ravel())[:8]).lower(
+            x).compile()
+    report = hbm_refusal(refused.value)
+    assert report is not None, f"not recognised as a refusal: {refused.value}"
+    assert report["per_device_total_bytes"] > report["available_bytes"] > 15 * 2**30
+    assert hbm_refusal(ValueError("something else")) is None
