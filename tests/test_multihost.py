@@ -185,18 +185,19 @@ RL_OVERRIDES = {"train.tensorboard": False, "seed": 2}
 
 @pytest.fixture(scope="module")
 def rl_reference(tmp_path_factory):
-    """Sync GRPO in this process (8 devices) after an 80-step SFT warm start (its workdir: sft/), long
-    enough that an early RL step has rewards and a non-zero loss (step 2 on seed 2; seeds 0 and 1 score
-    0 on all 4 steps), so the later steps sample from updated weights."""
+    """Sync GRPO in this process (8 devices) after a 160-step SFT warm start (its workdir: sft/), long
+    enough that an early RL step has rewards and a non-zero loss (step 2 on seed 2, reward 0.25 with
+    today's dependencies; after 80 steps it scored 0 on all 4 steps with them, as seeds 0, 1 and 3 do),
+    so the later steps sample from updated weights."""
     workdir = tmp_path_factory.mktemp("rl_reference")
-    run(config_lib.load_config(RL, {**RL_OVERRIDES, "rl.sft_steps": 80, "rl.sft_demos": 256}), str(workdir))
+    run(config_lib.load_config(RL, {**RL_OVERRIDES, "rl.sft_steps": 160, "rl.sft_demos": 256}), str(workdir))
     return workdir
 
 
 def test_rl_sync_on_two_processes_matches_one_process(tmp_path, tmp_path_factory, rl_reference, repo_root):
     """The embedded engine sharded over both processes' devices (every process drives it, SPMD): from
     the one-process warm start, 2 processes sample the same completions at every step (so the weight
-    sync after each update reached the engine on both), and end with bitwise the same weights; each
+    sync after each update reached the engine on both), and end with the same weights (to 1e-6); each
     process read its share of the task stream and verified its share of the completions."""
     workdir = tmp_path / "job"
     overrides = {**RL_OVERRIDES, "rl.sft_steps": 0, "init.workdir": str(rl_reference / "sft")}
@@ -216,7 +217,9 @@ def test_rl_sync_on_two_processes_matches_one_process(tmp_path, tmp_path_factory
     got = [(m["step"], m["reward"], m["loss"]) for m in _metrics(workdir) if "reward" in m]
     assert got == [(m["step"], m["reward"], m["loss"]) for m in ref_metrics]
     _assert_same_samples(workdir, rl_reference)
-    _assert_same_params(workdir, rl_reference, atol=0)
+    # within 1e-6 like the other jobs here: with real updates (step 2's reward), the cross-process
+    # gradient all-reduce may sum in another order than one process does (last-bit differences, ~1e-8)
+    _assert_same_params(workdir, rl_reference)
 
 
 def test_multi_process_rl_refuses_what_would_let_processes_diverge():
