@@ -211,7 +211,7 @@ def analyze_engine(config, topology: str | None = None, programs=("prefill", "de
     from rlvr.rollout import compile_check
 
     cfg, engine = model_config_of(config), config.rl.engine
-    devices, context, compiler = target_devices(topology)
+    devices, _, compiler = target_devices(topology)
     mesh = sharding.make_mesh(dict(config.mesh), devices)
     params = _abstract(params_lib.abstract_params(cfg), params_lib.param_shardings(cfg, mesh))
     kwargs = dict(max_slots=engine.max_slots, max_len=engine.max_len, page_size=engine.page_size,
@@ -221,6 +221,7 @@ def analyze_engine(config, topology: str | None = None, programs=("prefill", "de
     reports, temp = {}, 0
     for name in programs:
         started = time.perf_counter()
+        _, context, _ = target_devices(topology)  # a fresh context each time: one cannot be entered twice
         with context:
             try:
                 [compiled] = compile_check.engine_programs(cfg, params, mesh, programs=(name,), **kwargs).values()
