@@ -152,3 +152,19 @@ def test_a_program_too_large_for_the_chip_is_a_refusal_not_a_crash():
     assert report is not None, f"not recognised as a refusal: {refused.value}"
     assert report["per_device_total_bytes"] > report["available_bytes"] > 15 * 2**30
     assert hbm_refusal(ValueError("something else")) is None
+
+
+def test_rl_job_reports_its_engine_programs_compiled_for_the_slice():
+    """`rlvr.aot.analyze_engine`: an RL job's embedded engine, prefill and decode compiled on the job's
+    data x tensor mesh: the decode runs the Pallas kernel, and the pool is split over the KV heads."""
+    from rlvr import start
+
+    config = start.resolve(config_lib.load_config("configs/quickstart.py", {"mesh.data": 2, "mesh.tensor": 2}))
+    engine = aot.analyze_engine(config, "v5e:2x2")
+    assert set(engine["programs"]) == {"prefill", "decode"}
+    assert engine["programs"]["decode"]["mosaic_kernels"] > 0, "the engine's decode fell back to XLA"
+    cfg, spec = aot.model_config_of(config), config.rl.engine
+    pages = spec.max_slots * (spec.max_len // spec.page_size) + 1
+    whole_pool = 2 * cfg.num_layers * pages * spec.page_size * cfg.num_kv_heads * cfg.head_dim * 4  # float32
+    assert engine["engine_pool_bytes"] == whole_pool // 2
+    assert 0 < engine["temp_bytes"] < whole_pool
