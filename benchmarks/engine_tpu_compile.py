@@ -95,10 +95,9 @@ def main() -> None:
     for topology in args.topologies.split(","):
         for mesh in args.meshes.split(";"):
             record["results"] += measure(cfg, topology, parse_mesh(mesh), args.programs.split(","))
-    line = json.dumps(record, sort_keys=True)
-    print(line)
-    with open(args.out, "w") as f:
-        f.write(line + "\n")
+    from common import emit
+
+    emit(record, args.out, sort_keys=True)
 
 
 if __name__ == "__main__":

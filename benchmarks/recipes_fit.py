@@ -82,10 +82,9 @@ def main() -> None:
                                                                for k, v in analysis["components"].items()},
                     "compile_s": round(time.perf_counter() - t0, 1)})
                 print(json.dumps(record["results"][-1]), file=sys.stderr)
-    line = json.dumps(record, sort_keys=True)
-    print(line)
-    with open(args.out, "w") as f:
-        f.write(line + "\n")
+    from common import emit
+
+    emit(record, args.out, sort_keys=True)
 
 
 if __name__ == "__main__":

@@ -96,10 +96,9 @@ def main() -> None:
                     break
                 largest = length
             record["largest_length"][f"{generation}/{layout}"] = largest
-    line = json.dumps(record, sort_keys=True)
-    print(line)
-    with open(args.out, "w") as f:
-        f.write(line + "\n")
+    from common import emit
+
+    emit(record, args.out, sort_keys=True)
 
 
 if __name__ == "__main__":
