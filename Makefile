@@ -74,7 +74,7 @@ test: install-test
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 lint: install-test
-	$(VENV)/bin/ruff check rlvr kernels sandbox launch configs tests benchmarks
+	$(VENV)/bin/ruff check rlvr kernels sandbox launch configs tests benchmarks tools
 
 clean:
 	rm -rf $(VENV) workdirs build *.egg-info
