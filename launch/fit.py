@@ -185,12 +185,10 @@ def per_device_bytes(tree) -> int:
 
 def analyze_rl(config, topology: str | None = None) -> dict[str, Any]:
     """The RL train step (`rlvr.aot.analyze`) plus the memory resident beside it (module docstring)."""
-    from rlvr import aot, sharding
+    from rlvr import aot
 
     rl = config.rl
-    report = aot.analyze(config, topology)
-    devices, _, _ = aot.target_devices(topology)
-    program = aot.train_step_program(config, sharding.make_mesh(dict(config.mesh), devices))  # shapes only
+    report, program = aot.analyze_program(config, topology)
     state, base = program.args[0], program.args[4]
     shared = per_device_bytes(base) if base is not None and program.in_step_reference else 0  # passed twice, held once
     components = {"train_step": report["per_device_total_bytes"] - shared}

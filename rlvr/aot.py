@@ -171,9 +171,14 @@ def target_devices(topology: str | None):
 
 
 def analyze(config, topology: str | None = None) -> dict[str, Any]:
+    """The report of `analyze_program` (the program itself dropped)."""
+    return analyze_program(config, topology)[0]
+
+
+def analyze_program(config, topology: str | None = None) -> tuple[dict[str, Any], StepProgram]:
     """Compiles the job's train step for `config.mesh` over the target's devices (a TPU `topology`, or
-    the visible devices) without allocating, and returns the report (`compiled_report`, or `hbm_refusal`) plus the
-    parameter and optimizer-state bytes in all."""
+    the visible devices) without allocating; returns the report (`compiled_report`, or `hbm_refusal`, plus
+    the parameter and optimizer-state bytes in all) and the abstract program (its state's shapes)."""
     import jax
 
     from rlvr import sharding
@@ -196,7 +201,7 @@ def analyze(config, topology: str | None = None) -> dict[str, Any]:
             "mesh": dict(mesh.shape), "params": program.cfg.num_params(), "attention": program.cfg.attention,
             "param_bytes_total": nbytes(state["params"]) + nbytes(base), "trained_param_bytes": nbytes(state["params"]),
             "optimizer_state_bytes": nbytes(state["opt_state"]), "in_step_reference": program.in_step_reference,
-            "compile_s": round(time.perf_counter() - started, 1), **report}
+            "compile_s": round(time.perf_counter() - started, 1), **report}, program
 
 
 def analyze_engine(config, topology: str | None = None, programs=("prefill", "decode")) -> dict[str, Any]:
