@@ -38,6 +38,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import calibrate_matmul_gflops, emit  # noqa: E402
 
 from rlvr import config_lib  # noqa: E402
+from rlvr.job import resolve  # noqa: E402
 from rlvr.trainers import rl as rl_trainer  # noqa: E402
 
 PROMPTS, GROUP, NEW_TOKENS, PROMPT_DIGITS = 8, 4, 64, 31  # "a+b=" with 31-digit operands: 64 tokens
@@ -76,7 +77,7 @@ def run_mode(mode: str, warmup: int, steps: int) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"rl_step_{mode}_") as workdir:
         t0 = time.perf_counter()
         with contextlib.redirect_stdout(sys.stderr):  # the loop's prints; stdout is the JSON line
-            rl_trainer.train(bench_config(mode, warmup + steps), workdir)
+            rl_trainer.train(resolve(bench_config(mode, warmup + steps), workdir))
         wall = time.perf_counter() - t0
         with open(os.path.join(workdir, "metrics.jsonl")) as f:
             records = [json.loads(line) for line in f]

@@ -36,6 +36,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import chat_bpe_tokenizer, decode_roofline, emit, machine_peaks  # noqa: E402
 
 from rlvr import config_lib  # noqa: E402
+from rlvr.job import resolve  # noqa: E402
 from rlvr.models.config import ModelConfig  # noqa: E402
 from rlvr.trainers import rl as rl_trainer  # noqa: E402
 
@@ -80,7 +81,7 @@ def main() -> None:
     config = bench_config(tokenizer_dir, args.warmup + args.steps, args.model_json)
     with tempfile.TemporaryDirectory(prefix="rl_step_realistic_") as workdir:
         with contextlib.redirect_stdout(sys.stderr):
-            rl_trainer.train(config, workdir)
+            rl_trainer.train(resolve(config, workdir))
         with open(os.path.join(workdir, "metrics.jsonl")) as f:
             records = [json.loads(line) for line in f if '"step_s"' in line]
     timed = records[args.warmup:]

@@ -51,25 +51,30 @@ def build_model(config: ml_collections.ConfigDict, mesh: Mesh | None = None, src
     """The policy the config starts from (rlvr.start): `init.hf_checkpoint`, `init.workdir`'s latest
     checkpoint (a LoRA run's adapters merged in), or `model.*` initialised from `seed`; sharded on
     `mesh`. With `lora.rank` > 0 that is the frozen base, quantised when `lora.quantize` is set, with
-    fresh adapters (rlvr.models.lora). `src` (a `start.Source`) replaces the config's starting point
-    (the RL warm start's SFT run)."""
-    mesh = mesh or build_mesh(config)
-    cfg = start.model_config(config)
-    params = start_params(config, cfg, mesh, src or start.source(config))
+    fresh adapters (rlvr.models.lora). `src` (a `start.Source`) replaces the config's starting point.
+    A job resolves these once (`rlvr.job.Job.build_model`); this is the notebook's way."""
+    return materialize(start.model_config(config), mesh or build_mesh(config), src or start.source(config),
+                       config.seed)
+
+
+def materialize(cfg: ModelConfig, mesh: Mesh, src, seed: int) -> Model:
+    """The model of architecture `cfg` (adapters included) starting from `src` (a `start.Source`),
+    sharded on `mesh`; random weights and fresh adapters are drawn from `seed`."""
+    params = start_params(cfg, mesh, src, seed)
     model = with_value_head(Model(dataclasses.replace(lora.without_lora(cfg), value_head="value_proj" in params),
                                   params, mesh), cfg.value_head)
     if not cfg.lora.enabled:
         return model
     cfg = dataclasses.replace(cfg, value_head=model.cfg.value_head)
-    return Model(cfg, lora.attach(cfg, model.params, adapter_rng(config), mesh), mesh)
+    return Model(cfg, lora.attach(cfg, model.params, adapter_rng(seed), mesh), mesh)
 
 
-def adapter_rng(config: ml_collections.ConfigDict) -> jax.Array:
+def adapter_rng(seed: int) -> jax.Array:
     """The key fresh adapters are drawn from (the seed's; apart from the random-init key)."""
-    return jax.random.fold_in(jax.random.key(config.seed), 1)
+    return jax.random.fold_in(jax.random.key(seed), 1)
 
 
-def start_params(config: ml_collections.ConfigDict, cfg: ModelConfig, mesh: Mesh, src) -> Any:
+def start_params(cfg: ModelConfig, mesh: Mesh, src, seed: int) -> Any:
     """Plain weights (in `model.param_dtype`) of the starting point `src`: an HF directory, an rlvr
     workdir (a LoRA run's adapters merged into its base) or random init from `seed`."""
     from rlvr.models.config import RUNTIME_FIELDS
@@ -83,7 +88,7 @@ def start_params(config: ml_collections.ConfigDict, cfg: ModelConfig, mesh: Mesh
         trained = load_trained(src.path, mesh=mesh)
         params = lora.merge(trained.cfg, trained.params)
         return jax.tree.map(lambda x: x if x.dtype == cfg.param_dtype else x.astype(cfg.param_dtype), params)
-    return params_lib.init_params(lora.without_lora(cfg), jax.random.key(config.seed), mesh)
+    return params_lib.init_params(lora.without_lora(cfg), jax.random.key(seed), mesh)
 
 
 def with_value_head(model: Model, wanted: bool = True) -> Model:
@@ -130,8 +135,8 @@ def load_trained(workdir: str, step: int | None = None, mesh: Mesh | None = None
         checkpoints.close()
     params = state["params"]
     if cfg.lora.enabled:
-        base = start_params(config, cfg, mesh, start.run_source(config, workdir))
-        params = lora.combine(params, lora.frozen(lora.attach(cfg, base, adapter_rng(config), mesh)))
+        base = start_params(cfg, mesh, start.run_source(config, workdir), config.seed)
+        params = lora.combine(params, lora.frozen(lora.attach(cfg, base, adapter_rng(config.seed), mesh)))
     return Model(cfg, params, mesh, start.workdir_tokenizer(workdir))
 
 

@@ -3,9 +3,10 @@
 Every config key with its type, default and meaning: `python -m rlvr.config configs/NAME.py[:arg]`.
 
 A thin main around importable `run(config, workdir)`, so tests and notebooks call the same
-function. The config is checked and resolved before anything compiles (the starting checkpoint's
-architecture and tokenizer, the derived budgets: rlvr.start); the resolved config, package versions
-and the tokenizer are written to the workdir first, so later jobs can start from it alone.
+function. The config is checked and resolved once, before anything compiles, into a `rlvr.job.Job`
+(the starting checkpoint's architecture and tokenizer, the derived budgets, the mesh: rlvr.start) that
+the trainers receive; the resolved config, package versions and the tokenizer are written to the
+workdir first, so later jobs can start from it alone.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from rlvr import config_lib, start
+from rlvr.job import resolve
 from rlvr.launch import distributed
 from rlvr.train.preemption import PREEMPTED_EXIT_CODE, Preempted
 from rlvr.trainers import evaluate, preference, rl, sft
@@ -53,9 +55,9 @@ def run(config: ml_collections.ConfigDict, workdir: str):
     start.validate(config, jax.device_count(), TRAINERS)
     if jax.process_count() > 1:  # every process drives the same engine: rollout may not depend on timing
         config.rl.deterministic_rollout = True
-    config = start.resolve(config)
-    start.write_workdir(config, workdir)
-    return TRAINERS[config.job](config, workdir)
+    job = resolve(config, workdir)  # once: every trainer takes the resolved values from `job`
+    start.write_workdir(job.config, workdir)
+    return TRAINERS[job.config.job](job)
 
 
 def main(argv):

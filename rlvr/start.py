@@ -279,6 +279,12 @@ def check_vocab(cfg: ModelConfig, tokenizer: Tokenizer, where: str = "") -> None
 
 def resolve(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """The config the job runs (see the module docstring); `config` is not changed."""
+    return resolve_parts(config)[0]
+
+
+def resolve_parts(config: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict, ModelConfig, Tokenizer]:
+    """(the config the job runs, its architecture with adapters, its tokenizer): `resolve` with the
+    values it derives on the way (`rlvr.job.resolve` keeps them)."""
     from rlvr import budgets
 
     src = source(config)
@@ -300,7 +306,7 @@ def resolve(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
             except ValueError as e:
                 raise ConfigError(str(e)) from None
     out.lock()
-    return out
+    return out, cfg, tokenizer
 
 
 def write_workdir(config: ml_collections.ConfigDict, workdir: str) -> None:

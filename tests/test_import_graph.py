@@ -51,3 +51,32 @@ def test_no_circles_in_rlvr_rl_tasks_models_domains_and_top_level_modules():
     described = ["  " + " <-> ".join(c) + "\n" + "\n".join("    " + e for e in import_graph.circle_edges(every, c))
                  for c in tied]
     assert not tied, "import circles (move code so one side stops importing the other):\n" + "\n".join(described)
+
+
+_walk_spec = importlib.util.spec_from_file_location("config_walk", ROOT / "tools" / "config_walk.py")
+config_walk = importlib.util.module_from_spec(_walk_spec)
+_walk_spec.loader.exec_module(config_walk)
+
+
+def test_walker_follows_sections_aliases_and_copies_not_values(tmp_path):
+    _write(tmp_path, {
+        "rlvr/__init__.py": "",
+        "rlvr/low.py": "def sink(c):\n    return c\n\ndef value(v):\n    return v\n",
+        "rlvr/top.py": ("from rlvr import low\n\ndef train(job):\n    config = job.config\n    rl = config.rl\n"
+                        "    low.value(config.seed)\n    low.value(job.workdir)\n    low.sink(rl)\n"
+                        "    low.sink(config.copy())\n"),
+    })
+    result = config_walk.summary("rlvr.top.train", root=tmp_path)
+    assert result["param"] == "job"
+    assert [w.strip() for w in result["walk"]] == ["rlvr.top.train", "rlvr.low.sink", "rlvr.low.sink"]
+    assert result["moves"] == 2 and result["returns"] == {"rlvr.low": 1}
+
+
+def test_rl_jobs_config_enters_each_module_at_most_twice_more():
+    """The RL job is resolved once (rlvr.job.Job): below rlvr.trainers.rl.train nothing re-derives the
+    policy's source, architecture or tokenizer from the config, so the config's walk never climbs back up
+    the import order and enters no module more than three times (issue 48: at most two returns)."""
+    result = config_walk.summary("rlvr.trainers.rl.train", root=ROOT)
+    assert result["climbs"] == 0, result["walk"]
+    assert result["most_returns"] <= 2, (result["returns"], result["walk"])
+    assert "rlvr.start" not in result["returns"], result["walk"]

@@ -1,13 +1,15 @@
 """The walk a job's config takes through rlvr's modules, read statically from the source (`ast`).
 
-Starting at one function (default `rlvr.trainers.rl.train`, parameter `config`), every call that
-passes the config (the name itself or one of its sections, `config.rl`) to an rlvr function is
+Starting at one function (default `rlvr.trainers.rl.train`, its first parameter: the resolved `job`,
+or `config` in older trees), every call that passes the config (the name itself, one of its sections:
+`config.rl`, `job.config`, a local name bound to one, or a copy; not a value such as `config.seed`) to an rlvr function is
 followed into that function, depth first in source order: every such call is a step (a function
 called from two places is walked twice), except a call back into a function already on the walk's
-stack. The rooms visited, in order, are the modules of those functions. Reported:
+stack. The rooms are the modules of those functions. Reported:
 
-- moves: consecutive functions of the walk in different modules;
-- returns: per module, how many times the walk enters it again after leaving it;
+- moves: calls that carry the config from a function in one module to a function in another;
+- returns: per module, how many moves enter it beyond the first (a module's calls to its own
+  functions are not moves);
 - climbs: moves from module A to module B where B imports A (directly or not, counting lazy
   imports): the config travelling back up the dependency order (`tools/import_graph.py`).
 
@@ -15,7 +17,7 @@ Followed: `module.function(...)` through an imported rlvr module, `function(...)
 same module or imported from an rlvr module, and `Class(...)` (its `__init__`). Not followed:
 methods called on objects (`self.x(config)`) and calls through variables: a lower bound.
 
-    python tools/config_walk.py [--start rlvr.trainers.rl.train] [--param config] [--root CHECKOUT]
+    python tools/config_walk.py [--start rlvr.trainers.rl.train] [--param job] [--root CHECKOUT]
     python tools/config_walk.py --record after --out benchmarks/results/import_graph.json
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import sys
 from pathlib import Path
@@ -92,10 +95,63 @@ class Source:
 
 
 def _carries(expr: ast.expr, tracked: set[str]) -> bool:
-    """`expr` is a tracked name or an attribute chain rooted at one (`config.rl.engine`)."""
+    """`expr` is a tracked name, an attribute chain rooted at one (`config.rl.engine`, `job.config`),
+    a copy of one (`config.copy_and_resolve_references()`, `ConfigDict(config.to_dict())`)."""
+    if isinstance(expr, ast.Call):
+        func = expr.func
+        if isinstance(func, ast.Attribute) and func.attr in COPIES:
+            return _carries(func.value, tracked)
+        named = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        return named == "ConfigDict" and any(_carries(a, tracked) for a in expr.args)
+    chain = []
     while isinstance(expr, ast.Attribute):
+        chain.insert(0, expr.attr)
         expr = expr.value
-    return isinstance(expr, ast.Name) and expr.id in tracked
+    if not (isinstance(expr, ast.Name) and expr.id in tracked):
+        return False
+    if expr.id == "job" and chain:  # a resolved job (rlvr.job.Job): only its config is the config
+        return chain[0] == "config" and all(a in sections() for a in chain[1:])
+    return all(a in sections() for a in chain)  # not a value such as `config.rl.teacher`
+
+
+COPIES = ("copy", "copy_and_resolve_references", "to_dict", "unlock", "lock", "derive")
+
+
+@functools.cache
+def sections() -> frozenset[str]:
+    """The config's section names (`rl`, `engine`, ...: ConfigDicts in `config_lib.base_config()`),
+    and `config` (a resolved job's `job.config`)."""
+    import ml_collections
+
+    from rlvr import config_lib
+
+    names = {"config"}
+
+    def collect(d) -> None:
+        for key, value in d.items():
+            if isinstance(value, ml_collections.ConfigDict):
+                names.add(key)
+                collect(value)
+    collect(config_lib.base_config())
+    return frozenset(names)
+
+
+def _aliases(fn: ast.FunctionDef, tracked: set[str]) -> set[str]:
+    """`tracked` with the local names bound to it (`config, rl = job.config, job.config.rl`),
+    anywhere in the function (flow-insensitive, to a fixed point)."""
+    out = set(tracked)
+    while True:
+        before = len(out)
+        for node in ast.walk(fn):
+            if not isinstance(node, ast.Assign):
+                continue
+            for target in node.targets:
+                pairs = (zip(target.elts, node.value.elts, strict=False)
+                         if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple)
+                         else [(target, node.value)])
+                out |= {t.id for t, v in pairs if isinstance(t, ast.Name) and _carries(v, out)}
+        if len(out) == before:
+            return out
 
 
 def _receiving(fn: ast.FunctionDef, call: ast.Call, tracked: set[str]) -> set[str]:
@@ -107,15 +163,17 @@ def _receiving(fn: ast.FunctionDef, call: ast.Call, tracked: set[str]) -> set[st
     return out | {k.arg for k in call.keywords if k.arg and _carries(k.value, tracked)}
 
 
-def walk(source: Source, start: tuple[str, str], param: str) -> list[tuple[str, str]]:
-    """The (module, function) sequence, depth first in source order, one entry per call."""
+def walk(source: Source, start: tuple[str, str], param: str) -> list[tuple[tuple[str, str], tuple[str, str] | None]]:
+    """The (function, its caller) sequence, depth first in source order, one entry per call; a
+    function is (module, name); the start's caller is None."""
     stack: list[tuple[str, str]] = []
-    order: list[tuple[str, str]] = []
+    order: list[tuple[tuple[str, str], tuple[str, str] | None]] = []
 
     def visit(key: tuple[str, str], tracked: set[str]) -> None:
+        order.append((key, stack[-1] if stack else None))
         stack.append(key)
-        order.append(key)
         fn = source.functions[key]
+        tracked = _aliases(fn, tracked)
         calls = sorted((n for n in ast.walk(fn) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
         for call in calls:
             callee = source.resolve(key[0], call.func)
@@ -144,30 +202,39 @@ def above(graph: dict[str, dict[str, list[int]]]) -> dict[str, set[str]]:
     return reach
 
 
-def summary(start: str = "rlvr.trainers.rl.train", param: str = "config", root: Path = import_graph.ROOT) -> dict:
-    """The walk from `start` (its parameter `param`) with its moves, climbs and returns per module."""
+def summary(start: str = "rlvr.trainers.rl.train", param: str = "", root: Path = import_graph.ROOT) -> dict:
+    """The walk from `start` (its parameter `param`, default the first) with its moves, climbs and
+    returns per module."""
     source = Source(root)
     module, _, name = start.rpartition(".")
+    param = param or source.functions[(module, name)].args.args[0].arg
     order = walk(source, (module, name), param)
-    rooms = [m for m, _ in order]
     every, _ = import_graph.import_edges(root)
     reach = above(every)
-    moves = [(a, b) for a, b in zip(rooms, rooms[1:], strict=False) if a != b]
-    entries: dict[str, int] = {}
-    for i, room in enumerate(rooms):
-        if i == 0 or rooms[i - 1] != room:
-            entries[room] = entries.get(room, 0) + 1
+    moves = [(caller[0], key[0]) for key, caller in order if caller is not None and caller[0] != key[0]]
+    entries: dict[str, int] = {module: 1}
+    for _, room in moves:
+        entries[room] = entries.get(room, 0) + 1
     climbs = [(a, b) for a, b in moves if a in reach.get(b, set())]
-    return {"start": start, "functions": len(order), "moves": len(moves), "climbs": len(climbs),
+    return {"start": start, "param": param, "functions": len(order), "moves": len(moves), "climbs": len(climbs),
             "returns": {r: n - 1 for r, n in sorted(entries.items(), key=lambda kv: -kv[1]) if n > 1},
             "most_returns": max((n - 1 for n in entries.values()), default=0),
-            "walk": [f"{m}.{f}" for m, f in order]}
+            "walk": [f"{'  ' * _depth(order, i)}{m}.{f}" for i, ((m, f), _) in enumerate(order)]}
+
+
+def _depth(order: list, i: int) -> int:
+    """How deep the i-th call of the walk is (the start is 0)."""
+    depth, caller = 0, order[i][1]
+    for key, parent in reversed(order[:i]):
+        if caller is not None and key == caller:
+            depth, caller = depth + 1, parent
+    return depth
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--start", default="rlvr.trainers.rl.train")
-    parser.add_argument("--param", default="config")
+    parser.add_argument("--param", default="", help="the start function's parameter to follow (default its first)")
     parser.add_argument("--root", default=str(import_graph.ROOT), help="the checkout to read (e.g. an older one)")
     parser.add_argument("--record", default="", help="store the walk as `config_walk` under this key of --out")
     parser.add_argument("--out", default="", help="the results JSON --record writes into (tools/import_graph.py's)")

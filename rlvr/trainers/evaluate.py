@@ -21,7 +21,8 @@ from typing import Any
 
 import ml_collections
 
-from rlvr import api, evaluation, observe
+from rlvr import evaluation, observe
+from rlvr.job import Job
 from rlvr.tasks import build_tasks
 from rlvr.tasks.base import HELD_OUT, TRAIN
 
@@ -71,13 +72,13 @@ def write_sft_data(path: str, tokenizer, task_list: list, records: list[dict[str
     return written
 
 
-def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    from rlvr.trainers.rl import build_backend, policy_pointer
+def train(job: Job) -> dict[str, Any]:
+    """The evaluation job (`job`: resolved by `rlvr.job.resolve`): the policy on `eval.*`'s tasks."""
+    from rlvr.trainers.rl import build_backend
 
+    config, workdir, tokenizer = job.config, job.workdir, job.tokenizer
     tasks = build_tasks(config.rl, config.seed)
-    tokenizer = api.build_tokenizer(config)
-    model, source = api.build_model(config), policy_pointer(config)
-    api.check_vocab(model.cfg, tokenizer)
+    model, source = job.build_model(), job.policy_pointer()
     backend = build_backend(config, model, model.params, tokenizer, workdir, version=0)
     records: list[dict[str, Any]] = []
     try:

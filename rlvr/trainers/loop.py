@@ -14,11 +14,11 @@ import time
 from typing import Any
 
 import jax
-import ml_collections
 
 from rlvr import observe
 from rlvr.api import Model
 from rlvr.data import shards
+from rlvr.job import Job
 from rlvr.models import lora
 from rlvr.train import flops
 from rlvr.train import step as step_lib
@@ -40,22 +40,17 @@ def split_trained(model: Model) -> tuple[Any, Any]:
     return lora.split(model.params) if model.cfg.lora.enabled else (model.params, None)
 
 
-def base_record(config: ml_collections.ConfigDict, workdir: str, cfg) -> dict[str, str]:
-    """What a LoRA checkpoint records beside its adapters: the frozen base it adapts (the run's
-    starting point, rebuilt from the workdir's config.json by `api.load_trained`)."""
-    from rlvr import start
-
-    return {"lora_base": start.run_source(config, workdir).describe()} if cfg.lora.enabled else {}
-
-
 def policy_params(trained: Any, base: Any) -> Any:
     """The whole policy from what trains and the frozen base (None: nothing frozen)."""
     return trained if base is None else lora.combine(trained, base)
 
 
-def train_loop(config: ml_collections.ConfigDict, workdir: str, model: Model, loss_fn, data,
-               tokens_per_batch: int, frozen: Any = None, frozen_sharding: Any = None) -> LoopResult:
-    """Trains `model.params` with `loss_fn` on `data` for `config.train.num_steps` steps."""
+def train_loop(job: Job, model: Model, loss_fn, data, tokens_per_batch: int, frozen: Any = None,
+               frozen_sharding: Any = None) -> LoopResult:
+    """Trains `model.params` with `loss_fn` on `data` for `config.train.num_steps` steps. A LoRA
+    checkpoint records beside its adapters the frozen base it adapts (`job.policy_source`, rebuilt by
+    `api.load_trained` from the workdir's config.json)."""
+    config, workdir = job.config, job.workdir
     num_steps = config.train.num_steps
     optimizer = build_optimizer(config.optimizer, num_steps)
     shardings = step_lib.state_shardings(model.cfg, optimizer, model.mesh)
@@ -79,7 +74,7 @@ def train_loop(config: ml_collections.ConfigDict, workdir: str, model: Model, lo
         loss_fn, optimizer, model.mesh, shardings, batch_sh, micro_batches=config.train.micro_batches,
         learning_rate=learning_rate_schedule(config.optimizer, num_steps), frozen_sharding=frozen_sharding,
         base_sharding=step_lib.base_shardings(model.cfg, model.mesh))
-    record = base_record(config, workdir, model.cfg)
+    record = {"lora_base": job.policy_source.describe()} if model.cfg.lora.enabled else {}
     rng = jax.random.key(config.seed)
     step_flops = flops.train_flops_per_token(model.cfg, config.data.seq_len) * tokens_per_batch
     peak = flops.machine_peak(model.cfg.dtype)

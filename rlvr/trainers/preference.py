@@ -20,6 +20,7 @@ from rlvr import api, losses
 from rlvr.data import shards
 from rlvr.data.pairs import PairStream
 from rlvr.data.sources import load_records
+from rlvr.job import Job
 from rlvr.losses import preference as pref
 from rlvr.models import lora
 from rlvr.models.transformer import forward, forward_with_values
@@ -149,12 +150,12 @@ def reference_params(model: api.Model):
     return jax.tree.map(jnp.copy, model.params)
 
 
-def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    tokenizer = api.build_tokenizer(config)
-    if config.job == "rm" and not config.model.value_head:
+def train(job: Job) -> dict[str, Any]:
+    """The DPO-family or reward-model job (`job`: resolved by `rlvr.job.resolve`)."""
+    config, workdir, tokenizer = job.config, job.workdir, job.tokenizer
+    if config.job == "rm" and not job.model_cfg.value_head:
         raise api.ConfigError("job='rm' needs model.value_head=True (the scalar score head).")
-    model = api.build_model(config)
-    api.check_vocab(model.cfg, tokenizer)
+    model = job.build_model()
     cfg, p = model.cfg, config.preference
     stream = _pair_stream(config, tokenizer, load_records(config.data), shuffle=True)
     held_out = load_records(config.data, "eval") if config.data.eval_path else None
@@ -171,7 +172,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             frozen = ref_params
     frozen_sharding = jax.tree.map(lambda x: x.sharding, frozen) if frozen is not None else None
     tokens_per_batch = 2 * config.data.batch_size * config.data.seq_len
-    result = train_loop(config, workdir, model, loss_fn, stream, tokens_per_batch, frozen, frozen_sharding)
+    result = train_loop(job, model, loss_fn, stream, tokens_per_batch, frozen, frozen_sharding)
     summary: dict[str, Any] = {"job": config.job, "loss_type": "bradley_terry" if config.job == "rm" else p.loss,
                                "final_step": config.train.num_steps, **result.last_metrics}
     if held_out:

@@ -40,7 +40,9 @@ import numpy as np
 
 from rlvr import api, evaluation, observe, start
 from rlvr.envs.sandboxes import pool_counters
+from rlvr.job import Job
 from rlvr.launch.ray_workers import make_verifier_workers
+from rlvr.models.config import LoraConfig
 from rlvr.rl import backends
 from rlvr.rl.batching import build_batch
 from rlvr.rl.objective import sampling_of, token_means
@@ -89,14 +91,14 @@ def demonstrations(tasks, count: int, seed: int, off_format_fraction: float, pro
     return out
 
 
-def warm_start(config: ml_collections.ConfigDict, workdir: str, tasks) -> str:
+def warm_start(job: Job, tasks) -> str:
     """SFT on `rl.sft_demos` demonstrations into `workdir/sft` (resumable; skipped when done).
     Returns the SFT workdir. From a random init it trains every weight even for a LoRA run (whose
     frozen base is then this SFT model); from a checkpoint it trains what the RL run will."""
     from rlvr.trainers import sft
 
-    rl = config.rl
-    sft_dir = os.path.join(workdir, "sft")
+    config, rl = job.config, job.config.rl
+    sft_dir = os.path.join(job.workdir, "sft")
     if os.path.exists(os.path.join(sft_dir, "summary.json")):
         return sft_dir
     os.makedirs(sft_dir, exist_ok=True)
@@ -118,26 +120,23 @@ def warm_start(config: ml_collections.ConfigDict, workdir: str, tasks) -> str:
     c.train.num_steps = rl.sft_steps
     c.train.log_every = max(rl.sft_steps // 4, 1)
     c.checkpoint.every_steps = rl.sft_steps
-    if start.source(config).kind == "random":  # adapters on a random base learn nothing: SFT trains every weight
+    model_cfg = job.model_cfg
+    if job.source.kind == "random":  # adapters on a random base learn nothing: SFT trains every weight
         c.lora.rank, c.lora.quantize = 0, "none"
+        model_cfg = dataclasses.replace(model_cfg, lora=LoraConfig())
+    c.lock()
     print(f"warm start: SFT on {rl.sft_demos} demonstrations for {rl.sft_steps} steps -> {sft_dir}")
     start.write_workdir(c, sft_dir)
-    sft.train(c, sft_dir)
+    sft.train(job.derive(c, sft_dir, model_cfg))
     return sft_dir
 
 
-def initial_model(config: ml_collections.ConfigDict, workdir: str, tasks) -> tuple[api.Model, str]:
+def initial_model(job: Job, tasks) -> tuple[api.Model, str]:
     """(the policy RL starts from, a pointer to it for the record and for resuming)."""
-    if config.rl.sft_steps:
-        sft_dir = warm_start(config, workdir, tasks)
-        return api.build_model(config, src=start.Source("workdir", sft_dir)), f"rlvr-workdir:{sft_dir}"
-    return api.build_model(config), policy_pointer(config)
-
-
-def policy_pointer(config: ml_collections.ConfigDict) -> str:
-    """Where the policy came from, for the record: rlvr-workdir:DIR, an HF directory, or random-init."""
-    src = start.source(config)
-    return {"workdir": f"rlvr-workdir:{src.path}", "hf": src.path}.get(src.kind, f"random-init:seed={config.seed}")
+    if job.config.rl.sft_steps:
+        sft_dir = warm_start(job, tasks)
+        return job.build_model(start.Source("workdir", sft_dir)), f"rlvr-workdir:{sft_dir}"
+    return job.build_model(), job.policy_pointer()
 
 
 def build_backend(config: ml_collections.ConfigDict, model: api.Model, params, tokenizer, workdir: str,
@@ -368,11 +367,12 @@ class Run:
             self.backend.close()
 
 
-def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    """The RL job (see the module docstring): start (or resume) the run, train, summarise."""
+def train(job: Job) -> dict[str, Any]:
+    """The RL job (see the module docstring; `job`: resolved by `rlvr.job.resolve`): start (or
+    resume) the run, train, summarise."""
     wall_start = time.perf_counter()
-    check_processes(config.rl, jax.process_count())
-    run = start_run(config, workdir)
+    check_processes(job.config.rl, jax.process_count())
+    run = start_run(job)
     try:  # from here on, any failure (evaluation included) closes the backend and producer
         preempted_at = run_steps(run)
     finally:
@@ -414,16 +414,15 @@ def check_processes(rl: ml_collections.ConfigDict, processes: int) -> None:
                               "machines (docs/how-to/launch-on-a-pod.md, 'Running across hosts').")
 
 
-def start_run(config: ml_collections.ConfigDict, workdir: str) -> Run:
+def start_run(job: Job) -> Run:
     """The initial policy, its train state (restored from the latest checkpoint when resuming) and
     frozen reference, the rollout backend on the current weights, the producer and the update."""
-    tokenizer = api.build_tokenizer(config)
+    config, workdir, tokenizer = job.config, job.workdir, job.tokenizer
     tasks = build_tasks(config.rl, config.seed)
-    model, reference_pointer = initial_model(config, workdir, tasks)
+    model, reference_pointer = initial_model(job, tasks)
     if config.rl.advantage == "gae":
         model = api.with_value_head(model)
         _record_value_head(workdir)
-    api.check_vocab(model.cfg, tokenizer)
     run = Run(config, workdir, tokenizer, tasks, model, reference_pointer)
     run.samples_log = observe.SampleLog(workdir, tokenizer)
     ref_params = restore_or_init_state(run)

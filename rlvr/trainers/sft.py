@@ -24,6 +24,7 @@ from rlvr.data.chat import check_tool_calls, encode_record, uses_tools
 from rlvr.data.images import ImageTokenStream, check_image_tokens, encode_image_record, uses_images
 from rlvr.data.sources import load_records
 from rlvr.data.stream import TokenStream
+from rlvr.job import Job
 from rlvr.models.generate import greedy_generate
 from rlvr.models.transformer import forward
 from rlvr.models.vision import batch_images
@@ -147,10 +148,10 @@ def _row_split_loss(config: ml_collections.ConfigDict, model: api.Model, stream:
     return total / max(weight, 1.0)
 
 
-def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    tokenizer = api.build_tokenizer(config)
-    model = api.build_model(config)
-    api.check_vocab(model.cfg, tokenizer)
+def train(job: Job) -> dict[str, Any]:
+    """The SFT job (`job`: resolved by `rlvr.job.resolve`): train, evaluate, write summary.json."""
+    config, workdir, tokenizer = job.config, job.workdir, job.tokenizer
+    model = job.build_model()
     data = build_data(config, tokenizer, vision=model.cfg.vision)
     tokens_per_batch = config.data.batch_size * config.data.seq_len
     loss_fn, frozen, frozen_sharding = configured_loss(config, model.cfg), None, None
@@ -160,7 +161,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         loss_fn = functools.partial(distill_loss, model.cfg, teacher_cfg, d.top_k, d.weight, d.chunk_size)
         frozen = {"teacher": teacher}
         frozen_sharding = jax.tree.map(lambda x: x.sharding, frozen)
-    result = train_loop(config, workdir, model, loss_fn, data, tokens_per_batch, frozen, frozen_sharding)
+    result = train_loop(job, model, loss_fn, data, tokens_per_batch, frozen, frozen_sharding)
     final = api.Model(model.cfg, result.params, model.mesh)
     summary: dict[str, Any] = {"job": "sft", "final_step": config.train.num_steps,
                                "final_loss": result.last_metrics.get("loss"),
