@@ -2,8 +2,8 @@
 
 Starting at one function (default `rlvr.trainers.rl.train`, its first parameter: the resolved `job`,
 or `config` in older trees), every call that passes the config (the name itself, one of its sections:
-`config.rl`, `job.config`, a local name bound to one, or a copy; not a value such as `config.seed`) to an rlvr function is
-followed into that function, depth first in source order: every such call is a step (a function
+`config.rl`, `job.config`, a local name bound to one, or a copy; not a value such as `config.seed`)
+to an rlvr function is followed into that function, depth first in source order: every such call is a step (a function
 called from two places is walked twice), except a call back into a function already on the walk's
 stack. The rooms are the modules of those functions. Reported:
 
