@@ -14,12 +14,26 @@ import itertools
 import math
 from collections import defaultdict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from rlvr.launch.simulate_loop import Sim
+
+class Sim(Protocol):
+    """What the resources use of the simulation that owns them (`simulate_loop.Sim`), named here so
+    this module does not import the loop above it."""
+
+    config: Any
+    loop: Loop
+    trainer: Any
+    levels: Any
+    counts: dict[str, float]
+
+    policy: Callable[[Any], Any]  # the dispatch order's sort key
+
+    def record_wait(self, resource: str, priority: float, seconds: float) -> None: ...
+    def next_arrival(self) -> int: ...
+    def server_activity(self, delta: int) -> None: ...
 
 
 class Loop:
