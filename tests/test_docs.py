@@ -107,6 +107,19 @@ def test_readme_example_runs():
     assert len(lines) == 4 and all("'reward':" in line and "->" in line for line in lines), result.stdout
 
 
+@pytest.mark.slow
+def test_python_api_pages_job_example_runs(tmp_path):
+    """The reference page's 'a job as rlvr.main runs it' block: resolve once, hand the Job to a trainer."""
+    [example] = [b for b in re.findall(r"```python\n(.*?)```", _read("docs/reference/python-api.md"), re.DOTALL)
+                 if "job.resolve" in b]
+    example = example.replace('"workdirs/tiny"', repr(str(tmp_path / "tiny"))) + "\nprint(summary['final_step'])\n"
+    result = subprocess.run([sys.executable, "-c", "from rlvr import api\n" + example], cwd=REPO, env=_clean_env(),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "20"
+    assert (tmp_path / "tiny" / "checkpoints").is_dir() and (tmp_path / "tiny" / "tokenizer").is_dir()
+
+
 def _documented_text() -> str:
     """README.md and every written page (not the generated ones)."""
     return "\n".join([_read("README.md"), *(_read(p) for p in WRITTEN_PAGES)])
