@@ -46,7 +46,8 @@ from .types import (
     SandboxUnavailable,
     Timings,
 )
-from .verdict import CallTest, CheckTest, StdioTest, Verdict, verify_program
+from .verdict import CallTest, CheckTest, StdioTest, Verdict
+from .verify import verify_program
 
 __all__ = ["BACKENDS", "CPU", "DISK", "FILE_SIZE", "MEMORY", "OUTPUT", "PYTHON", "WALL_TIME", "CallTest", "CheckTest",
            "Episode", "Executor", "JsonExecutor", "Limits", "Local", "Pool", "Result", "SandboxError",

@@ -251,9 +251,7 @@ def _replay_step(ep: Episode, i: int, step: Mapping[str, Any]) -> dict[str, Any]
         return {"step": i, "kind": "write", "match": not diff, "differences": diff}
     result = ep.run(step["argv"], files=trace.decode_files(step["files"]), stdin=base64.b64decode(step["stdin"]),
                     env=step["env"], limits=Limits.from_json(step["limits"]), tag=f"replay of {step['tag']}")
-    from .replay import compare  # not at import time: `python -m rlvr.sandbox.replay` imports this package first
-
-    diff = compare(step, result)
+    diff = trace.compare(step, result)
     if result.digest_before != step["digest_before"]:
         diff["digest_before"] = {"recorded": step["digest_before"], "replayed": result.digest_before}
     return {"step": i, "kind": "run", "argv": step["argv"], "match": not diff, "differences": diff,

@@ -6,7 +6,7 @@
         def close(self) -> None: ...
 
 Implemented here by `Local` (a fresh sandbox per call: `api.run` with a fixed backend and limits) and by
-`pool.Pool` (warm sandboxes on this machine); `verdict.verify_program(..., pool=executor)` takes any of them.
+`pool.Pool` (warm sandboxes on this machine); `verify.verify_program(..., pool=executor)` takes any of them.
 Everything that crosses the interface is plain data: argv (list of str), Python source (str), files
 (relative path -> bytes), stdin (bytes), env (str -> str), `Limits` (`to_json`/`from_json`), a tag (str),
 and back a `Result` (`to_json`/`from_json`, outputs as base64). So an executor on another machine only has

@@ -19,11 +19,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import api, trace
+from .trace import compare  # noqa: F401  (re-exported: replay.compare)
 from .types import Limits, Result
 from .workspace import tree_digest
 
 FRESH = {"runsc-pool": "runsc"}  # a pool task replays in a fresh sandbox of the same kind
-COMPARED = ("exit_code", "signal", "limit_hit", "stdout", "stderr", "digest_after")
 
 
 def replay(entry: Mapping[str, Any], backend: str | None = None) -> Result:
@@ -58,12 +58,6 @@ def _materialise(directory: str, files: Mapping[str, bytes]) -> str:
     return directory
 
 
-def compare(entry: Mapping[str, Any], result: Result) -> dict[str, Any]:
-    """{field: {"recorded": …, "replayed": …}} for each compared field that differs (empty: reproduced)."""
-    now = trace.record([], {}, b"", Limits(), result, None, None, {})
-    return {k: {"recorded": entry[k], "replayed": now[k]} for k in COMPARED if entry[k] != now[k]}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace_file", nargs="?")
@@ -72,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default=None, help="override the recorded backend")
     args = parser.parse_args(argv)
     if args.episode:
-        from .episode import replay_episode  # episode imports this module
+        from .episode import replay_episode
 
         report = replay_episode(args.episode, args.backend)
         print(json.dumps(report))

@@ -89,3 +89,12 @@ def read(path: str) -> list[dict[str, Any]]:
     """All records of a trace file."""
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+COMPARED = ("exit_code", "signal", "limit_hit", "stdout", "stderr", "digest_after")
+
+
+def compare(entry: Mapping[str, Any], result: Result) -> dict[str, Any]:
+    """{field: {"recorded": …, "replayed": …}} for each compared field that differs (empty: reproduced)."""
+    now = record([], {}, b"", Limits(), result, None, None, {})
+    return {k: {"recorded": entry[k], "replayed": now[k]} for k in COMPARED if entry[k] != now[k]}

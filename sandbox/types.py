@@ -25,7 +25,7 @@ class SandboxUnavailable(SandboxError):
 
 class SandboxStalled(SandboxError):
     """A verdict's run hit its time limit having used little CPU, twice: the host was too loaded to judge the
-    program (an infrastructure failure, not a wrong answer; `verdict.verify_program`)."""
+    program (an infrastructure failure, not a wrong answer; `verify.verify_program`)."""
 
 
 @dataclasses.dataclass(frozen=True)

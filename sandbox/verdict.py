@@ -1,4 +1,4 @@
-"""Verdicts a candidate program cannot forge: `verify_program(program, tests, limits) -> Verdict`.
+"""Verdicts a candidate program cannot forge: the driver and the judging behind `verify_program` (verify.py).
 
 The rule (spec §8.6): the verdict is decided OUTSIDE the candidate's process, from plain data. The
 sandbox only ever answers calls: the candidate (`/workspace/solution.py`) is loaded by a driver that
@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import pyast
-from .types import WALL_TIME, Limits, Result, SandboxStalled
+from .types import Limits, Result
 from .wire import WireError, decode, encode
 
 if TYPE_CHECKING:
@@ -54,7 +54,6 @@ if TYPE_CHECKING:
 
 SOLUTION = "solution.py"
 CALLS = "harness/calls.bin"
-STALL_CPU_FRACTION = 0.1  # a run stopped by a time limit having had under this share of a core stalled
 
 DRIVER_BODY = r'''
 import io, marshal, os, signal, sys
@@ -226,55 +225,7 @@ class Verdict:
     info: dict = dataclasses.field(default_factory=dict)
 
 
-def verify_program(program: str, tests: Sequence[CallTest] | Sequence[StdioTest] | CheckTest,
-                   limits: Limits | None = None, entry_point: str | None = None, backend: str = "runsc",
-                   float_tol: float = 1e-9, trace_path: str | None | bool = None, pool: Executor | None = None,
-                   call_timeout_s: float | None = None) -> Verdict:
-    """Judge `program` against `tests` (see the module doc). Each sandbox run is one task of `pool` (a warm
-    `Pool`, or any `executor.Executor`, remote ones included) or, without one, a fresh sandbox of
-    `backend`. `call_timeout_s` bounds each call (default: the run's whole `limits.wall_s`); a call that
-    runs out fails the verdict. Expected values and test code never travel to the executor: only the
-    program, the call arguments (or stdin texts) and a nonce do.
-
-    A run stopped by a time limit having had little CPU (`stalled`: the program was mostly not running, so
-    the host was loaded, or the program sleeps or blocks) is run once more; stalled again, it raises
-    SandboxStalled, an infrastructure failure for the caller to record, never a verdict to train on."""
-    from .checks import judge_check
-    from .executor import Local
-
-    kind = _kind(tests, entry_point)
-    limits = limits or Limits()
-    executor = pool if pool is not None else Local(backend, limits, trace_path)
-    spec = _driver_spec(kind, tests, entry_point, limits, call_timeout_s)
-
-    def once() -> Verdict:
-        if kind == "check":
-            return judge_check(program, tests, entry_point, executor, limits, call_timeout_s)
-        result, nonce = run_calls(executor, program, spec, limits)
-        return judge(result, nonce, tests, float_tol)
-
-    verdict = once()
-    if stalled(verdict):
-        verdict = once()
-        if stalled(verdict):
-            run = verdict.result
-            raise SandboxStalled(f"the program was stopped by a time limit ({verdict.reason}) twice, having used "
-                                 f"{run.cpu_s:.2f} s of CPU in {run.timings.run_s:.1f} s (under "
-                                 f"{STALL_CPU_FRACTION:.0%} of a core): the host was too loaded to judge it (or it "
-                                 "sleeps or blocks); an infrastructure failure, not a verdict")
-    return verdict
-
-
-def stalled(verdict: Verdict) -> bool:
-    """Whether a time limit (the run's wall clock, or one call's or test's) stopped the verdict's run while the
-    program had under STALL_CPU_FRACTION of a core over the run: it was mostly not running. False where the
-    backend does not measure CPU (`Result.cpu_s` None)."""
-    run = verdict.result
-    return (verdict.reason in (WALL_TIME, "error:timeout") and run.cpu_s is not None
-            and run.cpu_s < STALL_CPU_FRACTION * run.timings.run_s)
-
-
-def _driver_spec(kind: str, tests, entry_point: str | None, limits: Limits, call_timeout_s: float | None) -> dict:
+def driver_spec(kind: str, tests, entry_point: str | None, limits: Limits, call_timeout_s: float | None) -> dict:
     """The driver's input for CallTests or StdioTests ({} for a CheckTest: the harness asks for its calls)."""
     if kind == "calls":
         return calls_spec(entry_point, [_call(t.args, t.kwargs) for t in tests], limits, call_timeout_s)
@@ -340,7 +291,7 @@ def _literal_call_test(expr: ast.expr, names: set[str]) -> CallTest | None:
     return CallTest(args, expected, kwargs)
 
 
-def _kind(tests: Sequence[CallTest] | Sequence[StdioTest] | CheckTest, entry_point: str | None) -> str:
+def tests_kind(tests: Sequence[CallTest] | Sequence[StdioTest] | CheckTest, entry_point: str | None) -> str:
     if isinstance(tests, CheckTest):
         if not entry_point:
             raise ValueError("a CheckTest needs the entry_point (the function the tests call)")
