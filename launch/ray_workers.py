@@ -98,9 +98,13 @@ def load_factory(path: str) -> Callable[[Any, int], Any]:
 
 
 def build_scorer(rl_config: Mapping[str, Any], seed: int, factory: str = DEFAULT_FACTORY) -> Any:
-    """The task mixture (anything with `.score(task, text, truncated)`) built from a plain config dict."""
+    """The task mixture (anything with `.score(task, text, truncated)`) built from a plain config dict; this
+    process's code verdicts go to a warm pool of `rl_config["code_pool"]` sandboxes (0 or absent: fresh ones)."""
     import ml_collections
 
+    from rlvr.envs.sandboxes import use_code_pool
+
+    use_code_pool(int(rl_config.get("code_pool", 0)))
     return load_factory(factory)(ml_collections.ConfigDict(dict(rl_config)), seed)
 
 
