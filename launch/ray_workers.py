@@ -98,13 +98,9 @@ def load_factory(path: str) -> Callable[[Any, int], Any]:
 
 
 def build_scorer(rl_config: Mapping[str, Any], seed: int, factory: str = DEFAULT_FACTORY) -> Any:
-    """The task mixture (anything with `.score(task, text, truncated)`) built from a plain config dict; this
-    process's code verdicts go to a warm pool of `rl_config["code_pool"]` sandboxes (0 or absent: fresh ones)."""
+    """The task mixture (anything with `.score(task, text, truncated)`) built from a plain config dict."""
     import ml_collections
 
-    from rlvr.envs.sandboxes import use_code_pool
-
-    use_code_pool(int(rl_config.get("code_pool", 0)))
     return load_factory(factory)(ml_collections.ConfigDict(dict(rl_config)), seed)
 
 
@@ -174,7 +170,10 @@ class ScoringActor:
     """Body of one Ray actor: builds the task mixture once, then scores task JSON + text."""
 
     def __init__(self, rl_config: dict[str, Any], seed: int, factory: str):
+        from rlvr.envs.sandboxes import use_code_pool
+
         logging.getLogger("math_verify").setLevel(logging.ERROR)
+        use_code_pool(int(rl_config.get("code_pool", 0)))  # this actor's code verdicts: a warm pool, as the trainer's
         self.tasks = build_scorer(rl_config, seed, factory)
 
     def ready(self) -> int:

@@ -63,6 +63,18 @@ def test_code_pool_size_is_checked():
     assert sandboxes.code_pool_size() == 0 and verifiers.active_code_executor() is None
 
 
+def test_the_code_pool_clamps_no_verdict_below_its_fresh_sandbox_limits():
+    """The pool lowers a task's memory, process, file and output limits to its own: code verdicts (64 KiB of
+    output) and code-repair judging (256 KiB, environment limits) must both keep theirs."""
+    from rlvr.sandbox import Limits
+    from rlvr.sandbox.pool import _clamp
+
+    pool = sandboxes.code_pool_limits()
+    for fresh in (verifiers.code_limits(10.0), verifiers.code_limits(3.0), Limits(**sandboxes.DEFAULT_LIMITS_JSON)):
+        assert _clamp(fresh, pool) == fresh
+    assert pool.output_bytes == 256 << 10 and pool.memory_bytes == verifiers.MEMORY_BYTES
+
+
 @pytest.mark.sandbox
 def test_code_verdicts_run_on_the_default_pool_and_a_killed_sandbox_is_rerun_and_counted(code_pool):
     pool = _the_code_pool()
