@@ -8,9 +8,10 @@ MODEL is a Hugging Face directory or an rlvr workdir. The single-turn variant (`
 in words and dimensions and takes the whole program in the answer tag; `tools` plays `cad_openscad_tools`
 episodes (run_script, render, compare, measure, write_file; the answer is the final program). The
 band-seeking curriculum moves the four levels (primitives, CSG, patterned/filleted, assemblies). Each
-scored answer costs one OpenSCAD run in a fresh gVisor sandbox (p50 0.9 s, p99 2.2 s on a shared 2-core CPU:
-benchmarks/results/cad_sandbox.json; RLVR_CAD_POOL=N runs them in a warm pool of N sandboxes instead, 0.84x), so
-verification runs on `rl.verifier_workers` threads.
+scored answer costs one OpenSCAD run in a gVisor sandbox: by default one of the RL run's warm pool of
+`rl.code_pool` sandboxes (0.84x the time of a fresh sandbox, whose p50 is 0.9 s and p99 2.2 s on a shared 2-core
+CPU: benchmarks/results/cad_sandbox.json; `rl.code_pool=0` or RLVR_CAD_POOL=0 runs a fresh one each,
+RLVR_CAD_POOL=N a pool of N), so verification runs on `rl.verifier_workers` threads.
 
 `tiny,smoke` plays two RL steps of tool episodes with the 2-layer byte-level model (no tool declarations, two
 turns of 24 tokens): a check that the pipeline runs (episodes.jsonl with their images in

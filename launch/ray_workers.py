@@ -170,7 +170,10 @@ class ScoringActor:
     """Body of one Ray actor: builds the task mixture once, then scores task JSON + text."""
 
     def __init__(self, rl_config: dict[str, Any], seed: int, factory: str):
+        from rlvr.envs.sandboxes import use_code_pool
+
         logging.getLogger("math_verify").setLevel(logging.ERROR)
+        use_code_pool(int(rl_config.get("code_pool", 0)))  # this actor's code verdicts: a warm pool, as the trainer's
         self.tasks = build_scorer(rl_config, seed, factory)
 
     def ready(self) -> int:

@@ -182,6 +182,9 @@ def rl_config() -> ml_collections.ConfigDict:
         # max_turns caps the environment's own turn limit (0 = the environment's)
         "max_turns": 0, "episode_workers": 64,
         "env": ml_collections.ConfigDict({"sandbox_workers": 4}),  # options of rlvr.envs.make_env
+        # warm gVisor sandboxes for code verdicts (the code verifier, code-repair scoring, CAD runs), started
+        # on the first one; 0 = a fresh sandbox per verdict (~5x dearer: docs/how-to/sandbox-pool.md)
+        "code_pool": 4,
         # a black-box agent program ("module:factory" -> agent(base_url, task) -> answer) that plays every
         # task through the embedded engine's OpenAI endpoint; its calls are recorded as token trajectories
         "agent": "", "agent_timeout_s": 600.0,
@@ -322,6 +325,9 @@ def _validate_rl(config: ml_collections.ConfigDict) -> None:
                           "the in-process engine's OpenAI endpoint)")
     if rl.max_turns < 0:
         raise ConfigError(f"rl.max_turns={rl.max_turns}: must be >= 0 (0 = the environment's own limit).")
+    if isinstance(rl.code_pool, bool) or not isinstance(rl.code_pool, int) or rl.code_pool < 0:
+        raise ConfigError(f"rl.code_pool={rl.code_pool!r}: must be an integer >= 0 (warm sandboxes for code "
+                          "verdicts; 0 = a fresh sandbox per verdict).")
     for path in ("rl.prompts_per_step", "rl.group_size", "rl.eval_examples", "rl.updates_per_batch",
                  "rl.episode_workers"):
         _positive(config, path)

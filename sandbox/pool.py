@@ -22,9 +22,13 @@ that would be judged as the program's failure. A task that hit a limit is never 
 which limit. `lost` and `reruns` count these events; `busy()` names the sandboxes running a task.
 
 Not protected (compared with a fresh sandbox per call, `api.run`): tasks in one sandbox share its kernel
-state across time (e.g. the page cache), and a task's fork inherits the worker's memory, which may hold
-residue of earlier tasks' inputs (payload buffers are zeroed, parsed headers are not). Expected outputs of
-verdicts never enter a sandbox at all; use `api.run` when tasks must not learn anything of each other.
+state across time (e.g. the page cache), and a task's fork inherits the worker's memory. The worker keeps task
+data out of it: the channel is read and written unbuffered, and every buffer that held a task's files, stdin,
+output or workspace contents (read for the digest) is zeroed after use (tests/test_sandbox_pool.py scans a
+task's own memory for the previous task's data). What stays is not the task's data: the parsed task header
+(command, environment, limits, file names) and the hash state of the digest (the last < 64 bytes of each
+workspace file). Expected outputs of verdicts never enter a sandbox at all; use `api.run` when tasks must
+not learn anything of each other.
 
 A Pool is an `executor.Executor` (`run(...) -> Result`, `close()`), the interface a remote worker implements
 too (see executor.py). Templates (overlay workspaces) are `api.run`'s and `Episode`'s, not the pool's: its

@@ -16,7 +16,9 @@ Protocol on stdin/stdout: frames of an 8-byte big-endian length and a body. Host
 header {argv | python, env, limits, files: [[name, size]], stdin_size} (marshal: builtin, and the host is
 trusted) then one raw frame with the file bytes and stdin concatenated. Worker -> host: a JSON header
 (status, limit hit, sizes, digests, timings; parsed safely by the host) then one raw frame with stdout +
-stderr. Payload buffers are zeroed after use (fewer residues for later forks).
+stderr. The channel is read and written unbuffered (os.readv/os.write), and every buffer that held task data
+(frames, output chunks, the file-read buffer of the digest) is zeroed after use: each later task is a fork of
+this process and could read its memory.
 """
 
 import gc
@@ -39,7 +41,7 @@ except ImportError:
 
 UID = 1000
 WORKSPACE = "/workspace"
-CHANNEL_IN, CHANNEL_OUT = sys.stdin.buffer, sys.stdout.buffer
+CHANNEL_IN, CHANNEL_OUT = 0, 1  # read and written unbuffered: no stdio buffer keeps a copy of task data
 WAKE = os.pipe()  # written by the SIGCHLD handler (signal.set_wakeup_fd)
 
 
@@ -59,12 +61,13 @@ def to_json(value):
 
 def read_exact(n):
     buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = CHANNEL_IN.readinto(view[got:])
-        if not k:
-            raise EOFError
-        got += k
+    with memoryview(buf) as view:
+        got = 0
+        while got < n:
+            k = os.readv(CHANNEL_IN, [view[got:]])
+            if not k:
+                raise EOFError
+            got += k
     return buf
 
 
@@ -72,11 +75,25 @@ def read_frame():
     return read_exact(struct.unpack(">Q", read_exact(8))[0])
 
 
-def send(header, payload=b""):
+def write_all(data):
+    with memoryview(data) as view:
+        done = 0
+        while done < len(view):
+            done += os.write(CHANNEL_OUT, view[done:])
+
+
+def send(header, chunks=()):
+    """The reply: a JSON header frame, then one frame of the concatenated `chunks` (written as they are)."""
     body = to_json(header).encode()
-    CHANNEL_OUT.write(struct.pack(">Q", len(body)) + body + struct.pack(">Q", len(payload)))
-    CHANNEL_OUT.write(payload)
-    CHANNEL_OUT.flush()
+    write_all(struct.pack(">Q", len(body)) + body + struct.pack(">Q", sum(len(c) for c in chunks)))
+    for chunk in chunks:
+        write_all(chunk)
+
+
+def scrub(buffers):
+    """Zero buffers that held task data: a later task's fork inherits this worker's memory (see pool.py)."""
+    for buf in buffers:
+        buf[:] = bytes(len(buf))
 
 
 def wipe(top):
@@ -132,15 +149,29 @@ def digest(top=WORKSPACE):
             if stat.S_ISLNK(st.st_mode):
                 h.update(os.readlink(full).encode(errors="replace"))
             elif stat.S_ISREG(st.st_mode):
-                content = sha256()
-                try:
-                    with open(full, "rb") as f:
-                        while chunk := f.read(1 << 20):
-                            content.update(chunk)
-                except OSError:
-                    pass
-                h.update(content.digest())
+                h.update(file_sha256(full))
     return h.hexdigest()
+
+
+READ_BUF = bytearray(1 << 16)  # file contents pass through here only, zeroed after each file
+
+
+def file_sha256(path):
+    content = sha256()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return content.digest()
+    try:
+        with memoryview(READ_BUF) as view:
+            while n := os.readv(fd, [view]):
+                content.update(view[:n])
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+        scrub([READ_BUF])
+    return content.digest()
 
 
 def child(task, fds):
@@ -229,40 +260,46 @@ def kill_others():
 
 
 def collect(pid, fds, limits, started):
-    """Read the child's output (capped) until it exits or a limit hits; (status, out, err, limit hit)."""
+    """Read the child's output (capped) until it exits or a limit hits: (status, stdout chunks, stderr chunks,
+    limit hit). Output passes through READ_BUF into exact-size bytearrays (no intermediate copies), which
+    run_task zeroes once they are sent."""
     cap, deadline = limits["output_bytes"], started + limits["wall_s"]
     poller = select.poll()
-    bufs = {fds[0]: bytearray(), fds[1]: bytearray()}
-    open_fds = set(bufs)
-    for fd in (*bufs, WAKE[0]):  # SIGCHLD writes to WAKE: the poll wakes at the child's exit, no polling delay
+    chunks = {fds[0]: [], fds[1]: []}
+    sizes = dict.fromkeys(chunks, 0)
+    open_fds = set(chunks)
+    for fd in (*chunks, WAKE[0]):  # SIGCHLD writes to WAKE: the poll wakes at the child's exit, no polling delay
         poller.register(fd, select.POLLIN)
     status, hit, exited_at = None, None, None
-    while hit is None:
-        timeout_ms = int(1000 * min(max(deadline - time.monotonic(), 0.0), 0.5))
-        for fd, _ in poller.poll(timeout_ms):
-            if fd == WAKE[0]:
-                drain(WAKE[0])
-                continue
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                poller.unregister(fd)
-                open_fds.discard(fd)
-                continue
-            buf = bufs[fd]
-            room = max(cap - len(buf), 0)
-            buf += chunk[:room]
-            if len(chunk) > room:
-                hit = "output"
-        if status is None:
-            done, st = os.waitpid(pid, os.WNOHANG)
-            if done:
-                status, exited_at = st, time.monotonic()
-        now = time.monotonic()
-        if status is not None and (not open_fds or now - exited_at > 0.05):
-            break
-        if hit is None and now > deadline:
-            hit = "wall_time"
-    return status, bytes(bufs[fds[0]]), bytes(bufs[fds[1]]), hit
+    with memoryview(READ_BUF) as view:
+        while hit is None:
+            timeout_ms = int(1000 * min(max(deadline - time.monotonic(), 0.0), 0.5))
+            for fd, _ in poller.poll(timeout_ms):
+                if fd == WAKE[0]:
+                    drain(WAKE[0])
+                    continue
+                n = os.readv(fd, [view])
+                if not n:
+                    poller.unregister(fd)
+                    open_fds.discard(fd)
+                    continue
+                keep = min(n, max(cap - sizes[fd], 0))
+                if keep:
+                    chunks[fd].append(bytearray(view[:keep]))
+                    sizes[fd] += keep
+                if n > keep:
+                    hit = "output"
+            if status is None:
+                done, st = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    status, exited_at = st, time.monotonic()
+            now = time.monotonic()
+            if status is not None and (not open_fds or now - exited_at > 0.05):
+                break
+            if hit is None and now > deadline:
+                hit = "wall_time"
+    scrub([READ_BUF])
+    return status, chunks[fds[0]], chunks[fds[1]], hit
 
 
 class Spare:
@@ -279,7 +316,7 @@ class Spare:
             try:
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                for fd in (self.ctl, self.stdin, self.out, self.err, CHANNEL_IN.fileno(), CHANNEL_OUT.fileno()):
+                for fd in (self.ctl, self.stdin, self.out, self.err, CHANNEL_IN, CHANNEL_OUT):
                     os.close(fd)
                 header = marshal.loads(os.fdopen(ctl_r, "rb").read() or marshal.dumps(None))
                 if header is not None:
@@ -299,13 +336,12 @@ def run_task(spare, header, payload):
     wipe(WORKSPACE)
     wipe("/tmp")
     stdin_at = write_files(header["files"], payload)
-    stdin_data = bytes(payload[stdin_at:])
-    payload[:] = bytes(len(payload))
+    feed(spare.stdin, payload, stdin_at)  # into the pipe buffer before the task starts
+    scrub([payload])
     before = digest()
     started = time.monotonic()
     spare.start({"argv": header["argv"], "python": header["python"], "env": header["env"],
                  "limits": header["limits"]})
-    feed(spare.stdin, stdin_data)
     status, out, err, hit = collect(spare.pid, (spare.out, spare.err), header["limits"], started)
     run_s = time.monotonic() - started
     t1 = time.monotonic()
@@ -318,18 +354,21 @@ def run_task(spare, header, payload):
     phases = {"reset_ms": (started - t0) * 1e3, "task_ms": run_s * 1e3, "sweep_ms": (t2 - t1) * 1e3,
               "digest_ms": (time.monotonic() - t2) * 1e3}
     reply = {"exit_code": code if code >= 0 else None, "signal": -code if code < 0 else None, "limit_hit": hit,
-             "leftover": leftover and hit is None, "stdout_size": len(out), "stderr_size": len(err),
-             "digest_before": before, "digest_after": after, "run_s": run_s,
+             "leftover": leftover and hit is None, "stdout_size": sum(map(len, out)),
+             "stderr_size": sum(map(len, err)), "digest_before": before, "digest_after": after, "run_s": run_s,
              "phases": {k: round(v, 2) for k, v in phases.items()}}
     send(reply, out + err)
+    scrub(out + err)
 
 
-def feed(fd, data):
-    """Write stdin (small: the pipe buffer holds 64 KiB; more is written best-effort) and close it."""
+def feed(fd, payload, start):
+    """Write stdin, `payload[start:]` (small: the pipe buffer holds 64 KiB; more is written best-effort), and close
+    the pipe."""
     try:
         os.set_blocking(fd, False)
-        if data:
-            os.write(fd, data)
+        with memoryview(payload) as view:
+            if len(view) > start:
+                os.write(fd, view[start:])
     except OSError:
         pass
     os.close(fd)
@@ -347,7 +386,9 @@ def main():
     send({"ready": True})
     while True:
         try:
-            header = marshal.loads(bytes(read_frame()))
+            frame = read_frame()
+            header = marshal.loads(frame)
+            scrub([frame])
             payload = read_frame()
         except EOFError:
             os._exit(0)

@@ -45,6 +45,52 @@ def shared_pool(size: int, limits: Any, backend: str = "runsc") -> Any:
         return pool
 
 
+CODE_POOL_WALL_S = 10.0  # the code pool's sandbox limits: code_limits of a 10 s verdict (each verdict brings its own)
+
+
+def code_pool_limits() -> Any:
+    """The code pool's sandbox limits: each field the pool clamps a task's limits to (rlvr.sandbox.pool._clamp) is
+    the larger of a code verdict's (`code_limits`) and an environment run's (DEFAULT_LIMITS_JSON), so that
+    neither kind of verdict gets tighter limits on the pool than in a fresh sandbox."""
+    import dataclasses
+
+    from rlvr.sandbox import Limits
+    from rlvr.tasks.verifiers import code_limits
+
+    code, env = code_limits(CODE_POOL_WALL_S), Limits(**DEFAULT_LIMITS_JSON)
+    fields = ("memory_bytes", "nproc", "nofile", "file_bytes", "output_bytes")
+    return dataclasses.replace(code, **{f: max(getattr(code, f), getattr(env, f)) for f in fields})
+
+
+def use_code_pool(size: int) -> None:
+    """Code verdicts (`verify_code`, code-repair scoring) outside any `code_executor` block run on the shared warm
+    pool of `size` sandboxes (started on the first verdict; its dead and re-run sandboxes count in
+    `pool_counters`, a stalled verdict still raises SandboxStalled); 0 = a fresh sandbox per verdict. The pool
+    exists for the runsc backend only: with RLVR_CODE_EXECUTOR=process|bwrap verdicts stay fresh. The CAD
+    domain's candidate runs follow the same size unless RLVR_CAD_POOL says otherwise (`code_pool_size`)."""
+    from rlvr.tasks.verifiers import executor_backend, set_default_code_executor
+
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(f"rl.code_pool={size!r}: give the number of warm sandboxes for code verdicts (0 = a fresh "
+                         "sandbox per verdict)")
+    previous, _code_pool[0] = _code_pool[0], size
+    limits = code_pool_limits()
+    set_default_code_executor((lambda: shared_pool(size, limits, executor_backend())) if size else None)
+    if previous and previous != size:  # the pool of the previous setting is nobody's default any more
+        with _pools_lock:
+            stale = _pools.pop((previous, json.dumps(limits.to_json(), sort_keys=True), "runsc"), None)
+        if stale is not None:
+            stale.close()
+
+
+def code_pool_size() -> int:
+    """The size `use_code_pool` set (0: none)."""
+    return _code_pool[0]
+
+
+_code_pool = [0]
+
+
 def close_shared_pools() -> None:
     """Stop every shared pool (a later `shared_pool` call starts a fresh one)."""
     with _pools_lock:

@@ -352,6 +352,7 @@ OUTPUT_BYTES = 64 << 10  # stdout/stderr kept; more output stops the program
 
 EXECUTORS = ("runsc", "bwrap", "process")
 _code_executor: list[Any] = []  # the executor of `code_executor`'s innermost block, if any
+_default_code_executor: list[Callable[[], Any] | None] = [None]  # see set_default_code_executor
 
 
 @contextlib.contextmanager
@@ -366,9 +367,20 @@ def code_executor(executor: Any) -> Iterator[Any]:
         _code_executor.remove(executor)
 
 
+def set_default_code_executor(factory: Callable[[], Any] | None) -> None:
+    """Outside any `code_executor` block, code verdicts run on `factory()` (called per verdict: it returns the
+    executor, e.g. a process-wide warm pool started on first use, or None for a fresh sandbox); None = fresh
+    sandboxes. The RL trainer installs its `rl.code_pool` here (rlvr.envs.sandboxes.use_code_pool)."""
+    _default_code_executor[0] = factory
+
+
 def active_code_executor() -> Any:
-    """The executor of the innermost `code_executor` block, or None (fresh sandboxes)."""
-    return _code_executor[-1] if _code_executor else None
+    """The executor of the innermost `code_executor` block, else the default's (`set_default_code_executor`),
+    else None (fresh sandboxes)."""
+    if _code_executor:
+        return _code_executor[-1]
+    factory = _default_code_executor[0]
+    return factory() if factory is not None else None
 
 
 def executor_backend() -> str:

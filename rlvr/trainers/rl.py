@@ -39,7 +39,7 @@ import ml_collections
 import numpy as np
 
 from rlvr import api, evaluation, observe, start
-from rlvr.envs.sandboxes import pool_counters
+from rlvr.envs.sandboxes import close_shared_pools, pool_counters, use_code_pool
 from rlvr.job import Job
 from rlvr.launch.ray_workers import make_verifier_workers
 from rlvr.models.config import LoraConfig
@@ -359,6 +359,8 @@ class Run:
             self.samples_log.close()
         if self.producer is not None:
             self.producer.stop()
+        use_code_pool(0)  # code verdicts in this process go back to fresh sandboxes,
+        close_shared_pools()  # and the run's warm sandboxes (code, CAD, episodes) close with it
         if self.checkpoints is not None:
             self.checkpoints.close()
         if self.agent is not None:
@@ -514,6 +516,7 @@ def build_producer(run: Run, ref_params, teacher=None) -> Producer:
 
         run.agent = AgentRunner(run.backend.driver, load_agent(rl.agent, rl.agent_options.to_dict()),
                                 lambda task, answer: run.tasks.score(task, answer, False), rl.agent_timeout_s)
+    use_code_pool(rl.code_pool)  # code verdicts on a warm sandbox pool (this process; Ray actors: ScoringActor)
     verifiers = make_verifier_workers(rl.verifier_backend, max(1, rl.verifier_workers), rl, config.seed,
                                       rl.verifier_address, tasks=run.tasks)
     return Producer(run.backend, run.tasks, run.tokenizer, ProducerSettings.from_config(rl), config.seed,

@@ -55,11 +55,13 @@ def diagnostics(stderr: str, limit: int = 1500) -> str:
 
 
 def pool(backend: str) -> Any:
-    """The process-wide warm pool for candidate runs when RLVR_CAD_POOL=N (N > 0) and the backend is runsc, else
-    None (a fresh sandbox per run). A warm pool halves the sandbox's share of a step (benchmarks/cad_sandbox.py)."""
-    from rlvr.envs.sandboxes import shared_pool
+    """The process-wide warm pool of N sandboxes for candidate runs when the backend is runsc, else None (a fresh
+    sandbox per run). N is RLVR_CAD_POOL when set (0: fresh sandboxes), else the RL run's `rl.code_pool`
+    (rlvr.envs.sandboxes.use_code_pool). A warm pool halves the sandbox's share of a step
+    (benchmarks/cad_sandbox.py)."""
+    from rlvr.envs.sandboxes import code_pool_size, shared_pool
 
-    size = int(os.environ.get("RLVR_CAD_POOL", "0") or 0)
+    size = int(os.environ.get("RLVR_CAD_POOL", "") or code_pool_size())
     return shared_pool(size, limits(), backend) if size > 0 else None
 
 
