@@ -109,6 +109,11 @@ def _library(compiler: str, source: Path) -> Path:
     return path
 
 
+def cpu_has(flag: str) -> bool:
+    """Whether the CPU reports feature `flag` (e.g. "avx512f") in /proc/cpuinfo."""
+    return flag in _cpu_flags().split()
+
+
 def _cpu_flags() -> str:
     """The CPU's feature flags (-march=native code must not run on a CPU without them)."""
     try:

@@ -493,14 +493,20 @@ def test_a_bf16_pool_stored_as_bits_samples_what_a_bf16_pool_samples(params, mon
 
 
 def test_native_decode_matmul_packs_the_projections_and_samples_what_xla_samples(params, monkeypatch):
-    """decode_matmul "auto" (float32, one CPU device): every decoder and output projection of the
+    """decode_matmul "native" (float32, one CPU device): every decoder and output projection of the
     decode tree is packed (no plain `kernel` left there) and multiplied by the native kernel; the
     greedy and sampled tokens equal an engine multiplying with XLA ("xla") and its log-probs agree
-    to 1e-5. "native" where it cannot run (bf16 weights, no compiler) is an error saying why."""
+    to 1e-5. "auto" takes it only on a CPU with AVX-512 (without, it ran ~18x slower than XLA:
+    benchmarks/results/decode_matmul_cpu.json). "native" where it cannot run (bf16 weights, no
+    compiler) is an error saying why."""
     import rlvr.rollout.engine as engine_module
 
-    native, xla = Engine(CFG, params, **OPTS), Engine(CFG, params, **OPTS, decode_matmul="xla")
+    native, xla = Engine(CFG, params, **OPTS, decode_matmul="native"), Engine(CFG, params, **OPTS, decode_matmul="xla")
     assert (native.native_matmul, xla.native_matmul) == (True, False)
+    for avx512, expected in ((True, True), (False, False)):
+        monkeypatch.setattr(engine_module.native_build, "cpu_has", lambda flag, on=avx512: on and flag == "avx512f")
+        assert Engine(CFG, params, **OPTS).native_matmul == expected
+    monkeypatch.setattr(engine_module.native_build, "cpu_has", lambda flag: True)
     names = {jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(native.params)}
     packed = {n for n in names if n.endswith("['kernel_packed']")}
     assert not {n for n in names if n.endswith("['kernel']")} and len(packed) == 4 * CFG.num_layers + 1

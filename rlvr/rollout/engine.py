@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rlvr.kernels import native_build
 from rlvr.kernels.bits import bits_pool
 from rlvr.kernels.packed_matmul import native_unavailable_reason as packed_matmul_unavailable_reason
 from rlvr.kernels.paged_attention import native_unavailable_reason
@@ -94,7 +95,7 @@ class Engine(Slots, Dispatch):
     once per weight load into column panels and multiplied by the C++ XLA:CPU kernel
     (kernels/packed_matmul, `pack_projections`), where XLA:CPU's matmul packs every weight again at
     every decode step; "xla": plain `x @ w`; "auto" (default): "native" for float32 weights on one
-    CPU device where the kernel builds, else "xla".
+    CPU device with AVX-512 where the kernel builds, else "xla".
     schedule_policy: the order waiting requests take free slots: "fcfs" (submission order), "lof"
     (longest output first: the largest max_new_tokens first, as SGLang's --schedule-policy lof;
     long requests start early instead of running alone at the end of a batch of varied lengths,
@@ -228,6 +229,11 @@ class Engine(Slots, Dispatch):
             reason = f"the params are on a {mesh.size}-device mesh (the custom call has no partitioning rule)"
         if decode_matmul == "native" and reason:
             raise ValueError(f"decode_matmul='native' cannot run: {reason}; use 'xla' or 'auto'")
+        if decode_matmul == "auto" and reason is None and not native_build.cpu_has("avx512f"):
+            # the kernel's 16-float vectors are one AVX-512 register; without AVX-512 the compiler emulates
+            # them and the kernel ran ~25x slower than XLA's matmul (AMD EPYC with AVX2, 2026-12-07:
+            # benchmarks/results/decode_matmul_cpu.json)
+            return False
         return reason is None
 
     def _mesh(self) -> jax.sharding.Mesh | None:
