@@ -6,6 +6,8 @@ benchmarks/lora_train.py --tunix_python): a figure measured on another day is ne
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import time
 
 import jax
@@ -155,3 +157,48 @@ def chat_bpe_tokenizer(directory: str, vocab_size: int = 32768, corpus_mb: int =
         size += len(texts[-1])
     train_bpe(texts, vocab_size).save(directory)
     return directory
+
+
+PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "bench_tunix.py")
+
+
+def default_tunix_python() -> str:
+    """`<repo>/.venv-tunix/bin/python`: where the peer's venv lives (ignored by git)."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-tunix", "bin", "python")
+
+
+def tunix_part(python: str, part: str, quick: bool = False) -> dict:
+    """One part ("sft", "grpo", "sampler") of the peer script `benchmarks/peers/bench_tunix.py` in a
+    fresh process of the peer's venv: that part's result dict (its median and every timed call)."""
+    if not os.path.exists(python):
+        raise FileNotFoundError(f"--tunix_python {python} does not exist: make the peer's venv "
+                                "(python3 -m venv .venv-tunix && .venv-tunix/bin/pip install google-tunix) or pass "
+                                "its python")
+    cmd = [python, PEER, "--child", "--only", part] + (["--quick"] if quick else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"the Tunix peer ({' '.join(cmd)}) failed, rc {proc.returncode}: {proc.stderr[-2000:]}")
+    result = json.loads(lines[-1])[part]
+    if "error" in result:
+        raise RuntimeError(f"the Tunix peer's {part} part failed: {result['error']}")
+    return result
+
+
+def load_average() -> list[float]:
+    """The machine's 1/5/15-minute load averages now (the machine is shared: say how loaded it was)."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def record_with_history(path: str, record: dict) -> None:
+    """Writes `record` to `path` as the file's current record; what the file held before (one
+    record, with its own `earlier` list) moves into `record["earlier"]`, newest first."""
+    earlier = []
+    if os.path.exists(path):
+        with open(path) as f:
+            previous = json.load(f)
+        earlier = previous.pop("earlier", [])
+        earlier.insert(0, previous)
+    with open(path, "w") as f:
+        json.dump({**record, "earlier": earlier}, f, indent=2)
+        f.write("\n")

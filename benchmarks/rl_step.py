@@ -1,6 +1,7 @@
 """GRPO step time of the real RL loop on the fixed tiny config, sync and async.
 
     .venv/bin/python benchmarks/rl_step.py [--rounds 2 --warmup 2 --steps 4]
+        [--tunix_python .venv-tunix/bin/python] [--out benchmarks/results/rl_step.json]
 
 Runs `rlvr.trainers.rl.train` 2 x rounds times in one process, rl.mode="sync" and rl.mode="async"
 (max_staleness=1) in ABBA order (sync, async, async, sync: a linear drift of the machine's speed
@@ -17,16 +18,26 @@ jitted train step (policy forward/backward, reference forward, AdamW) and the we
 the engine. Medians over the measured steps of a mode's runs pooled (2 x 4 by default; Tunix:
 7), each run skipping `--warmup` steps (compiles, pipeline fill); held-out evaluation and the
 final checkpoint run outside the timed steps. The sync/async ratio is measured in one
-invocation and is the robust figure on a noisy machine. No Tunix figure is printed: one measured
-on another day is no comparison (the workload mirrors the peer's for a side-by-side run).
+invocation and is the robust figure on a noisy machine.
+
+Side by side (`--tunix_python`, default `.venv-tunix/bin/python`; '' = ours alone): every round
+also runs the peer script's GRPO part (`benchmarks/peers/bench_tunix.py --only grpo`, its own
+process, 2 warm-up + 7 timed steps, its median) first in even rounds and last in odd ones (ABBA:
+tunix, sync, async | async, sync, tunix), and reports Tunix's median over ours and per round. The
+roofline beside the step: the generation's (`common.decode_roofline`, 32 x 64 -> 64 tokens) plus
+the train step's model FLOPs (policy forward and backward on 32 x 128 tokens, the reference's
+forward) at the best fp32 1024³ matmul rate measured between the runs; on one CPU generation and
+training share the same cores, so the lower bound is their sum in async mode too.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -35,10 +46,21 @@ import time
 import jax
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import calibrate_matmul_gflops, emit  # noqa: E402
+from common import (  # noqa: E402
+    calibrate_matmul_gflops,
+    decode_roofline,
+    default_tunix_python,
+    emit,
+    load_average,
+    machine_peaks,
+    record_with_history,
+    tunix_part,
+)
 
 from rlvr import config_lib  # noqa: E402
 from rlvr.job import resolve  # noqa: E402
+from rlvr.models.config import PRESETS, ModelConfig  # noqa: E402
+from rlvr.train import flops  # noqa: E402
 from rlvr.trainers import rl as rl_trainer  # noqa: E402
 
 PROMPTS, GROUP, NEW_TOKENS, PROMPT_DIGITS = 8, 4, 64, 31  # "a+b=" with 31-digit operands: 64 tokens
@@ -75,13 +97,20 @@ def bench_config(mode: str, num_steps: int):
 def run_mode(mode: str, warmup: int, steps: int) -> dict:
     """One `train()` run; its per-step records (warm-up and measured) and wall time."""
     with tempfile.TemporaryDirectory(prefix=f"rl_step_{mode}_") as workdir:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _cpu_seconds()
         with contextlib.redirect_stdout(sys.stderr):  # the loop's prints; stdout is the JSON line
             rl_trainer.train(resolve(bench_config(mode, warmup + steps), workdir))
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
         with open(os.path.join(workdir, "metrics.jsonl")) as f:
             records = [json.loads(line) for line in f]
-    return {"warm": records[:warmup], "timed": records[warmup:], "wall_s": wall}
+    return {"warm": records[:warmup], "timed": records[warmup:], "wall_s": wall, "cpu_s": cpu}
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds (user + system, all threads) this process has used: over a run's wall time, the
+    cores it kept busy (async can only gain where sync leaves cores idle)."""
+    t = os.times()
+    return t.user + t.system
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -107,11 +136,13 @@ def summarize(runs: list[dict]) -> dict:
         "partial_rollout_fraction_mean": round(statistics.mean(r["partial_rollout_fraction"] for r in timed), 3),
         "kl_to_reference_last": timed[-1].get("kl"),
         "run_wall_s": [round(run["wall_s"], 1) for run in runs],
+        "run_busy_cores": [round(run["cpu_s"] / run["wall_s"], 2) for run in runs],
     }
 
 
 NOTES = (
-    "Tunix: bench_tunix.py GRPO part, median of 5 process repeats of (2 warm-up + 7 timed) steps, where a step is "
+    "Tunix: bench_tunix.py's GRPO part run in this invocation (its own process each round, ABBA with ours), the "
+    "median over rounds of each run's median of 7 timed steps after 2 warm-up, where a step is "
     "the interval between batch pulls of GRPOLearner.train() (vanilla static-batch sampler, 32x64 tokens, kv cache "
     "128; a separate reference forward; reward/advantages; one AdamW update on 32x128 rows; colocated, weight sync "
     "0 s). Ours: the same shapes, sampling (temperature 1, top_p 1, EOS allowed), beta 0.04/k3, epsilon 0.2, AdamW "
@@ -130,43 +161,94 @@ NOTES = (
 )
 
 
+def roofline(peak_gflops: float, read_gbytes_per_s: float) -> dict:
+    """The step's lower bound on this machine: generation (`decode_roofline` of 32 distinct 64-token
+    prompts -> 64 tokens) plus the train step's model FLOPs at the matmul peak."""
+    cfg = ModelConfig(**PRESETS["bench"])
+    completions, seq = PROMPTS * GROUP, 2 * NEW_TOKENS
+    gen = decode_roofline(cfg, [[i] * NEW_TOKENS for i in range(completions)], [NEW_TOKENS] * completions,
+                          completions, {"matmul_gflops": peak_gflops, "read_gbytes_per_s": read_gbytes_per_s})
+    policy = flops.train_flops_per_token(cfg, seq) * completions * seq
+    train_s = (policy + policy / 3) / (peak_gflops * 1e9)  # + the reference's forward: a third of fwd+bwd
+    return {"step_s": round(gen["seconds"] + train_s, 4), "generate_s": gen["seconds"], "train_s": round(train_s, 4),
+            "train_model_tflops": round((policy + policy / 3) / 1e12, 4), "peak_matmul_gflops": round(peak_gflops, 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--warmup", type=int, default=2, help="steps skipped at the start of every run")
     parser.add_argument("--steps", type=int, default=4, help="measured steps per run")
     parser.add_argument("--rounds", type=int, default=2, help="sync+async run pairs, in ABBA order")
+    parser.add_argument("--tunix_python", default=default_tunix_python(),
+                        help="python of a venv with google-tunix ('' = ours alone)")
+    parser.add_argument("--out", default="", help="also record the result here (earlier records kept)")
     args = parser.parse_args()
     t0 = time.perf_counter()
+    load_before = load_average()
     cache = tempfile.TemporaryDirectory(prefix="rl_step_jax_cache_")
     # Later runs re-jit the same train step: a compilation cache for this invocation only (the
     # first run's compile times stay honest) keeps their warm-up short.
     jax.config.update("jax_compilation_cache_dir", cache.name)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    calibs = [calibrate_matmul_gflops()]
+    calibs, peaks = [calibrate_matmul_gflops()], [machine_peaks()]
     runs: dict[str, list[dict]] = {"sync": [], "async": []}
-    pairs = []  # (sync step_s, async step_s) of each adjacent pair of runs
+    tunix_runs, order, rounds = [], [], []
+    who_all = (["tunix"] if args.tunix_python else []) + ["sync", "async"]
     for r in range(args.rounds):
-        for mode in ("sync", "async") if r % 2 == 0 else ("async", "sync"):  # ABBA: cancels linear drift
-            runs[mode].append(run_mode(mode, args.warmup, args.steps))
+        for who in who_all if r % 2 == 0 else who_all[::-1]:  # ABBA: cancels linear drift
+            if who == "tunix":
+                tunix_runs.append(tunix_part(args.tunix_python, "grpo"))
+            else:
+                runs[who].append(run_mode(who, args.warmup, args.steps))
+            order.append(who)
             calibs.append(calibrate_matmul_gflops())
-        pairs.append(tuple(statistics.median(x["step_s"] for x in runs[m][-1]["timed"]) for m in ("sync", "async")))
+        peaks.append(machine_peaks())
+        one = {m: round(statistics.median(x["step_s"] for x in runs[m][-1]["timed"]), 4) for m in ("sync", "async")}
+        if args.tunix_python:
+            one["tunix"] = tunix_runs[-1]["median_step_s"]
+            one.update(speedup_sync=round(one["tunix"] / one["sync"], 3),
+                       speedup_async=round(one["tunix"] / one["async"], 3))
+        rounds.append(one)
     cache.cleanup()
     sync, async_ = summarize(runs["sync"]), summarize(runs["async"])
     calib = statistics.mean(calibs)
-    emit({
-        "benchmark": "rl_step", "model": "bench preset (4 layers, d256, 4.46M params, fp32, random init)",
+    bound = roofline(max(p["matmul_gflops"] for p in peaks), max(p["read_gbytes_per_s"] for p in peaks))
+    for fig in (sync, async_):
+        fig["roofline_step_s"] = bound["step_s"]
+        fig["vs_roofline"] = round(bound["step_s"] / fig["step_s"], 3)
+    record = {
+        "benchmark": "rl_step", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%MZ"),
+        "command": "benchmarks/rl_step.py " + " ".join(sys.argv[1:]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs shared with other developers' jobs, "
+                   f"{jax.devices()[0]}",
+        "model": "bench preset (4 layers, d256, 4.46M params, fp32, random init)",
         "workload": f"{PROMPTS} prompts x group {GROUP} x {NEW_TOKENS} new tokens, 64-token prompts, reference "
                     "model (k3 KL, coef 0.04), 1 AdamW update/step",
-        "devices": str(jax.devices()[0]), "cpu_count": os.cpu_count(),
+        "devices": str(jax.devices()[0]), "cpu_count": os.cpu_count(), "order": order,
         "runs_per_mode": args.rounds, "warmup_steps_per_run": args.warmup, "measured_steps_per_run": args.steps,
         "calib_matmul_gflops": round(calib, 1), "calib_matmul_gflops_between_runs": [round(c, 1) for c in calibs],
+        "roofline": bound,
         "sync": sync, "async_staleness1": async_,
         "grpo_step_s": sync["step_s"],
         "async_speedup": round(sync["step_s"] / async_["step_s"], 3),
-        "async_speedup_per_pair": [round(s / a, 3) for s, a in pairs],
-        "total_runtime_s": round(time.perf_counter() - t0, 1),
-        "notes": NOTES,
-    })
+        "async_speedup_per_pair": [round(x["sync"] / x["async"], 3) for x in rounds],
+        "rounds": rounds,
+    }
+    if args.tunix_python:
+        tunix_s = statistics.median(t["median_step_s"] for t in tunix_runs)
+        record["tunix"] = {"step_s": round(tunix_s, 4), "roofline_step_s": bound["step_s"],
+                           "vs_roofline": round(bound["step_s"] / tunix_s, 3),
+                           "runs": [{k: t.get(k) for k in ("median_step_s", "all_step_s", "tunix_perf_breakdown",
+                                                           "calib_matmul_gflops_before", "calib_matmul_gflops_after")}
+                                    for t in tunix_runs]}
+        record["speedup_vs_tunix_sync"] = round(tunix_s / sync["step_s"], 3)
+        record["speedup_vs_tunix_async"] = round(tunix_s / async_["step_s"], 3)
+        record["speedup_vs_tunix_per_round"] = [{k: x[k] for k in ("speedup_sync", "speedup_async")} for x in rounds]
+    record.update(load_average_before=load_before, load_average_after=load_average(),
+                  total_runtime_s=round(time.perf_counter() - t0, 1), notes=NOTES)
+    emit(record)
+    if args.out:
+        record_with_history(args.out, record)
 
 
 if __name__ == "__main__":

@@ -1,27 +1,49 @@
-"""Train-step throughput on the fixed tiny config, in one JSON line.
+"""Train-step throughput on the fixed tiny config beside Tunix's, measured in one window.
 
-    .venv/bin/python benchmarks/train_step.py [--repeats 10]
+    .venv/bin/python benchmarks/train_step.py [--repeats 10] [--rounds 2] [--tunix_python .venv-tunix/bin/python]
+        [--out benchmarks/results/train_step.json]
 
 Model: 4 layers, d_model 256, 4 heads / 2 KV heads, head_dim 64, MLP 1024, vocab 1024, fp32
 (the `bench` preset, 4,459,264 params); batch 8 x 256 tokens; AdamW. SFT trains on every
-token; DPO on 8 pairs x 256 tokens per side with precomputed reference log-probs. MFU is
-against the fp32 matmul peak measured in the same run. No Tunix figure is printed: one from
-another day's run is no comparison (this machine's speed drifts up to ~2x).
+token; DPO on 8 pairs x 256 tokens per side with precomputed reference log-probs (ours only).
+
+Side by side: the peer script's SFT part (`benchmarks/peers/bench_tunix.py --only sft`, its own
+process: Tunix's jitted PeftTrainer step called directly, 3 warm-up + 10 timed calls, its median)
+and our SFT step (`repeats` timed calls of the compiled step) alternate in ABBA order for `rounds`
+pairs; the speed-up is Tunix's median over ours and per adjacent pair. This machine's speed drifts
+up to ~2x over minutes and is shared: only such same-window ratios mean anything. Beside every
+throughput figure: the roofline, the step's model FLOPs at the best fp32 1024³ matmul rate
+measured between the rounds (the lower bound of the step in seconds), and the MFU against it.
+`--tunix_python ''` times ours alone; `--profile` adds our SFT step's per-op profile
+(`op_profile.py`: milliseconds per group of ops, MLP / attention projections / attention core /
+output head and cross-entropy / norms / optimizer).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
+import os
+import platform
 import statistics
 import sys
+import time
 
 import jax
 import numpy as np
 import optax
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import calibrate_matmul_gflops, emit, time_calls  # noqa: E402
+from common import (  # noqa: E402
+    calibrate_matmul_gflops,
+    default_tunix_python,
+    emit,
+    load_average,
+    machine_peaks,
+    record_with_history,
+    time_calls,
+)
 
 from rlvr import sharding  # noqa: E402
 from rlvr.models import params as params_lib  # noqa: E402
@@ -52,7 +74,9 @@ def dpo_batch(rng):
     return batch
 
 
-def bench(cfg: ModelConfig, loss_fn, batch_np, rows: int, repeats: int, peak: float) -> dict:
+def compiled_step(cfg: ModelConfig, loss_fn, batch_np):
+    """(one blocking call of the jitted step on a fixed batch, seconds of its first call incl. compile,
+    a function returning the per-op profile of 3 calls: `op_profile`)."""
     mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
     optimizer = optax.adamw(1e-4)
     shardings = step_lib.state_shardings(cfg, optimizer, mesh)
@@ -66,33 +90,102 @@ def bench(cfg: ModelConfig, loss_fn, batch_np, rows: int, repeats: int, peak: fl
         holder["state"], metrics = step(holder["state"], batch, rng, None, None)
         jax.block_until_ready(metrics)
 
-    first, times = time_calls(one, repeats)
+    first, _ = time_calls(one, 0)
+
+    def profile():
+        from op_profile import op_profile
+
+        hlo = step.lower(holder["state"], batch, rng, None, None).compile().as_text()
+        return op_profile(one, hlo)
+
+    return one, first, profile
+
+
+def figures(cfg: ModelConfig, times: list[float], rows: int, peak: float) -> dict:
+    """Median step, tokens/s and MFU, each beside its roofline at `peak` FLOP/s."""
     step_s = statistics.median(times)
     tokens = rows * SEQ
     model_flops = flops.train_flops_per_token(cfg, SEQ) * tokens
-    return {"step_s": round(step_s, 4), "tokens_per_s": round(tokens / step_s, 1),
-            "first_step_incl_compile_s": round(first, 2), "model_tflops_per_step": round(model_flops / 1e12, 4),
-            "mfu": round(model_flops / step_s / peak, 4), "all_step_s": [round(t, 4) for t in times]}
+    roofline_s = model_flops / peak
+    return {"step_s": round(step_s, 4), "roofline_step_s": round(roofline_s, 4),
+            "tokens_per_s": round(tokens / step_s, 1), "roofline_tokens_per_s": round(tokens / roofline_s, 1),
+            "model_tflops_per_step": round(model_flops / 1e12, 4), "mfu": round(roofline_s / step_s, 4),
+            "all_step_s": [round(t, 4) for t in times]}
+
+
+def side_by_side(cfg, one, python: str, rounds: int, repeats: int) -> dict:
+    """Tunix's SFT step and ours alternately (ABBA), `rounds` pairs; the matmul peak between them."""
+    from common import tunix_part
+
+    ours, theirs, pairs, order, peaks = [], [], [], [], [machine_peaks()["matmul_gflops"]]
+    for r in range(rounds):
+        pair = {}
+        for who in ("tunix", "ours") if r % 2 == 0 else ("ours", "tunix"):
+            if who == "tunix":
+                part = tunix_part(python, "sft")
+                theirs.append({"step_s": part["median_step_s"], "all_step_s": part["all_step_s"],
+                               "calib_matmul_gflops": [part["calib_matmul_gflops_before"],
+                                                       part["calib_matmul_gflops_after"]]})
+                pair[who] = part["median_step_s"]
+            else:
+                _, times = time_calls(one, repeats)
+                ours.append([round(t, 4) for t in times])
+                pair[who] = statistics.median(times)
+            order.append(who)
+        pairs.append({"tunix_s": pair["tunix"], "ours_s": round(pair["ours"], 4),
+                      "speedup": round(pair["tunix"] / pair["ours"], 3)})
+        peaks.append(machine_peaks()["matmul_gflops"])
+    peak = max(peaks) * 1e9
+    ours_fig = figures(cfg, [t for run in ours for t in run], BATCH, peak)
+    theirs_fig = figures(cfg, [run["step_s"] for run in theirs], BATCH, peak)
+    theirs_fig.pop("all_step_s")
+    return {"order": order, "matmul_peak_gflops_between_rounds": [round(p, 1) for p in peaks],
+            "roofline_peak_gflops": round(peak / 1e9, 1), "ours": {**ours_fig, "runs": ours},
+            "tunix": {**theirs_fig, "runs": theirs},
+            "speedup_vs_tunix": round(theirs_fig["step_s"] / ours_fig["step_s"], 3), "pairs": pairs,
+            "speedup_per_pair": [p["speedup"] for p in pairs]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=10, help="our timed calls per round")
+    parser.add_argument("--rounds", type=int, default=2, help="Tunix/ours pairs, in ABBA order")
+    parser.add_argument("--tunix_python", default=default_tunix_python(),
+                        help="python of a venv with google-tunix ('' = ours alone)")
+    parser.add_argument("--out", default="", help="also record the result here (earlier records kept)")
+    parser.add_argument("--profile", action="store_true", help="add our SFT step's per-op profile (op_profile.py)")
     args = parser.parse_args()
+    t0 = time.perf_counter()
+    load_before = load_average()
     cfg = ModelConfig(**PRESETS["bench"])
-    calib_before = calibrate_matmul_gflops()
     rng = np.random.default_rng(0)
-    peak = calib_before * 1e9
-    sft = bench(cfg, functools.partial(sft_loss, cfg), sft_batch(rng), BATCH, args.repeats, peak)
+    sft_one, sft_first, sft_profile = compiled_step(cfg, functools.partial(sft_loss, cfg), sft_batch(rng))
     pref_cfg = type("P", (), {"loss": "dpo", "beta": 0.1, "label_smoothing": 0.0})
-    dpo = bench(cfg, functools.partial(preference_loss, cfg, pref_cfg), dpo_batch(rng), 2 * BATCH, args.repeats,
-                peak)
-    calib = (calib_before + calibrate_matmul_gflops()) / 2
-    emit({
-        "benchmark": "train_step", "model": "bench preset (4 layers, d256, 4.46M params, fp32)",
-        "batch": f"{BATCH}x{SEQ}", "devices": str(jax.devices()[0]), "calib_matmul_gflops": round(calib, 1),
-        "sft": sft, "dpo_8_pairs": dpo,
-    })
+    dpo_one, dpo_first, _ = compiled_step(cfg, functools.partial(preference_loss, cfg, pref_cfg), dpo_batch(rng))
+    record = {
+        "benchmark": "train_step", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%MZ"),
+        "command": "benchmarks/train_step.py " + " ".join(sys.argv[1:]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs shared with other developers' jobs, "
+                   f"{jax.devices()[0]}",
+        "model": "bench preset (4 layers, d256, 4.46M params, fp32)", "batch": f"{BATCH}x{SEQ}",
+    }
+    if args.tunix_python:
+        sft = side_by_side(cfg, sft_one, args.tunix_python, args.rounds, args.repeats)
+        peak = sft["roofline_peak_gflops"] * 1e9
+    else:
+        peak = machine_peaks()["matmul_gflops"] * 1e9
+        sft = {"ours": figures(cfg, time_calls(sft_one, args.repeats)[1], BATCH, peak)}
+    sft["ours"]["first_step_incl_compile_s"] = round(sft_first, 2)
+    if args.profile:
+        sft["ours"]["op_profile"] = sft_profile()
+    dpo = figures(cfg, time_calls(dpo_one, args.repeats)[1], 2 * BATCH, peak)
+    dpo["first_step_incl_compile_s"] = round(dpo_first, 2)
+    record.update(sft=sft, dpo_8_pairs=dpo, calib_matmul_gflops=round(calibrate_matmul_gflops(), 1),
+                  load_average_before=load_before, load_average_after=load_average(),
+                  total_runtime_s=round(time.perf_counter() - t0, 1))
+    emit(record)
+    if args.out:
+        record_with_history(args.out, record)
 
 
 if __name__ == "__main__":

@@ -139,7 +139,7 @@ def test_causal_attention_in_query_blocks_equals_the_dense_product():
     """The training path's long rows (`causal_attention`: query blocks attending only to the keys
     up to their own end) against the dense product, outputs and all three gradients on every real
     token: packed segments with restarting positions, trailing padding, with and without a sliding
-    window; 1,300 tokens are 3 blocks, the last one short. The blocks must also cost fewer
+    window; 1,300 tokens are 8 blocks, the last one short. The blocks must also cost fewer
     FLOPs than the dense form (XLA's count of the compiled forward)."""
     rng = np.random.default_rng(5)
     b, t, kv_heads, groups, d = 2, 1300, 2, 2, 16
@@ -166,8 +166,34 @@ def test_causal_attention_in_query_blocks_equals_the_dense_product():
         cost = jax.jit(fn).lower(q, k, v, mask).compile().cost_analysis()
         return (cost[0] if isinstance(cost, list) else cost)["flops"]
 
-    # the blocks skip the keys after them: ~2/3 of the dense products here (512 + 1,024 + 1,300 keys)
+    # the blocks skip the keys after them: ~9/16 of the dense products here (8 blocks of 163 queries)
     assert flops(causal_attention) < 0.75 * flops(dot_product_attention)
+
+
+@pytest.mark.parametrize("rows,length", [(2, 256), (4, 128)])
+def test_causal_attention_cuts_short_training_rows_into_blocks(rows, length):
+    """The benchmarks' training rows (SFT 8 x 256, GRPO 32 x 128) are short: `causal_attention` cuts
+    them into query blocks too (fewer FLOPs than the dense product, by XLA's count of the compiled
+    forward: 1/2 + 1/2^2 of it at 2 blocks, 5/8 at 4), with the dense product's outputs and
+    gradients."""
+    rng = np.random.default_rng(7)
+    q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32)
+               for shape in ((rows, length, 4, 16), (rows, length, 2, 16), (rows, length, 2, 16)))
+    pos = jnp.broadcast_to(jnp.arange(length), (rows, length))
+    seg = jnp.ones((rows, length), jnp.int32)
+    mask = in_token_order(attention_mask(pos, seg, pos, seg))
+    loss = lambda q, k, v, fn: jnp.sum(jnp.sin(fn(q, k, v, mask)))
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=3)
+    (ours, ours_grads), (dense, dense_grads) = (grad(q, k, v, fn) for fn in (causal_attention, dot_product_attention))
+    np.testing.assert_allclose(ours, dense, rtol=1e-5)
+    for a, e in zip(ours_grads, dense_grads, strict=True):
+        np.testing.assert_allclose(a, e, rtol=0, atol=1e-5)
+
+    def flops(fn):
+        cost = jax.jit(fn).lower(q, k, v, mask).compile().cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+    assert flops(causal_attention) < 0.8 * flops(dot_product_attention)
 
 
 # ----------------------------------------------------------------------------- Pallas (interpreted)
