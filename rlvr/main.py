@@ -18,7 +18,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from rlvr import config_lib, start
+from rlvr import compile_log, config_lib, start
 from rlvr.launch import distributed
 from rlvr.train.preemption import PREEMPTED_EXIT_CODE, Preempted
 from rlvr.trainers import evaluate, preference, rl, sft
@@ -55,6 +55,7 @@ def run(config: ml_collections.ConfigDict, workdir: str):
         config.rl.deterministic_rollout = True
     config = start.resolve(config)
     start.write_workdir(config, workdir)
+    compile_log.enable_cache(config.compile.cache_dir, config.compile.cache_min_compile_s)  # every job
     return TRAINERS[config.job](config, workdir)
 
 
