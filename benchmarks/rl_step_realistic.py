@@ -1,7 +1,14 @@
 """The GRPO step of the real RL loop at a realistic shape: RL-step seconds, the generate/train split,
 generated tokens/s, and the decode roofline of the same model and batch measured in the same run.
 
-    .venv/bin/python benchmarks/rl_step_realistic.py [--warmup 1 --steps 2]
+    .venv/bin/python benchmarks/rl_step_realistic.py [--warmup 1 --steps 2] [--cache_dir DIR]
+
+Start-up (issue 50): `first_step` is the first step's seconds and split, `start_to_first_step_s` the
+job's wall time from `train()` to the end of step 1 (model init, engine, held-out evaluation before
+RL, step 1), and `compile` every XLA program the job compiled (workdir/compile.jsonl, rlvr.compile_log)
+totalled per program. `--cache_dir` is `compile.cache_dir`: "" (default) = a new empty directory, a
+cold start; run twice with the same DIR for a warm one (the second process loads what the first
+compiled). `--steps 0` stops after the first step (no steady-state figures or roofline).
 
 Shape (issue 17): the `bench_32k` preset (6 layers, d512, GQA 8:2, tied 32,768-token vocabulary,
 34.9M params, fp32, random init) with a byte-level BPE tokenizer of 32,768 ids and a ChatML
@@ -44,7 +51,7 @@ TASKS = "rg/gsm_symbolic,rg/knights_knaves,rg/basic_arithmetic,rg/string_manipul
 PROMPTS, GROUP, NEW_TOKENS, SEQ_LEN = 4, 8, 128, 1024
 
 
-def bench_config(tokenizer_dir: str, num_steps: int, model_json: str = ""):
+def bench_config(tokenizer_dir: str, num_steps: int, model_json: str = "", cache_dir: str = ""):
     c = config_lib.base_config()
     c.job = "rl"
     c.model = (config_lib.model_config_dict(**json.loads(model_json)) if model_json
@@ -61,29 +68,77 @@ def bench_config(tokenizer_dir: str, num_steps: int, model_json: str = ""):
     c.train.num_steps, c.train.log_every, c.train.tensorboard = num_steps, 10**6, False
     c.train.micro_batches = 8  # the RL loss materialises [rows, 1024, 32768] logits: 2 rows at a time
     c.checkpoint.every_steps, c.checkpoint.resume = 10**6, False
+    c.compile.cache_dir = cache_dir
     config_lib.validate(c, jax.device_count())
     c.lock()
     return c
 
 
+def compile_breakdown(workdir: str) -> dict:
+    """workdir/compile.jsonl totalled: programs, seconds, cache hits, and per program name (count,
+    compile and lowering seconds, hits), the costliest first."""
+    with open(os.path.join(workdir, "compile.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    by: dict[str, dict] = {}
+    for r in records:
+        entry = by.setdefault(r["program"], {"count": 0, "compile_s": 0.0, "lower_s": 0.0, "cache_hits": 0})
+        entry["count"] += 1
+        entry["compile_s"] = round(entry["compile_s"] + r["compile_s"], 3)
+        entry["lower_s"] = round(entry["lower_s"] + r["lower_s"], 3)
+        entry["cache_hits"] += r["cache"] == "hit"
+    ranked = sorted(by.items(), key=lambda kv: -(kv[1]["compile_s"] + kv[1]["lower_s"]))
+    return {"programs": len(records), "compile_s": round(sum(r["compile_s"] for r in records), 2),
+            "lower_s": round(sum(r["lower_s"] for r in records), 2),
+            "cache_hits": sum(r["cache"] == "hit" for r in records),
+            "by_program": {name: entry for name, entry in ranked if entry["compile_s"] + entry["lower_s"] >= 0.05},
+            "small_programs": sum(1 for _, e in ranked if e["compile_s"] + e["lower_s"] < 0.05)}
+
+
+def first_step_report(first: dict, start_to_first_step_s: float) -> dict:
+    """The first step's seconds (its generate/verify/train/sync split and the compile seconds within it)."""
+    generate_s = first["generate_s"] - first.get("verify_s", 0.0)
+    return {"step_s": round(first["step_s"], 2), "generate_s": round(generate_s, 2),
+            "train_s": round(first["train_s"], 2), "sync_s": round(first["sync_s"], 3),
+            "compile_s_within": round(first.get("compile_s", 0.0), 2), "rows": first["rows"],
+            "start_to_first_step_s": round(start_to_first_step_s, 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--warmup", type=int, default=1, help="steps skipped (compiles)")
-    parser.add_argument("--steps", type=int, default=2, help="measured steps")
+    parser.add_argument("--steps", type=int, default=2, help="measured steps (0: the first step only)")
     parser.add_argument("--tokenizer_dir", default=os.path.join(tempfile.gettempdir(), "rlvr_bench_bpe32k"))
     parser.add_argument("--model_json", default="", help="the model's fields (for a tree without bench_32k)")
     parser.add_argument("--timing_only", action="store_true",
                         help="no roofline (to time another tree's trainer with PYTHONPATH=that tree)")
+    parser.add_argument("--cache_dir", default="", help="compile.cache_dir ('' = a new empty one: a cold start)")
     args = parser.parse_args()
     t0 = time.perf_counter()
     tokenizer_dir = chat_bpe_tokenizer(args.tokenizer_dir)
-    peaks = [] if args.timing_only else [machine_peaks()]
-    config = bench_config(tokenizer_dir, args.warmup + args.steps, args.model_json)
+    peaks = [] if args.timing_only or not args.steps else [machine_peaks()]
+    step_ends: list[float] = []
+    one_step = rl_trainer.one_step
+
+    def timed_step(run, step):  # when each step ends, for the start-up figure
+        out = one_step(run, step)
+        step_ends.append(time.perf_counter())
+        return out
+    rl_trainer.one_step = timed_step
+    cached = len(os.listdir(args.cache_dir)) if args.cache_dir and os.path.isdir(args.cache_dir) else 0
     with tempfile.TemporaryDirectory(prefix="rl_step_realistic_") as workdir:
+        config = bench_config(tokenizer_dir, max(args.warmup + args.steps, 1), args.model_json,
+                              args.cache_dir or os.path.join(workdir, "jax_cache"))
         with contextlib.redirect_stdout(sys.stderr):
+            train_start = time.perf_counter()
             rl_trainer.train(resolve(config, workdir))
         with open(os.path.join(workdir, "metrics.jsonl")) as f:
             records = [json.loads(line) for line in f if '"step_s"' in line]
+        start_up = {"cache": f"warm ({cached} entries at start)" if cached else "cold (an empty cache)",
+                    "first_step": first_step_report(records[0], step_ends[0] - train_start),
+                    "compile": compile_breakdown(workdir)}
+    if not args.steps:
+        emit({"benchmark": "rl_step_realistic", **start_up, "total_runtime_s": round(time.perf_counter() - t0, 1)})
+        return
     timed = records[args.warmup:]
     med = lambda key: statistics.median(r[key] for r in timed)  # noqa: E731
     generate_s = statistics.median(r["generate_s"] - r.get("verify_s", 0.0) for r in timed)
@@ -95,7 +150,7 @@ def main() -> None:
         "warmup_step_s": [round(r["step_s"], 2) for r in records[:args.warmup]],
         "step_s_all": [round(r["step_s"], 3) for r in records], "response_length_mean": round(response_len, 1),
         "generated_tokens_per_step": int(samples * response_len),
-        "generated_tokens_per_s": round(samples * response_len / generate_s, 1)}
+        "generated_tokens_per_s": round(samples * response_len / generate_s, 1), **start_up}
     if args.timing_only:
         emit({"benchmark": "rl_step_realistic", **timing, "total_runtime_s": round(time.perf_counter() - t0, 1)})
         return

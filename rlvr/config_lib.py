@@ -148,6 +148,11 @@ def base_config() -> ml_collections.ConfigDict:
         # for the completions as SFT records ("" = none), only the verified ones when sft_passed_only
         "split": "held_out", "sft_out": "", "sft_passed_only": True,
     })
+    # start-up time (rlvr.compile_log, docs/how-to/start-up-time.md): jax's persistent compilation cache,
+    # shared by every job of this user ("" = off; compiles shorter than cache_min_compile_s are not written),
+    # and one line per XLA program that took >= print_min_s to compile (all of them in workdir/compile.jsonl)
+    c.compile = ml_collections.ConfigDict({"cache_dir": "~/.cache/rlvr/jax", "cache_min_compile_s": 1.0,
+                                           "print_min_s": 1.0})
     c.checkpoint = ml_collections.ConfigDict({
         "every_steps": 50,  # steps between checkpoints (and one at the end)
         "keep": 3,  # checkpoints kept
@@ -550,6 +555,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, jobs: dict[str
     _one_of(config, "optimizer.name", ("adamw", "adafactor", "sgd"))
     _one_of(config, "data.source", ("arithmetic", "jsonl", "tfds"))
     _positive(config, "train.micro_batches")
+    for path in ("compile.cache_min_compile_s", "compile.print_min_s"):
+        if _get(config, path) < 0:
+            raise ConfigError(f"{path}={_get(config, path)}: must be >= 0 (seconds).")
     if config.train.logprob_chunk_size < 0:
         raise ConfigError(f"train.logprob_chunk_size={config.train.logprob_chunk_size}: must be >= 0 "
                           "(0 = full logits).")

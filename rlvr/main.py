@@ -19,7 +19,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from rlvr import config_lib, start
+from rlvr import compile_log, config_lib, start
 from rlvr.job import resolve
 from rlvr.launch import distributed
 from rlvr.train.preemption import PREEMPTED_EXIT_CODE, Preempted
@@ -57,6 +57,7 @@ def run(config: ml_collections.ConfigDict, workdir: str):
         config.rl.deterministic_rollout = True
     job = resolve(config, workdir)  # once: every trainer takes the resolved values from `job`
     start.write_workdir(job.config, workdir)
+    compile_log.enable_cache(job.config.compile.cache_dir, job.config.compile.cache_min_compile_s)  # every job
     return TRAINERS[job.config.job](job)
 
 

@@ -11,10 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
-from rlvr import config_lib
-from rlvr.envs import sandboxes
 from rlvr.sandbox import SandboxStalled, runsc
 from rlvr.sandbox.pool import Pool
+
+from rlvr import config_lib
+from rlvr.envs import sandboxes
 from rlvr.tasks import verifiers
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -102,7 +102,8 @@ for line in open("/proc/self/maps"):
     span, perms = line.split()[:2]
     lo, hi = (int(x, 16) for x in span.split("-"))
     if perms.startswith("rw") and hi - lo <= 64 << 20:
-        found.update(m.decode() for m in re.findall(rb"MARK(?:OUT|ERR|STDIN|FILE)_[0-9]+", ctypes.string_at(lo, hi - lo)))
+        memory = ctypes.string_at(lo, hi - lo)
+        found.update(m.decode() for m in re.findall(rb"MARK(?:OUT|ERR|STDIN|FILE)_[0-9]+", memory))
 print(sorted(found))
 """
 

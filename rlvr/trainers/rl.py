@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from rlvr import api, evaluation, observe, start
+from rlvr import api, compile_log, evaluation, observe, start
 from rlvr.envs.sandboxes import close_shared_pools, pool_counters, use_code_pool
 from rlvr.job import Job
 from rlvr.launch.ray_workers import make_verifier_workers
@@ -314,6 +314,7 @@ class Run:
     eval_details: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     samples_log: observe.SampleLog | None = None  # samples.jsonl: completions with their rewards
     prompts_too_long: float = 0.0  # tasks skipped so far: prompt longer than rl.max_prompt_len
+    compiles: compile_log.CompileLog | None = None  # every XLA compile of the job (workdir/compile.jsonl)
 
     def evaluate(self, step: int, tag: str) -> None:
         records: list[dict[str, Any]] = []
@@ -373,12 +374,16 @@ def train(job: Job) -> dict[str, Any]:
     """The RL job (see the module docstring; `job`: resolved by `rlvr.job.resolve`): start (or
     resume) the run, train, summarise."""
     wall_start = time.perf_counter()
-    check_processes(job.config.rl, jax.process_count())
-    run = start_run(job)
-    try:  # from here on, any failure (evaluation included) closes the backend and producer
-        preempted_at = run_steps(run)
-    finally:
-        run.close()
+    config, workdir = job.config, job.workdir
+    check_processes(config.rl, jax.process_count())
+    compile_log.enable_cache(config.compile.cache_dir, config.compile.cache_min_compile_s)
+    with compile_log.CompileLog(workdir, config.compile.print_min_s) as compiles:
+        run = start_run(job)
+        run.compiles = compiles
+        try:  # from here on, any failure (evaluation included) closes the backend and producer
+            preempted_at = run_steps(run)
+        finally:
+            run.close()
     if preempted_at is not None:
         raise Preempted(preempted_at, run.checkpoints.directory)
     return write_summary(run, time.perf_counter() - wall_start)
@@ -578,6 +583,7 @@ def one_step(run: Run, step: int) -> tuple[dict[str, float], ScoredBatch]:
     """A scored batch (waiting for the producer) -> train batch -> policy update -> weight sync.
     Returns the step's metrics and the scored batch."""
     rl, t0 = run.config.rl, time.perf_counter()
+    compiled_before = run.compiles.mark() if run.compiles else 0
     if rl.mode == "lockstep":
         run.producer.fill_ahead(step, run.config.train.num_steps)
     batch = run.producer.next_batch(step)
@@ -593,6 +599,8 @@ def one_step(run: Run, step: int) -> tuple[dict[str, float], ScoredBatch]:
     record = {**rollout_metrics(batch, step), **token_means(metrics)}
     record.update(wait_for_rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2, step_s=t3 - t0,
                   rows=float(arrays["tokens"].shape[0]))
+    if run.compiles:  # compile + lowering seconds within this step (its share of step_s)
+        record["compile_s"] = run.compiles.seconds_since(compiled_before)
     record["util/trainer"] = (t3 - t1) / max(t3 - t0, 1e-9)  # busy share: not waiting for rollouts
     record.update(run.backend.health())  # dead servers and rerouted requests
     record.update(pool_counters())  # dead sandboxes and re-run tasks
@@ -626,6 +634,8 @@ def write_summary(run: Run, wall_s: float) -> dict[str, Any]:
         summary["heldout_tool_use_after"] = details[-1]["overall"]["tool_use"]
     if run.curriculum is not None:
         summary["curriculum"] = run.curriculum.report()
+    if run.compiles is not None:
+        summary.update(run.compiles.summary())
     plot = write_plot(run.workdir, run.history, evals)
     if plot:
         summary["plot"] = plot
