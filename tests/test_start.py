@@ -160,7 +160,10 @@ def test_a_warm_start_on_a_checkpoint_must_be_asked_for(hf_dir):
 def test_the_cli_reports_an_override_contradicting_the_checkpoint_in_one_line(hf_dir, tmp_path, repo_root, python):
     cmd = [python, "-m", "rlvr.main", f"--config=configs/recipes/grpo_math.py:{hf_dir},smoke",
            f"--workdir={tmp_path}", "--config.model.num_heads=8"]
-    result = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=300)
+    # JAX_PLATFORMS=cpu: libtpu (the tpu extra) otherwise writes its own start-up warnings to stderr when
+    # it finds no TPU, depending on whether another process holds its lock; the test is about rlvr's line
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"config error: model.num_heads=8 (checkpoint: 4) contradicts the architecture of init.hf_checkpoint={hf_dir}: "
