@@ -29,6 +29,7 @@ median reported; the ratio uses the median, closest to the load the steps ran un
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import json
 import os
@@ -51,7 +52,8 @@ TASKS = "rg/gsm_symbolic,rg/knights_knaves,rg/basic_arithmetic,rg/string_manipul
 PROMPTS, GROUP, NEW_TOKENS, SEQ_LEN = 4, 8, 128, 1024
 
 
-def bench_config(tokenizer_dir: str, num_steps: int, model_json: str = "", cache_dir: str = ""):
+def bench_config(tokenizer_dir: str, num_steps: int, model_json: str = "", cache_dir: str = "",
+                 overrides: tuple[str, ...] = ()):
     c = config_lib.base_config()
     c.job = "rl"
     c.model = (config_lib.model_config_dict(**json.loads(model_json)) if model_json
@@ -69,6 +71,13 @@ def bench_config(tokenizer_dir: str, num_steps: int, model_json: str = "", cache
     c.train.micro_batches = 8  # the RL loss materialises [rows, 1024, 32768] logits: 2 rows at a time
     c.checkpoint.every_steps, c.checkpoint.resume = 10**6, False
     c.compile.cache_dir = cache_dir
+    for override in overrides:  # --set a.b=value (a Python literal), e.g. rl.sampled_logits_only=False
+        key, _, value = override.partition("=")
+        *path, leaf = key.split(".")
+        section = c
+        for name in path:
+            section = section[name]
+        section[leaf] = ast.literal_eval(value)
     config_lib.validate(c, jax.device_count())
     c.lock()
     return c
@@ -111,6 +120,8 @@ def main() -> None:
     parser.add_argument("--model_json", default="", help="the model's fields (for a tree without bench_32k)")
     parser.add_argument("--timing_only", action="store_true",
                         help="no roofline (to time another tree's trainer with PYTHONPATH=that tree)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override (a Python literal), e.g. rl.sampled_logits_only=False; repeatable")
     parser.add_argument("--cache_dir", default="", help="compile.cache_dir ('' = a new empty one: a cold start)")
     args = parser.parse_args()
     t0 = time.perf_counter()
@@ -127,7 +138,7 @@ def main() -> None:
     cached = len(os.listdir(args.cache_dir)) if args.cache_dir and os.path.isdir(args.cache_dir) else 0
     with tempfile.TemporaryDirectory(prefix="rl_step_realistic_") as workdir:
         config = bench_config(tokenizer_dir, max(args.warmup + args.steps, 1), args.model_json,
-                              args.cache_dir or os.path.join(workdir, "jax_cache"))
+                              args.cache_dir or os.path.join(workdir, "jax_cache"), tuple(args.set))
         with contextlib.redirect_stdout(sys.stderr):
             train_start = time.perf_counter()
             rl_trainer.train(resolve(config, workdir))
@@ -137,7 +148,8 @@ def main() -> None:
                     "first_step": first_step_report(records[0], step_ends[0] - train_start),
                     "compile": compile_breakdown(workdir)}
     if not args.steps:
-        emit({"benchmark": "rl_step_realistic", **start_up, "total_runtime_s": round(time.perf_counter() - t0, 1)})
+        emit({"benchmark": "rl_step_realistic", "overrides": args.set, **start_up,
+              "total_runtime_s": round(time.perf_counter() - t0, 1)})
         return
     timed = records[args.warmup:]
     med = lambda key: statistics.median(r[key] for r in timed)  # noqa: E731
@@ -167,7 +179,7 @@ def main() -> None:
         "tokenizer": "byte-level BPE, 32768 ids, ChatML template (common.chat_bpe_tokenizer)",
         "workload": f"{PROMPTS} chat prompts ({TASKS}) x group {GROUP}, {NEW_TOKENS} new tokens, packed "
                     f"{SEQ_LEN}-token train rows, 1 AdamW update/step, sync",
-        "warmup_steps": args.warmup, "measured_steps": args.steps, **timing,
+        "warmup_steps": args.warmup, "measured_steps": args.steps, "overrides": args.set, **timing,
         "prompt_length_mean": round(prompt_len, 1),
         "machine_peaks_median": {k: round(v, 1) for k, v in typical.items()},
         "machine_peaks_best": {k: round(v, 1) for k, v in best.items()},

@@ -10,7 +10,10 @@ families, a sample per level of procedural ones):
   rl.engine.max_len    0 = seq_len rounded up to rl.engine.page_size (the engine's cache per sequence)
 
 Set explicitly, `max_prompt_len` or `seq_len` caps the prompts: longer tasks are skipped, and said
-so here, in each step's metrics (`prompts_too_long`) and in evaluations. Prompts that cannot fit at
+so here, in each step's metrics (`prompts_too_long`) and in evaluations. The measurement then only
+serves that warning, so a procedural family is sampled for at most `EXPLICIT_SECONDS` (after one task
+per level and split): a slow generator (reasoning-gym's zebra puzzles, ~0.5 s a puzzle) would
+otherwise hold the job's start for minutes. Prompts that cannot fit at
 all (the model's context, or the cap) are a ConfigError naming the longest. Multi-turn tasks need
 `rl.seq_len` (the whole episode's budget). An eval job, or RL continuing an RL run, with
 `rl.max_new_tokens=0` and `rl.prompt_format=""` inherits both from the run in init.workdir.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Sequence
 
 import ml_collections
@@ -33,6 +37,7 @@ from rlvr.tasks.datasets import DatasetFamily
 
 ROW_MULTIPLE = 8  # derived train rows are a multiple of this many tokens
 PER_LEVEL = 16  # procedural families: tasks measured per level and split
+EXPLICIT_SECONDS = 2.0  # explicit budgets: seconds of task generation per procedural family, at most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,16 +52,27 @@ class Measured:
         return f"{self.task.family} level {self.task.level} #{self.task.index} ({split}): {self.tokens} tokens"
 
 
-def sample_tasks(mixture, per_level: int = PER_LEVEL) -> list[Task]:
+def sample_tasks(mixture, per_level: int = PER_LEVEL, seconds: float | None = None) -> list[Task]:
     """Tasks of every family of `mixture` whose prompts bound the run's: a dataset family's items of
-    both splits, else `per_level` tasks per level of the train and held-out streams."""
+    both splits, else `per_level` tasks per level of the train and held-out streams. `seconds`: a
+    procedural family stops drawing once that long has passed, having drawn one task of every level
+    and split first (tasks are drawn index by index across levels and splits); None draws them all."""
     out = []
     for family in mixture.families.values():
         if isinstance(family, DatasetFamily):
             out += family.split_tasks(TRAIN) + family.split_tasks(HELD_OUT)
             continue
-        for level in family.levels():
-            out += [family.task(i, stream, level) for stream in (TRAIN, HELD_OUT) for i in range(per_level)]
+        levels = list(family.levels())
+        if seconds is None:
+            for level in levels:
+                out += [family.task(i, stream, level) for stream in (TRAIN, HELD_OUT) for i in range(per_level)]
+            continue
+        start, first_round = time.perf_counter(), 2 * len(levels)
+        order = [(i, stream, level) for i in range(per_level) for stream in (TRAIN, HELD_OUT) for level in levels]
+        for drawn, (i, stream, level) in enumerate(order):
+            if drawn >= first_round and time.perf_counter() - start > seconds:
+                break
+            out.append(family.task(i, stream, level))
     return out
 
 
@@ -102,6 +118,7 @@ def resolve(config: ml_collections.ConfigDict, tokenizer, recorded: ml_collectio
     unlocked, otherwise resolved config (see the module docstring) and prints them. Returns the
     multi-turn (tool-using) families of rl.task."""
     rl = config.rl
+    explicit = bool(rl.seq_len or rl.max_prompt_len)  # the measurement only warns about longer prompts
     inherit(rl, recorded)
     if config.tokenizer.system_prompt and rl.prompt_format == "raw":
         raise ConfigError("tokenizer.system_prompt is only used with chat prompts: set rl.prompt_format='chat' "
@@ -110,7 +127,7 @@ def resolve(config: ml_collections.ConfigDict, tokenizer, recorded: ml_collectio
         tasks = build_tasks(rl, config.seed)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    sampled = sample_tasks(tasks)
+    sampled = sample_tasks(tasks, seconds=EXPLICIT_SECONDS if explicit else None)
     vision = VisionConfig.of(config.model.get("vision"))
     measured = measure(sampled, tokenizer, rl.prompt_format, vision)
     episodic = episodic_families(sampled)

@@ -23,7 +23,7 @@ from rlvr.models.tokenizer import byte_level_tokenizer
 from rlvr.models.transformer import forward
 from rlvr.rl import advantages as adv_lib
 from rlvr.rl import policy_loss as pl
-from rlvr.rl.batching import AGGREGATIONS, Sample, bucket_columns, build_batch
+from rlvr.rl.batching import AGGREGATIONS, Sample, bucket_columns, build_batch, trained_positions
 from rlvr.rl.objective import Objective, rl_loss, token_means
 from rlvr.rl.producer import Producer, ProducerSettings, ScoredBatch, sample_seed
 from rlvr.rollout.types import Completion
@@ -200,6 +200,31 @@ def test_trimmed_columns_give_the_full_width_loss(setup):
     tree_close(grads_trim, grads_full)
     for key in ("tokens", "tis_capped_fraction", "logprob_mismatch", "entropy", "ratio_mean"):
         close(aux_trim[key], aux_full[key], 1e-4)
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
+def test_sampled_logits_only_gives_the_full_loss(setup, pack):
+    """rl.sampled_logits_only: the output layer run only at the trained positions (prompts skipped)
+    gives the full batch's loss, gradients and metrics: KL to a reference (its log-probs taken at the
+    same positions), entropy bonus, TIS, with and without chunking, over 2 micro-batches."""
+    params, samples, frozen = setup["params"], setup["samples"], {"ref": setup["ref"]}
+    full = build_batch(samples, SEQ_LEN, PAD, "token_mean", NORM_LEN, pack=pack, row_multiple=N)
+    head = trained_positions(full["loss_mask"], full["segment_ids"])
+    target = (full["loss_mask"][:, 1:] != 0) & (full["segment_ids"][:, 1:] == full["segment_ids"][:, :-1])
+    for row, index, valid in zip(target, head["head_index"], head["head_valid"], strict=True):
+        assert sorted(index[valid > 0].tolist()) == np.flatnonzero(row).tolist()
+    assert head["head_index"].shape[1] < SEQ_LEN - 1  # fewer positions than the rows hold
+    skipped = {k: jnp.asarray(v) for k, v in {**full, **head}.items()}
+    full = {k: jnp.asarray(v) for k, v in full.items()}
+    for chunk in (0, 4):
+        obj = dataclasses.replace(KL_OBJ, logprob_chunk_size=chunk)
+        loss_f, aux_f, grads_f = loss_and_grad(obj, params, full, frozen, 2)
+        loss_s, aux_s, grads_s = loss_and_grad(obj, params, skipped, frozen, 2)
+        assert abs(float(loss_f)) > 1e-2
+        close(loss_s, loss_f)
+        tree_close(grads_s, grads_f)
+        for key in ("tokens", "kl", "entropy", "tis_capped_fraction", "logprob_mismatch", "ratio_mean"):
+            close(aux_s[key], aux_f[key], 1e-4)
 
 
 # ---------------------------------------------------------------- 2. rl_loss == row-based reference

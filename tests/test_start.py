@@ -182,3 +182,28 @@ def test_export_verify_compares_against_transformers(hf_dir, tmp_path):
     assert verify(model, hf_dir)["same_tokens"]
     report = verify(model, other)
     assert report["same_prompt_ids"] and not report["same_tokens"]
+
+
+def test_explicit_budgets_sample_a_slow_family_for_seconds_not_minutes():
+    """With rl.seq_len given, the prompt measurement only warns, so a slow procedural family is drawn
+    for at most `seconds` after one task of each level and split; with derived budgets, all of them."""
+    import time
+    import types
+
+    from rlvr.budgets import sample_tasks
+    from rlvr.tasks.base import HELD_OUT, TRAIN
+
+    class Slow:  # a procedural family whose generator takes 50 ms a task
+        def levels(self):
+            return [1, 2, 3]
+
+        def task(self, index, stream, level):
+            time.sleep(0.05)
+            return index, stream, level
+
+    mixture = types.SimpleNamespace(families={"slow": Slow()})
+    cut = sample_tasks(mixture, per_level=16, seconds=0.2)
+    assert {(stream, level) for _, stream, level in cut[:6]} == {(s, lv) for s in (TRAIN, HELD_OUT) for lv in (1, 2, 3)}
+    assert 6 <= len(cut) <= 12  # the first round (0.3 s), then nothing: past 0.2 s already
+    every = sample_tasks(mixture, per_level=2)
+    assert sorted(every) == sorted((i, s, lv) for i in range(2) for s in (TRAIN, HELD_OUT) for lv in (1, 2, 3))

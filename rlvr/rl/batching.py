@@ -7,6 +7,9 @@ is encoded as per-token weights and per-row weights, so packing never changes th
   seq_mean_token_mean  w_t = 1/len_i  row weight = sequences in the row        (GRPO)
   seq_mean_token_sum   w_t = 1        row weight = sequences in the row
   token_sum_norm       w_t = 1        row weight = sequences × norm_len        (Dr.GRPO)
+
+`trained_positions` (rl.sampled_logits_only) adds where the loss reads a log-prob, so the output layer
+runs on sampled tokens only, not on prompts.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm")
 MIN_COLUMNS = 64  # the narrowest trimmed batch (`bucket_columns`)
+MIN_TRAINED = 16  # the fewest trained positions per row (`trained_positions`)
 
 
 @dataclasses.dataclass
@@ -101,7 +105,8 @@ def pack_rows(lengths: list[int], seq_len: int) -> tuple[list[list[int]], list[i
 
 def build_batch(samples: list[Sample], seq_len: int, pad_id: int, aggregation: str = "token_mean",
                 norm_len: int = 1, pack: bool = False, row_multiple: int = 1,
-                min_rows: int = 0, vision=None, trim: bool = False) -> dict[str, np.ndarray]:
+                min_rows: int = 0, vision=None, trim: bool = False,
+                sampled_logits_only: bool = False) -> dict[str, np.ndarray]:
     """The train batch for `samples` (see the module docstring). Unpacked batches have at least
     `min_rows` rows (empty rows weigh nothing), so a batch the scheduler made smaller keeps the
     compiled shape. Raises ValueError when a sample does not fit `seq_len` (rl.seq_len must
@@ -109,7 +114,8 @@ def build_batch(samples: list[Sample], seq_len: int, pad_id: int, aggregation: s
     the longest row wide instead of `seq_len` (padding columns weigh nothing and attend to
     nothing, so the loss is the same; a batch of short rollouts costs what they hold). `vision`
     (a VLM policy's VisionConfig): the samples' images join the batch as `image_*` arrays
-    (`image_arrays`)."""
+    (`image_arrays`). `sampled_logits_only` (rl.sampled_logits_only): the batch also says where the
+    loss reads log-probs (`trained_positions`), and the output layer runs there only."""
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"rl.aggregation={aggregation!r}: choose one of {AGGREGATIONS}")
     lengths = [len(s.prompt_ids) + len(s.output_ids) for s in samples]
@@ -150,11 +156,34 @@ def build_batch(samples: list[Sample], seq_len: int, pad_id: int, aggregation: s
             out["token_weight"][r, out_span] = weight * out["loss_mask"][r, out_span]
             out["row_weight"][r] += _row_unit(aggregation, length, norm_len)
             col += n
+    if sampled_logits_only:
+        out.update(trained_positions(out["loss_mask"], out["segment_ids"]))
     if vision is not None:
         out.update(image_arrays(samples, rows, num_rows, out, vision))
     elif any(s.images for s in samples):
         raise ValueError("rollouts with images need a VLM policy (model.vision) to train on them.")
     return out
+
+
+def trained_positions(loss_mask: np.ndarray, segment_ids: np.ndarray) -> dict[str, np.ndarray]:
+    """Where the loss reads a log-prob: {"head_index" [R, P], "head_valid" [R, P]}, per row the predicting
+    positions t (of the [R, T-1] target-aligned arrays) whose target t+1 is trained
+    (`rlvr.losses.target_mask`), padded to P columns (the longest row's count, rounded up to 2^k or 3·2^k
+    and at most T-1: few distinct shapes, so few compiles). The RL loss then runs the output layer and
+    the log-softmax over the vocabulary on those P positions only: in a prompt-heavy batch most positions
+    are prompt tokens, and the output layer is a large share of a small model's FLOPs (a 32k vocabulary
+    at width 512 is half of a 35M-param model)."""
+    same_segment = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)
+    trained = (loss_mask[:, 1:] != 0) & same_segment
+    longest = int(trained.sum(axis=1).max(initial=0))
+    width = _bucket_rows(min(max(longest, MIN_TRAINED), trained.shape[1]), 1, trained.shape[1])
+    index = np.zeros((trained.shape[0], width), np.int32)
+    valid = np.zeros((trained.shape[0], width), np.float32)
+    for r, row in enumerate(trained):
+        at = np.flatnonzero(row)
+        index[r, :len(at)] = at
+        valid[r, :len(at)] = 1.0
+    return {"head_index": index, "head_valid": valid}
 
 
 def image_arrays(samples: list[Sample], rows: list[list[int]], num_rows: int, out: dict[str, np.ndarray],

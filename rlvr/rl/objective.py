@@ -103,6 +103,8 @@ def model_logprobs(cfg, obj: Objective, params, batch, *, entropy: bool = False,
     `rng`: adapter dropout (`lora.dropout`) in training, None otherwise."""
     tokens, positions, segment_ids = batch["tokens"], batch["positions"], batch["segment_ids"]
     images = batch_images(batch)  # a VLM's rollouts with images (rlvr.rl.batching.image_arrays)
+    if "head_index" in batch:
+        return trained_logprobs(cfg, obj, params, batch, entropy=entropy, values=values, rng=rng)
     if obj.logprob_chunk_size:
         return losses.model_token_logprobs(cfg, params, tokens, positions, segment_ids,
                                            chunk_size=obj.logprob_chunk_size, entropy=entropy, values=values,
@@ -117,6 +119,28 @@ def model_logprobs(cfg, obj: Objective, params, batch, *, entropy: bool = False,
     out = losses.next_token_logprobs(logits, tokens, obj.sampling, entropy=entropy)
     logp, ent = out if entropy else (out, None)
     return logp, ent, predicted
+
+
+def trained_logprobs(cfg, obj: Objective, params, batch, *, entropy: bool = False, values: bool = False, rng=None):
+    """`model_logprobs` with the output layer run only at the batch's trained positions
+    (`batch["head_index"]`, `head_valid`: `rlvr.rl.batching.trained_positions`): the hidden states
+    there are gathered, scored over the vocabulary (in chunks of `obj.logprob_chunk_size`, else all
+    at once), and scattered back to [B, T-1], 0 elsewhere (positions the loss masks out)."""
+    from rlvr.kernels.chunked_logprob import token_logprobs
+
+    tokens, index, valid = batch["tokens"], batch["head_index"], batch["head_valid"]
+    x, head, tied, predicted = losses.hidden_and_head(cfg, params, tokens, batch["positions"],
+                                                      batch["segment_ids"], values, rng, images=batch_images(batch))
+    hidden = jnp.take_along_axis(x[:, :-1], index[..., None], axis=1)
+    targets = jnp.take_along_axis(tokens[:, 1:], index, axis=1)
+    out = token_logprobs(hidden, head, targets, chunk_size=obj.logprob_chunk_size or index.shape[1],
+                         return_entropy=entropy, vocab_major=tied, sampling=obj.sampling)
+    logp, ent = out if entropy else (out, None)
+    rows = jnp.arange(index.shape[0])[:, None]
+
+    def scatter(v):  # padding entries (valid 0) add nothing, whichever position they name
+        return jnp.zeros(tokens[:, 1:].shape, v.dtype).at[rows, index].add(v * valid)
+    return scatter(logp), (scatter(ent) if entropy else None), predicted
 
 
 def distill_logprobs(cfg, teacher_cfg, obj: Objective, params, teacher_params, batch, *, values: bool = False,

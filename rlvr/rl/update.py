@@ -126,7 +126,7 @@ class PolicyUpdate:
         self._steps: dict[tuple[int, ...], Any] = {}
 
     def _step(self, mini: dict[str, np.ndarray]):
-        shape = mini["tokens"].shape
+        shape = tuple(sorted((k, v.shape) for k, v in mini.items()))  # head_index's width varies too
         if shape not in self._steps:
             batch_sh = step_lib.batch_shardings(mini, self.model.mesh)
             self._steps[shape] = (step_lib.build_train_step(
