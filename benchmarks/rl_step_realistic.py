@@ -16,8 +16,8 @@ template (`common.chat_bpe_tokenizer`, trained on the Python standard library, c
 --tokenizer_dir); chat prompts from five reasoning-gym families that share its system prompt
 (gsm_symbolic, knights_knaves, basic_arithmetic, string_manipulation, zebra_puzzles: 110 to 900
 tokens); 4 prompts x groups of 8 per step, 128 new tokens (temperature 1), rows packed into 1,024-token
-train rows (8 micro-batches: the RL loss holds full logits), one AdamW update per step, no reference
-model. `rl.mode="sync"`: a step is rollout
+train rows (micro-batches of 2 rows; logits only at the sampled positions, rl.sampled_logits_only), one
+AdamW update per step, no reference model. `rl.mode="sync"`: a step is rollout
 (generate + verify + advantages) then the train step then the weight sync.
 
 Roofline (same process): `common.decode_roofline` for the step's generation (its mean prompt and
@@ -68,7 +68,10 @@ def bench_config(tokenizer_dir: str, num_steps: int, model_json: str = "", cache
     rl.mode, rl.reference_model, rl.kl_coef = "sync", False, 0.0
     rl.eval_examples, rl.eval_every, rl.sft_steps = 1, 0, 0
     c.train.num_steps, c.train.log_every, c.train.tensorboard = num_steps, 10**6, False
-    c.train.micro_batches = 8  # the RL loss materialises [rows, 1024, 32768] logits: 2 rows at a time
+    # micro-batches of 2 rows: the fastest per row on this CPU (first step, train seconds per 1,024-token row:
+    # 1.7 at 1-2 rows, 1.9 at 3, 2.3 at 5, 2.5 at 10); the loss's logits are [2, <=384 sampled positions,
+    # 32768] (rl.sampled_logits_only). Rows are a multiple of 10: 18 rows' worth trains on 20
+    c.train.micro_batches = 10
     c.checkpoint.every_steps, c.checkpoint.resume = 10**6, False
     c.compile.cache_dir = cache_dir
     for override in overrides:  # --set a.b=value (a Python literal), e.g. rl.sampled_logits_only=False
@@ -109,6 +112,7 @@ def first_step_report(first: dict, start_to_first_step_s: float) -> dict:
     return {"step_s": round(first["step_s"], 2), "generate_s": round(generate_s, 2),
             "train_s": round(first["train_s"], 2), "sync_s": round(first["sync_s"], 3),
             "compile_s_within": round(first.get("compile_s", 0.0), 2), "rows": first["rows"],
+            "rows_used": first.get("rows_used"),
             "start_to_first_step_s": round(start_to_first_step_s, 1)}
 
 

@@ -3,13 +3,16 @@
     .venv/bin/python benchmarks/sandbox_fork_probe.py [--repeats 15]
 
 One task of a one-sandbox `rlvr.sandbox.pool.Pool` (uid 1000, the pool's limits) times, as medians in ms:
-`fork_exit_wait` (os.fork, the child exits at once, the parent waits), `fork_then_write_<k>` (the same with
+`fork_exit_wait` (os.fork, the child exits at once, the parent waits), `spawn_true` (posix_spawn of /bin/true
+and its wait: a new process with a fresh address space, the least a task in its own process can cost),
+`fork_then_write_<k>` (the same with
 the child writing one byte into each of k distinct 2 MiB-aligned stretches of a 32 MiB anonymous mapping the
 parent filled before the fork) and `syscall_us` (getppid). The slope of fork_then_write over k is the cost of
 one copy-on-write break, which gVisor does per 2 MiB stretch (its private allocation unit); a Python child
 writes into most of its parent's writable memory (`python_writable_mib`). Also prints the sandbox cgroup's
 CPU per pool task of an empty program over `--repeats` tasks in a row (`pass_task_cpu_ms`: the pool's fixed
-cost per task, the worker's next fork included). One JSON line.
+cost per task, the worker's next fork included), and `native`: the same probe run outside any sandbox.
+One JSON line.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 
 from rlvr.sandbox import Limits, runsc
 from rlvr.sandbox.pool import Pool
@@ -47,7 +52,11 @@ def fork_writing(k):
         os.waitpid(pid, 0)
     return run
 
-out = {{"fork_exit_wait": median_ms(fork_writing(0))}}
+def spawn_true():
+    pid = os.posix_spawn("/bin/true", ["/bin/true"], {{}})
+    os.waitpid(pid, 0)
+
+out = {{"fork_exit_wait": median_ms(fork_writing(0)), "spawn_true": median_ms(spawn_true)}}
 for k in (1, 4, 8):
     out[f"fork_then_write_{{k}}"] = median_ms(fork_writing(k))
 t0 = time.perf_counter()
@@ -84,6 +93,9 @@ def main(argv: list[str] | None = None) -> None:
         if sandboxes != {cid}:
             raise SystemExit(f"the empty tasks ran on other sandboxes too: {sorted(sandboxes)}")
         record["pass_task_cpu_ms"] = round(1e3 * (runsc.cpu_seconds(cid) - start) / args.repeats, 1)
+    native = subprocess.run([sys.executable, "-I", "-c", PROBE.format(repeats=args.repeats)], capture_output=True,
+                            text=True, timeout=300, check=True)
+    record["native"] = json.loads(native.stdout)  # the same probe outside any sandbox
     slope = (record["fork_then_write_8"] - record["fork_then_write_1"]) / 7
     record["ms_per_2mib_copy"] = round(slope, 2)
     record["load_average_end"] = os.getloadavg()

@@ -1,5 +1,5 @@
 """Packed RL train rows (rlvr.rl.batching): first-fit decreasing fills fewer rows than packing in
-sample order, and the row buckets (2^k or 3·2^k) leave at most a third of the rows empty. Both cut
+sample order, and the row buckets (4, 5, 6 or 7 × 2^k) leave under a fifth of the rows empty. Both cut
 the train step's work at the realistic shape (benchmarks/rl_step_realistic.py: 4 chat prompts ×
 8, 128 new tokens, 1,024-token rows), where the step costs what its rows hold, padding included."""
 
@@ -31,8 +31,11 @@ def test_first_fit_decreasing_packs_the_realistic_groups_into_16_rows():
     assert int(batch["loss_mask"].sum()) == 32 * 128
 
 
-def test_row_buckets_are_powers_of_two_or_three_halves_of_one():
-    assert [_bucket_rows(n, 1, 64) for n in (1, 2, 3, 4, 5, 6, 7, 9, 13, 17, 20, 25, 33)] == \
-        [1, 2, 3, 4, 6, 6, 8, 12, 16, 24, 24, 32, 48]
+def test_row_buckets_are_eighths_of_the_next_power_of_two():
+    assert [_bucket_rows(n, 1, 64) for n in (1, 2, 3, 4, 5, 6, 7, 9, 13, 17, 18, 20, 25, 33)] == \
+        [1, 2, 3, 4, 5, 6, 7, 10, 14, 20, 20, 20, 28, 40]
+    for needed in range(1, 200):  # under a fifth of the rows empty, and at most 4 shapes per doubling
+        assert (_bucket_rows(needed, 1, 10**6) - needed) / _bucket_rows(needed, 1, 10**6) < 0.2
+    assert len({_bucket_rows(n, 1, 10**6) for n in range(65, 129)}) == 4
     assert _bucket_rows(20, 8, 32) == 24  # a multiple of data shards × micro-batches
     assert _bucket_rows(17, 8, 16) == 24  # never fewer rows than needed, even above the limit
