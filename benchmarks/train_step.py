@@ -165,7 +165,7 @@ def main() -> None:
     record = {
         "benchmark": "train_step", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%MZ"),
         "command": "benchmarks/train_step.py " + " ".join(sys.argv[1:]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs shared with other developers' jobs, "
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (the load averages say how busy), "
                    f"{jax.devices()[0]}",
         "model": "bench preset (4 layers, d256, 4.46M params, fp32)", "batch": f"{BATCH}x{SEQ}",
     }
