@@ -46,6 +46,7 @@ from common import chat_bpe_tokenizer, decode_roofline, emit, machine_peaks  # n
 from rlvr import config_lib  # noqa: E402
 from rlvr.job import resolve  # noqa: E402
 from rlvr.models.config import ModelConfig  # noqa: E402
+from rlvr.train import flops  # noqa: E402
 from rlvr.trainers import rl as rl_trainer  # noqa: E402
 
 TASKS = "rg/gsm_symbolic,rg/knights_knaves,rg/basic_arithmetic,rg/string_manipulation,rg/zebra_puzzles"
@@ -177,6 +178,11 @@ def main() -> None:
     best = {k: max(p[k] for p in peaks) for k in peaks[0]}
     typical = {k: statistics.median(p[k] for p in peaks) for k in peaks[0]}
     roofline = decode_roofline(cfg, prompts, [int(response_len)] * len(prompts), PROMPTS * GROUP, typical)
+    # the train step's lower bound: model FLOPs of the step's real tokens (the output layer on every token,
+    # the usual MFU convention, though rl.sampled_logits_only runs it on the sampled ones) at the matmul peak
+    tokens = samples * (prompt_len + response_len)
+    train_tflops = flops.train_flops_per_token(cfg, int(prompt_len + response_len)) * tokens / 1e12
+    train_roofline_s = train_tflops * 1e12 / (typical["matmul_gflops"] * 1e9)
     emit({
         "benchmark": "rl_step_realistic", "devices": str(jax.devices()[0]), "cpu_count": os.cpu_count(),
         "model": "bench_32k preset (6 layers, d512, GQA 8:2, tied vocab 32768, 34.9M params, fp32, random init)",
@@ -189,6 +195,9 @@ def main() -> None:
         "machine_peaks_best": {k: round(v, 1) for k, v in best.items()},
         "generation_roofline": roofline,
         "generation_vs_roofline": round(timing["generated_tokens_per_s"] / roofline["tokens_per_s"], 4),
+        "train_roofline": {"tokens": int(tokens), "model_tflops": round(train_tflops, 3),
+                           "seconds": round(train_roofline_s, 2)},
+        "train_vs_roofline": round(train_roofline_s / timing["breakdown_median_s"]["train"], 3),
         "total_runtime_s": round(time.perf_counter() - t0, 1),
     })
 
