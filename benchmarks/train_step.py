@@ -74,7 +74,7 @@ def dpo_batch(rng):
     return batch
 
 
-def compiled_step(cfg: ModelConfig, loss_fn, batch_np):
+def compiled_step(cfg: ModelConfig, loss_fn, batch_np, micro_batches: int = 1):
     """(one blocking call of the jitted step on a fixed batch, seconds of its first call incl. compile,
     a function returning the per-op profile of 3 calls: `op_profile`)."""
     mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
@@ -82,7 +82,7 @@ def compiled_step(cfg: ModelConfig, loss_fn, batch_np):
     shardings = step_lib.state_shardings(cfg, optimizer, mesh)
     state = step_lib.init_state(params_lib.init_params(cfg, jax.random.key(0), mesh), optimizer, shardings)
     batch_sh = step_lib.batch_shardings(batch_np, mesh)
-    step = step_lib.build_train_step(loss_fn, optimizer, mesh, shardings, batch_sh)
+    step = step_lib.build_train_step(loss_fn, optimizer, mesh, shardings, batch_sh, micro_batches=micro_batches)
     batch, rng = jax.device_put(batch_np, batch_sh), jax.random.key(0)
     holder = {"state": state}
 
@@ -153,21 +153,26 @@ def main() -> None:
     parser.add_argument("--tunix_python", default=default_tunix_python(),
                         help="python of a venv with google-tunix ('' = ours alone)")
     parser.add_argument("--out", default="", help="also record the result here (earlier records kept)")
+    parser.add_argument("--micro_batches", type=int, default=1,
+                        help="our steps accumulate over this many micro-batches (the same gradient)")
     parser.add_argument("--profile", action="store_true", help="add our SFT step's per-op profile (op_profile.py)")
     args = parser.parse_args()
     t0 = time.perf_counter()
     load_before = load_average()
     cfg = ModelConfig(**PRESETS["bench"])
     rng = np.random.default_rng(0)
-    sft_one, sft_first, sft_profile = compiled_step(cfg, functools.partial(sft_loss, cfg), sft_batch(rng))
+    sft_one, sft_first, sft_profile = compiled_step(cfg, functools.partial(sft_loss, cfg), sft_batch(rng),
+                                                    args.micro_batches)
     pref_cfg = type("P", (), {"loss": "dpo", "beta": 0.1, "label_smoothing": 0.0})
-    dpo_one, dpo_first, _ = compiled_step(cfg, functools.partial(preference_loss, cfg, pref_cfg), dpo_batch(rng))
+    dpo_one, dpo_first, _ = compiled_step(cfg, functools.partial(preference_loss, cfg, pref_cfg), dpo_batch(rng),
+                                          args.micro_batches)
     record = {
         "benchmark": "train_step", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%MZ"),
         "command": "benchmarks/train_step.py " + " ".join(sys.argv[1:]),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (the load averages say how busy), "
                    f"{jax.devices()[0]}",
         "model": "bench preset (4 layers, d256, 4.46M params, fp32)", "batch": f"{BATCH}x{SEQ}",
+        "micro_batches": args.micro_batches,
     }
     if args.tunix_python:
         sft = side_by_side(cfg, sft_one, args.tunix_python, args.rounds, args.repeats)
