@@ -63,14 +63,10 @@ def sample_tasks(mixture, per_level: int = PER_LEVEL, seconds: float | None = No
             out += family.split_tasks(TRAIN) + family.split_tasks(HELD_OUT)
             continue
         levels = list(family.levels())
-        if seconds is None:
-            for level in levels:
-                out += [family.task(i, stream, level) for stream in (TRAIN, HELD_OUT) for i in range(per_level)]
-            continue
         start, first_round = time.perf_counter(), 2 * len(levels)
         order = [(i, stream, level) for i in range(per_level) for stream in (TRAIN, HELD_OUT) for level in levels]
         for drawn, (i, stream, level) in enumerate(order):
-            if drawn >= first_round and time.perf_counter() - start > seconds:
+            if seconds is not None and drawn >= first_round and time.perf_counter() - start > seconds:
                 break
             out.append(family.task(i, stream, level))
     return out

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from rlvr.losses import target_mask
+
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm")
 MIN_COLUMNS = 64  # the narrowest trimmed batch (`bucket_columns`)
 MIN_TRAINED = 16  # the fewest trained positions per row (`trained_positions`)
@@ -174,8 +176,7 @@ def trained_positions(loss_mask: np.ndarray, segment_ids: np.ndarray) -> dict[st
     the log-softmax over the vocabulary on those P positions only: in a prompt-heavy batch most positions
     are prompt tokens, and the output layer is a large share of a small model's FLOPs (a 32k vocabulary
     at width 512 is half of a 35M-param model)."""
-    same_segment = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)
-    trained = (loss_mask[:, 1:] != 0) & same_segment
+    trained = np.asarray(target_mask(loss_mask, segment_ids))
     longest = int(trained.sum(axis=1).max(initial=0))
     width = _bucket_rows(min(max(longest, MIN_TRAINED), trained.shape[1]), 1, trained.shape[1])
     index = np.zeros((trained.shape[0], width), np.int32)

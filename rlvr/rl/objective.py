@@ -101,10 +101,10 @@ def model_logprobs(cfg, obj: Objective, params, batch, *, entropy: bool = False,
     """(log-probs [B, T-1] of the sampled distribution, its entropy or None, value-head
     predictions [B, T] or None): chunked when `obj.logprob_chunk_size`, else from the full logits.
     `rng`: adapter dropout (`lora.dropout`) in training, None otherwise."""
-    tokens, positions, segment_ids = batch["tokens"], batch["positions"], batch["segment_ids"]
-    images = batch_images(batch)  # a VLM's rollouts with images (rlvr.rl.batching.image_arrays)
     if "head_index" in batch:
         return trained_logprobs(cfg, obj, params, batch, entropy=entropy, values=values, rng=rng)
+    tokens, positions, segment_ids = batch["tokens"], batch["positions"], batch["segment_ids"]
+    images = batch_images(batch)  # a VLM's rollouts with images (rlvr.rl.batching.image_arrays)
     if obj.logprob_chunk_size:
         return losses.model_token_logprobs(cfg, params, tokens, positions, segment_ids,
                                            chunk_size=obj.logprob_chunk_size, entropy=entropy, values=values,
