@@ -5,6 +5,7 @@ benchmarks/lora_train.py --tunix_python): a figure measured on another day is ne
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -202,3 +203,14 @@ def record_with_history(path: str, record: dict) -> None:
     with open(path, "w") as f:
         json.dump({**record, "earlier": earlier}, f, indent=2)
         f.write("\n")
+
+
+def apply_overrides(config, overrides) -> None:
+    """`--set a.b=value` options (a Python literal each) written into an ml_collections config."""
+    for override in overrides:
+        key, _, value = override.partition("=")
+        *path, leaf = key.split(".")
+        section = config
+        for name in path:
+            section = section[name]
+        section[leaf] = ast.literal_eval(value)

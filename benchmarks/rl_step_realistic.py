@@ -29,7 +29,6 @@ median reported; the ratio uses the median, closest to the load the steps ran un
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import json
 import os
@@ -41,7 +40,7 @@ import time
 import jax
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import chat_bpe_tokenizer, decode_roofline, emit, machine_peaks  # noqa: E402
+from common import apply_overrides, chat_bpe_tokenizer, decode_roofline, emit, machine_peaks  # noqa: E402
 
 from rlvr import config_lib  # noqa: E402
 from rlvr.job import resolve  # noqa: E402
@@ -75,13 +74,7 @@ def bench_config(tokenizer_dir: str, num_steps: int, model_json: str = "", cache
     c.train.micro_batches = 10
     c.checkpoint.every_steps, c.checkpoint.resume = 10**6, False
     c.compile.cache_dir = cache_dir
-    for override in overrides:  # --set a.b=value (a Python literal), e.g. rl.sampled_logits_only=False
-        key, _, value = override.partition("=")
-        *path, leaf = key.split(".")
-        section = c
-        for name in path:
-            section = section[name]
-        section[leaf] = ast.literal_eval(value)
+    apply_overrides(c, overrides)  # --set a.b=value, e.g. rl.sampled_logits_only=False
     config_lib.validate(c, jax.device_count())
     c.lock()
     return c

@@ -292,6 +292,10 @@ def rl_config() -> ml_collections.ConfigDict:
             "min_group_size": 2,  # degradation 2: cut groups at this many finished samples
             "skip": True}),  # degradation 3: skip the lowest-priority domain
         "pack": False,  # several rollouts per train row
+        "row_len": 0,  # packed train rows' width (rl.pack): 0 = rl.seq_len; wider rows hold more per row
+        # a group's prompt once per packed row, its completions after it as branches (rl.pack, the "xla"
+        # attention, rl.sampled_logits_only): the same loss, the prompt's FLOPs once per group, not per completion
+        "share_prompts": False,
         # train rows as wide as the batch's longest, rounded up to a power of two (<= seq_len), not seq_len:
         # the loss is the same, short rollouts cost what they hold (one train-step compile per width)
         "trim_columns": True,
@@ -358,6 +362,7 @@ def _validate_rl(config: ml_collections.ConfigDict) -> None:
     if rl.seq_len and rl.max_new_tokens >= rl.seq_len:
         raise ConfigError(f"rl.max_new_tokens={rl.max_new_tokens} leaves no room for the prompt in "
                           f"rl.seq_len={rl.seq_len}; raise rl.seq_len.")
+    _validate_rows(config)
     _validate_schedule(rl)
     _validate_engine(rl.engine)
     checkpoint = config.init.hf_checkpoint and "init.hf_checkpoint" or config.init.workdir and "init.workdir"
@@ -365,6 +370,30 @@ def _validate_rl(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"rl.sft_steps={rl.sft_steps} would run an SFT warm start on demonstrations on top of "
                           f"{checkpoint}: set rl.sft_steps=0 to start RL from the checkpoint as it is, or "
                           "rl.sft_on_checkpoint=True to warm-start it first.")
+
+
+def _validate_rows(config: ml_collections.ConfigDict) -> None:
+    """rl.row_len and rl.share_prompts: what the packed train rows may hold."""
+    rl = config.rl
+    if rl.row_len < 0 or (rl.row_len and rl.seq_len and rl.row_len < rl.seq_len):
+        raise ConfigError(f"rl.row_len={rl.row_len}: must be 0 (= rl.seq_len) or at least rl.seq_len={rl.seq_len} "
+                          "(a whole rollout fits one row).")
+    if rl.row_len and not rl.pack:
+        raise ConfigError(f"rl.row_len={rl.row_len} sets the width of packed rows: set rl.pack=True, or rl.row_len=0.")
+    if not rl.share_prompts:
+        return
+    wrong = [f"{path}={have!r} (needs {want!r})" for path, have, want in (
+        ("rl.pack", rl.pack, True), ("rl.sampled_logits_only", rl.sampled_logits_only, True),
+        ("model.attention", config.model.get("attention") or "xla", "xla")) if have != want]
+    if rl.advantage == "gae":
+        wrong.append("rl.advantage='gae' (a value head reads every position; needs another advantage)")
+    if rl.teacher and rl.distill_estimator == "full":
+        wrong.append("rl.distill_estimator='full' (needs 'sampled')")
+    if config.model.get("vision"):
+        wrong.append("model.vision is set (needs a text policy)")
+    if wrong:
+        raise ConfigError("rl.share_prompts=True lays a group's completions after one copy of its prompt, which "
+                          f"needs: {'; '.join(wrong)}. Change those, or set rl.share_prompts=False.")
 
 
 def _validate_objective(config: ml_collections.ConfigDict) -> None:

@@ -227,6 +227,64 @@ def test_sampled_logits_only_gives_the_full_loss(setup, pack):
             close(aux_s[key], aux_f[key], 1e-4)
 
 
+def _shared_prompt_samples():
+    """3 groups (4, 3 and 1 completions of one prompt each, outputs 1-8 tokens, one multi-turn output
+    with observation tokens), behaviour log-probs around the trainer's scale."""
+    rng = np.random.default_rng(1)
+    samples = []
+    for group, size in enumerate((4, 3, 1)):
+        prompt = rng.integers(1, 32, int(rng.integers(3, 7))).tolist()
+        for j in range(size):
+            o = int(rng.integers(1, 9)) if (group, j) != (0, 1) else 6
+            samples.append(Sample(group=group, task_index=len(samples), prompt_ids=prompt,
+                                  output_ids=rng.integers(1, 32, o).tolist(),
+                                  behaviour_logp=rng.normal(-3.5, 0.6, o).tolist(), versions=[0] * o,
+                                  truncated=False, rewards={"reward": 0.0}, advantage=float(rng.normal()),
+                                  loss_mask=[1, 1, 0, 0, 1, 1] if (group, j) == (0, 1) else None))
+    return samples
+
+
+@pytest.mark.parametrize("obj", [KL_OBJ, GSPO_TIS_SEQ], ids=["ppo_kl_entropy_tis", "gspo_tis_seq"])
+def test_shared_prompts_give_the_unshared_loss(setup, obj):
+    """rl.share_prompts: a group's completions after one copy of its prompt (branches) give the loss,
+    gradients, metrics and proximal log-probs of the same samples one per segment, over 2 micro-batches,
+    with fewer tokens in the rows. The prompt's last token must predict each branch's first token
+    (`head_source`) and branches must not see each other (`branch_ids`): either wrong changes the loss."""
+    from rlvr.rl.update import logprobs_fn
+
+    params, frozen = setup["params"], {"ref": setup["ref"]}
+    samples = _shared_prompt_samples()
+    obj = dataclasses.replace(obj, num_seqs=len(samples))
+    common = dict(pack=True, row_multiple=2, sampled_logits_only=True)
+    plain = build_batch(samples, SEQ_LEN, PAD, "seq_mean_token_mean", NORM_LEN, **common)
+    shared = build_batch(samples, SEQ_LEN, PAD, "seq_mean_token_mean", NORM_LEN, **common, share_prompts=True,
+                         row_len=40)
+    assert shared["branch_ids"].max() == 4  # the first group's 4 completions share one prompt
+    assert np.count_nonzero(shared["segment_ids"]) < 0.8 * np.count_nonzero(plain["segment_ids"])
+    results = [loss_and_grad(obj, params, {k: jnp.asarray(v) for k, v in b.items()}, frozen, 2)
+               for b in (plain, shared)]
+    (loss_p, aux_p, grads_p), (loss_s, aux_s, grads_s) = results
+    assert abs(float(loss_p)) > 1e-2
+    close(loss_s, loss_p)
+    tree_close(grads_s, grads_p)
+    for key in ("tokens", "weight", "kl", "entropy", "logprob_mismatch", "tis_capped_fraction"):
+        if key in aux_p:
+            close(aux_s[key], aux_p[key], 1e-4)
+
+    def per_token(batch, logp):  # (sample, position) -> the proximal log-prob of each trained token
+        rows, cols = np.nonzero(batch["loss_mask"])
+        return {(int(batch["seq_index"][r, c]), int(batch["positions"][r, c])): float(logp[r, c])
+                for r, c in zip(rows, cols, strict=True)}
+
+    old = logprobs_fn(CFG, obj.sampling)
+    old_p, old_s = per_token(plain, old(params, plain)), per_token(shared, old(params, shared))
+    assert old_p.keys() == old_s.keys()
+    close([old_s[k] for k in old_p], list(old_p.values()), 1e-4)
+    for broken in ({**shared, "head_source": shared["head_index"]}, {**shared, "branch_ids": shared["segment_ids"]}):
+        loss_b = loss_and_grad(obj, params, {k: jnp.asarray(v) for k, v in broken.items()}, frozen, 2)[0]
+        assert abs(float(loss_b) - float(loss_p)) > 1e-3
+
+
 # ---------------------------------------------------------------- 2. rl_loss == row-based reference
 
 
@@ -551,6 +609,7 @@ def test_quickstart_config_is_valid():
     _validate(_config(**{"rl.clip_high": 0.28, "rl.updates_per_batch": 2}))
     _validate(_config(**{"rl.policy_loss": "gspo", "rl.aggregation": "seq_mean_token_mean"}))
     _validate(_config(**{"rl.prompts_per_step": 3, "rl.group_size": 2, "rl.pack": True}))  # packed: rows bucketed
+    _validate(_config(**{"rl.pack": True, "rl.share_prompts": True, "rl.row_len": 512}))
     _validate(_config(**{"rl.teacher": "/teacher", "rl.distill_estimator": "full",
                          "rl.distill_teacher_temperature": 0.5}))
 
@@ -565,6 +624,10 @@ def test_quickstart_config_is_valid():
     ({"rl.clip_high": 0.28}, r"rl\.clip_high=0\.28 never acts.*rl\.proximal='behaviour'"),
     ({"rl.proximal": "old"}, r"rl\.proximal='old'"),
     ({"rl.top_p": 0.0}, r"0 < top_p <= 1"),
+    ({"rl.share_prompts": True, "rl.advantage": "gae"},
+     r"rl\.share_prompts=True .*needs: rl\.pack=False \(needs True\); rl\.advantage='gae'"),
+    ({"rl.row_len": 8, "rl.pack": True}, r"rl\.row_len=8: must be 0 \(= rl\.seq_len\) or at least rl\.seq_len=16"),
+    ({"rl.row_len": 64}, r"rl\.row_len=64 sets the width of packed rows: set rl\.pack=True"),
     ({"rl.teacher": "/teacher", "rl.distill_teacher_temperature": 0.5},  # was ignored by the sampled estimator
      r"rl\.distill_teacher_temperature=0\.5 acts only with rl\.distill_estimator='full'.*Set rl\.distill_estimator"),
 ])

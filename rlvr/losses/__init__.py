@@ -36,11 +36,12 @@ def model_token_logprobs(cfg, params, tokens: jax.Array, positions=None, segment
 
 
 def hidden_and_head(cfg, params, tokens, positions=None, segment_ids=None, values: bool = False, rng=None,
-                    images=None):
+                    images=None, branch_ids=None):
     """(final-norm hidden states [B, T, E], the output head [E, V] (or the tied embedding [V, E]),
     whether it is vocab-major (tied), value-head predictions [B, T] or None): the projection as
-    `Transformer.logits` applies it (same dtype casts), for chunked log-prob and distillation passes."""
-    x, predicted = _hidden_and_values(cfg, params, tokens, positions, segment_ids, values, rng, images)
+    `Transformer.logits` applies it (same dtype casts), for chunked log-prob and distillation passes.
+    `branch_ids`: a shared-prompt batch's (`Transformer.hidden_states`)."""
+    x, predicted = _hidden_and_values(cfg, params, tokens, positions, segment_ids, values, rng, images, branch_ids)
     tied = cfg.tie_word_embeddings
     weight = params["embed_tokens"].astype(x.dtype) if tied else params["lm_head"]["kernel"].astype(cfg.dtype)
     return x, weight, tied, predicted
@@ -51,7 +52,8 @@ def model_values(cfg, params, tokens: jax.Array, positions=None, segment_ids=Non
     return _hidden_and_values(cfg, params, tokens, positions, segment_ids, True)[1]
 
 
-def _hidden_and_values(cfg, params, tokens, positions, segment_ids, values: bool, rng=None, images=None):
+def _hidden_and_values(cfg, params, tokens, positions, segment_ids, values: bool, rng=None, images=None,
+                       branch_ids=None):
     """(final-norm hidden states [B, T, E], value-head predictions [B, T] or None)."""
     from rlvr.models.transformer import Transformer, VisionLanguageModel, dropout_rngs
 
@@ -60,7 +62,7 @@ def _hidden_and_values(cfg, params, tokens, positions, segment_ids, values: bool
 
     def apply(model, tokens, positions, segment_ids, images):
         if images is None:
-            x, _ = model.hidden_states(tokens, positions, segment_ids)
+            x, _ = model.hidden_states(tokens, positions, segment_ids, branch_ids=branch_ids)
         else:
             x, _ = model.image_hidden_states(tokens, positions, segment_ids, images)
         return x, (model.value_proj(x.astype(jnp.float32))[..., 0] if values else None)

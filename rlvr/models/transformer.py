@@ -76,11 +76,16 @@ def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def attention_mask(q_pos, q_seg, kv_pos, kv_seg, sliding_window: int = 0) -> jax.Array:
-    """Boolean [batch, 1, 1, q_len, kv_len]: causal by position, same segment, not padding."""
+def attention_mask(q_pos, q_seg, kv_pos, kv_seg, sliding_window: int = 0, q_branch=None,
+                   kv_branch=None) -> jax.Array:
+    """Boolean [batch, 1, 1, q_len, kv_len]: causal by position, same segment, not padding. With
+    branch ids (a shared-prompt batch, `rlvr.rl.batching`: a group's prompt once, branch 0, then each
+    completion, branches 1, 2, ...), a token also sees only its own branch and branch 0."""
     mask = kv_pos[:, None, :] <= q_pos[:, :, None]
     mask &= q_seg[:, :, None] == kv_seg[:, None, :]
     mask &= kv_seg[:, None, :] != 0
+    if q_branch is not None:
+        mask &= (kv_branch[:, None, :] == 0) | (kv_branch[:, None, :] == q_branch[:, :, None])
     if sliding_window:
         mask &= (q_pos[:, :, None] - kv_pos[:, None, :]) < sliding_window
     return mask[:, None, None, :, :]
@@ -424,7 +429,7 @@ class Transformer(nn.Module):
                                      dtype="float32", param_dtype=cfg.param_dtype)
 
     def hidden_states(self, tokens, positions=None, segment_ids=None, cache=None, embeds=None, rope_positions=None,
-                      last=None):
+                      last=None, branch_ids=None):
         """Final-norm hidden states [B, T, E] and the updated cache. `embeds` [B, T, E] replaces the
         token embeddings (a VLM's, with image features at the placeholders); `rope_positions` (e.g.
         M-RoPE's [B, T, 3]) replaces `positions` in the rotary tables only: masks and cache slots
@@ -432,7 +437,8 @@ class Transformer(nn.Module):
         `last` of each row only, [B, 1, E]; with a cache (a prefill, which needs one position's
         logits per row) the last decoder layer then runs its query, output projection and MLP on
         those positions alone (every layer's k/v are still written), ~1/num_layers of the
-        prefill's FLOPs saved."""
+        prefill's FLOPs saved. `branch_ids` [B, T]: a shared-prompt training batch's branches
+        (`attention_mask`; the "xla" attention only)."""
         cfg = self.cfg
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
@@ -440,6 +446,9 @@ class Transformer(nn.Module):
             segment_ids = jnp.ones_like(tokens)
         if rope_positions is None:
             rope_positions = positions
+        if branch_ids is not None and (cache is not None or cfg.attention != "xla"):
+            raise ValueError(f"a shared-prompt batch (rl.share_prompts) needs model.attention='xla' and no cache; "
+                             f"got attention={cfg.attention!r}: set rl.share_prompts=False or model.attention='xla'.")
         if cache is None and cfg.attention != "xla":
             return _at(self._segment_hidden_states(tokens, positions, segment_ids, embeds, rope_positions), last), None
         x = self.embed(tokens) if embeds is None else embeds.astype(cfg.dtype)
@@ -448,7 +457,8 @@ class Transformer(nn.Module):
         # the layers, XLA:CPU evaluated cos and sin again for every element of q and k in every layer)
         cos, sin = cache["rope"] if cache is not None and "rope" in cache else rope_tables(cfg, rope_positions)
         if cache is None:
-            mask = in_token_order(attention_mask(positions, segment_ids, positions, segment_ids, cfg.sliding_window))
+            mask = in_token_order(attention_mask(positions, segment_ids, positions, segment_ids, cfg.sliding_window,
+                                                 branch_ids, branch_ids))
             x, _ = self._run_layers(x, cos, sin, mask, None, None)
             return _at(self.norm(x), last), None
         mask, kv_index = paged_indices(cache, positions, segment_ids, cfg.sliding_window)

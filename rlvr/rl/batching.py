@@ -10,6 +10,17 @@ is encoded as per-token weights and per-row weights, so packing never changes th
 
 `trained_positions` (rl.sampled_logits_only) adds where the loss reads a log-prob, so the output layer
 runs on sampled tokens only, not on prompts.
+
+Shared prompts (rl.share_prompts): a group's completions follow one copy of their prompt in a row,
+
+  tokens      P P P P | a a a | b b | c c c c       (prompt, then completions a, b, c)
+  positions   0 1 2 3 | 4 5 6 | 4 5 | 4 5 6 7
+  branch_ids  0 0 0 0 | 1 1 1 | 2 2 | 3 3 3 3
+
+and each completion attends to the prompt and to itself (`rlvr.models.transformer.attention_mask`); the
+first token of b and c is predicted by the prompt's last token (`head_source`). Every completion sees
+what it saw in its own row, so the loss and its gradient are those of the unshared batch, while the
+policy, reference and backward passes run the prompt once per group instead of once per completion.
 """
 
 from __future__ import annotations
@@ -106,76 +117,130 @@ def pack_rows(lengths: list[int], seq_len: int) -> tuple[list[list[int]], list[i
     return rows, used
 
 
+def prompt_units(samples: list[Sample], row_len: int, share: bool) -> list[list[int]]:
+    """Sample indices per unit of the train batch: one sample each, or (`share`, rl.share_prompts) the
+    members of a group with the same prompt, as many as fit in `row_len` after one copy of the prompt
+    (a group longer than a row is cut into several units)."""
+    if not share:
+        return [[i] for i in range(len(samples))]
+    units: list[list[int]] = []
+    open_units: dict[tuple, tuple[int, int]] = {}  # (group, prompt) -> (its open unit, tokens used)
+    for i, s in enumerate(samples):
+        key = (s.group, tuple(s.prompt_ids))
+        unit, used = open_units.get(key, (-1, 0))
+        if unit >= 0 and s.prompt_ids and used + len(s.output_ids) <= row_len:
+            units[unit].append(i)
+            open_units[key] = (unit, used + len(s.output_ids))
+        else:
+            units.append([i])
+            open_units[key] = (len(units) - 1, len(s.prompt_ids) + len(s.output_ids))
+    return units
+
+
 def build_batch(samples: list[Sample], seq_len: int, pad_id: int, aggregation: str = "token_mean",
                 norm_len: int = 1, pack: bool = False, row_multiple: int = 1,
                 min_rows: int = 0, vision=None, trim: bool = False,
-                sampled_logits_only: bool = False) -> dict[str, np.ndarray]:
+                sampled_logits_only: bool = False, share_prompts: bool = False,
+                row_len: int = 0) -> dict[str, np.ndarray]:
     """The train batch for `samples` (see the module docstring). Unpacked batches have at least
     `min_rows` rows (empty rows weigh nothing), so a batch the scheduler made smaller keeps the
     compiled shape. Raises ValueError when a sample does not fit `seq_len` (rl.seq_len must
-    cover prompt + max_new_tokens). `trim` (rl.trim_columns): the rows are `bucket_columns` of
-    the longest row wide instead of `seq_len` (padding columns weigh nothing and attend to
-    nothing, so the loss is the same; a batch of short rollouts costs what they hold). `vision`
-    (a VLM policy's VisionConfig): the samples' images join the batch as `image_*` arrays
-    (`image_arrays`). `sampled_logits_only` (rl.sampled_logits_only): the batch also says where the
-    loss reads log-probs (`trained_positions`), and the output layer runs there only."""
+    cover prompt + max_new_tokens). Packed rows are `row_len` wide (rl.row_len; 0 = `seq_len`).
+    `trim` (rl.trim_columns): the rows are `bucket_columns` of the longest row wide instead of the full
+    width (padding columns weigh nothing and attend to nothing, so the loss is the same; a batch of
+    short rollouts costs what they hold). `vision` (a VLM policy's VisionConfig): the samples'
+    images join the batch as `image_*` arrays (`image_arrays`). `sampled_logits_only`
+    (rl.sampled_logits_only): the batch also says where the loss reads log-probs (`trained_positions`),
+    and the output layer runs there only. `share_prompts` (rl.share_prompts, packed, with
+    `sampled_logits_only`): a group's prompt is laid out once, followed by its completions, each a
+    branch that attends to the prompt and to itself (`branch_ids`): the policy and reference passes
+    run the prompt once per group, not once per completion, for the same loss."""
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"rl.aggregation={aggregation!r}: choose one of {AGGREGATIONS}")
+    if share_prompts and not (pack and sampled_logits_only):
+        raise ValueError("rl.share_prompts=True needs rl.pack=True and rl.sampled_logits_only=True (a group's "
+                         "completions share one prompt in a packed row; the loss reads them at their positions)")
+    row_len = row_len or seq_len
+    if pack and row_len < seq_len:
+        raise ValueError(f"rl.row_len={row_len} is narrower than rl.seq_len={seq_len}: a rollout must fit a row; "
+                         "raise rl.row_len or set it to 0 (= rl.seq_len)")
     lengths = [len(s.prompt_ids) + len(s.output_ids) for s in samples]
     for length in lengths:
         if length > seq_len:
             raise ValueError(f"a rollout of {length} tokens does not fit rl.seq_len={seq_len}; raise rl.seq_len to "
                              f"at least the longest prompt + rl.max_new_tokens")
-    rows, used = pack_rows(lengths, seq_len) if pack else ([[i] for i in range(len(samples))], lengths)
+    units = prompt_units(samples, row_len if pack else seq_len, share_prompts)
+    unit_lengths = [len(samples[u[0]].prompt_ids) + sum(len(samples[i].output_ids) for i in u) for u in units]
+    rows, used = pack_rows(unit_lengths, row_len) if pack else ([[u] for u in range(len(units))], unit_lengths)
     num_rows = _bucket_rows(len(rows), row_multiple, len(samples)) if pack else max(len(rows), min_rows)
     if num_rows % row_multiple:
         raise ValueError(f"{num_rows} sequences per step is not a multiple of {row_multiple} (data shards × "
                          "micro-batches); change rl.prompts_per_step × rl.group_size or train.micro_batches")
-    shape = (num_rows, bucket_columns(max(used, default=0), seq_len) if trim else seq_len)
+    width = row_len if pack else seq_len
+    shape = (num_rows, bucket_columns(max(used, default=0), width) if trim else width)
     out = {k: np.zeros(shape, np.int32) for k in ("tokens", "positions", "segment_ids", "loss_mask")}
     out["tokens"][:] = pad_id
     out["seq_index"] = np.full(shape, len(samples), np.int32)
     for k in ("advantages", "behaviour_logp", "token_weight"):
         out[k] = np.zeros(shape, np.float32)
     out["row_weight"] = np.zeros((num_rows,), np.float32)
-    for r, members in enumerate(rows):
+    branch = np.zeros(shape, np.int32)
+    source = np.broadcast_to(np.arange(shape[1] - 1, dtype=np.int32), (num_rows, shape[1] - 1)).copy()
+    for r, row_units in enumerate(rows):
         col = 0
-        for segment, i in enumerate(members, start=1):
-            s = samples[i]
-            ids = s.prompt_ids + s.output_ids
-            n, p = len(ids), len(s.prompt_ids)
-            span, out_span = slice(col, col + n), slice(col + p, col + n)
-            out["tokens"][r, span] = ids
-            out["positions"][r, span] = np.arange(n)
-            out["segment_ids"][r, span] = segment
-            out["loss_mask"][r, out_span] = 1 if s.loss_mask is None else s.loss_mask
-            out["seq_index"][r, span] = i
-            out["advantages"][r, out_span] = s.advantage
-            if s.token_advantage is not None:
-                out["advantages"][r, out_span] += s.token_advantage
-            out["behaviour_logp"][r, out_span] = s.behaviour_logp
-            length = s.sampled_tokens
-            weight = 1.0 / max(length, 1) if aggregation == "seq_mean_token_mean" else 1.0
-            out["token_weight"][r, out_span] = weight * out["loss_mask"][r, out_span]
-            out["row_weight"][r] += _row_unit(aggregation, length, norm_len)
-            col += n
+        for segment, u in enumerate(row_units, start=1):
+            members = units[u]
+            prompt = samples[members[0]].prompt_ids
+            p = len(prompt)
+            out["tokens"][r, col:col + p] = prompt
+            out["positions"][r, col:col + p] = np.arange(p)
+            out["segment_ids"][r, col:col + p] = segment
+            out["seq_index"][r, col:col + p] = members[0]
+            last_prompt_token, col = col + p - 1, col + p
+            for b, i in enumerate(members, start=1):
+                s = samples[i]
+                n = len(s.output_ids)
+                span = slice(col, col + n)
+                out["tokens"][r, span] = s.output_ids
+                out["positions"][r, span] = np.arange(p, p + n)
+                out["segment_ids"][r, span] = segment
+                branch[r, span] = b
+                if b > 1 and n:  # its first token is predicted by the prompt's last, not by the token before
+                    source[r, col - 1] = last_prompt_token
+                out["loss_mask"][r, span] = 1 if s.loss_mask is None else s.loss_mask
+                out["seq_index"][r, span] = i
+                out["advantages"][r, span] = s.advantage
+                if s.token_advantage is not None:
+                    out["advantages"][r, span] += s.token_advantage
+                out["behaviour_logp"][r, span] = s.behaviour_logp
+                length = s.sampled_tokens
+                weight = 1.0 / max(length, 1) if aggregation == "seq_mean_token_mean" else 1.0
+                out["token_weight"][r, span] = weight * out["loss_mask"][r, span]
+                out["row_weight"][r] += _row_unit(aggregation, length, norm_len)
+                col += n
     if sampled_logits_only:
-        out.update(trained_positions(out["loss_mask"], out["segment_ids"]))
+        out.update(trained_positions(out["loss_mask"], out["segment_ids"], source if share_prompts else None))
+    if share_prompts:
+        out["branch_ids"] = branch
     if vision is not None:
-        out.update(image_arrays(samples, rows, num_rows, out, vision))
+        if share_prompts:
+            raise ValueError("rl.share_prompts=True is for text policies: set it to False for a VLM (model.vision).")
+        out.update(image_arrays(samples, [[i for u in row for i in units[u]] for row in rows], num_rows, out, vision))
     elif any(s.images for s in samples):
         raise ValueError("rollouts with images need a VLM policy (model.vision) to train on them.")
     return out
 
 
-def trained_positions(loss_mask: np.ndarray, segment_ids: np.ndarray) -> dict[str, np.ndarray]:
+def trained_positions(loss_mask: np.ndarray, segment_ids: np.ndarray,
+                      source: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Where the loss reads a log-prob: {"head_index" [R, P], "head_valid" [R, P]}, per row the predicting
     positions t (of the [R, T-1] target-aligned arrays) whose target t+1 is trained
     (`rlvr.losses.target_mask`), padded to P columns (the longest row's count, rounded up like `_bucket_rows`
     and at most T-1: few distinct shapes, so few compiles). The RL loss then runs the output layer and
     the log-softmax over the vocabulary on those P positions only: in a prompt-heavy batch most positions
     are prompt tokens, and the output layer is a large share of a small model's FLOPs (a 32k vocabulary
-    at width 512 is half of a 35M-param model)."""
+    at width 512 is half of a 35M-param model). `source` [R, T-1] (a shared-prompt batch): the position
+    whose hidden state predicts target t+1, returned at the same entries as "head_source"."""
     trained = np.asarray(target_mask(loss_mask, segment_ids))
     longest = int(trained.sum(axis=1).max(initial=0))
     width = _bucket_rows(min(max(longest, MIN_TRAINED), trained.shape[1]), 1, trained.shape[1])
@@ -185,7 +250,10 @@ def trained_positions(loss_mask: np.ndarray, segment_ids: np.ndarray) -> dict[st
         at = np.flatnonzero(row)
         index[r, :len(at)] = at
         valid[r, :len(at)] = 1.0
-    return {"head_index": index, "head_valid": valid}
+    out = {"head_index": index, "head_valid": valid}
+    if source is not None:
+        out["head_source"] = np.take_along_axis(source, index, axis=1)
+    return out
 
 
 def image_arrays(samples: list[Sample], rows: list[list[int]], num_rows: int, out: dict[str, np.ndarray],

@@ -125,13 +125,17 @@ def trained_logprobs(cfg, obj: Objective, params, batch, *, entropy: bool = Fals
     """`model_logprobs` with the output layer run only at the batch's trained positions
     (`batch["head_index"]`, `head_valid`: `rlvr.rl.batching.trained_positions`): the hidden states
     there are gathered, scored over the vocabulary (in chunks of `obj.logprob_chunk_size`, else all
-    at once), and scattered back to [B, T-1], 0 elsewhere (positions the loss masks out)."""
+    at once), and scattered back to [B, T-1], 0 elsewhere (positions the loss masks out). A shared-prompt
+    batch (rl.share_prompts) also has `branch_ids` (the attention mask's branches) and `head_source`
+    (the position whose hidden state predicts each target: not always the one before it there)."""
     from rlvr.kernels.chunked_logprob import token_logprobs
 
     tokens, index, valid = batch["tokens"], batch["head_index"], batch["head_valid"]
     x, head, tied, predicted = losses.hidden_and_head(cfg, params, tokens, batch["positions"],
-                                                      batch["segment_ids"], values, rng, images=batch_images(batch))
-    hidden = jnp.take_along_axis(x[:, :-1], index[..., None], axis=1)
+                                                      batch["segment_ids"], values, rng, images=batch_images(batch),
+                                                      branch_ids=batch.get("branch_ids"))
+    # a shared-prompt batch's first token of a completion is predicted by its prompt's last token
+    hidden = jnp.take_along_axis(x, batch.get("head_source", index)[..., None], axis=1)
     targets = jnp.take_along_axis(tokens[:, 1:], index, axis=1)
     out = token_logprobs(hidden, head, targets, chunk_size=obj.logprob_chunk_size or index.shape[1],
                          return_entropy=entropy, vocab_major=tied, sampling=obj.sampling)

@@ -21,7 +21,7 @@ from rlvr.kernels.chunked_logprob import Sampling
 from rlvr.models import lora
 from rlvr.models.vision import batch_images
 from rlvr.rl.batching import build_batch
-from rlvr.rl.objective import Objective, rl_loss
+from rlvr.rl.objective import Objective, model_logprobs, rl_loss
 from rlvr.train import step as step_lib
 
 PASS_CHUNK = 512  # positions per chunk of the passes' log-probs when train.logprob_chunk_size is 0
@@ -38,11 +38,24 @@ def logprobs_pass(cfg, sampling: Sampling, chunk_size: int, params, tokens, posi
     return jnp.pad(lp, ((0, 0), (1, 0)))
 
 
+def shared_logprobs_pass(cfg, sampling: Sampling, chunk_size: int, params, batch):
+    """`logprobs_pass` of a shared-prompt batch (rl.share_prompts): at its trained positions only, each
+    read where the batch says (`rlvr.rl.objective.trained_logprobs`); 0 elsewhere."""
+    obj = Objective(sampling=sampling, logprob_chunk_size=chunk_size)
+    return jnp.pad(model_logprobs(cfg, obj, params, batch)[0], ((0, 0), (1, 0)))
+
+
 def logprobs_fn(cfg, sampling: Sampling, chunk_size: int = 0):
-    """(params, batch) -> `logprobs_pass` on the host."""
+    """(params, batch) -> `logprobs_pass` (or `shared_logprobs_pass`) on the host."""
     logprobs = jax.jit(functools.partial(logprobs_pass, cfg, sampling, chunk_size))
-    return lambda params, b: np.asarray(logprobs(params, b["tokens"], b["positions"], b["segment_ids"],
-                                                 batch_images(b)))
+    shared = jax.jit(functools.partial(shared_logprobs_pass, cfg, sampling, chunk_size))
+    shared_keys = ("tokens", "positions", "segment_ids", "branch_ids", "head_index", "head_valid", "head_source")
+
+    def fn(params, b):
+        if "branch_ids" in b:
+            return np.asarray(shared(params, {k: b[k] for k in shared_keys}))
+        return np.asarray(logprobs(params, b["tokens"], b["positions"], b["segment_ids"], batch_images(b)))
+    return fn
 
 
 def reference_logprobs_fn(cfg, ref_params, seq_len: int, pad_id: int, sampling: Sampling, chunk_size: int = 0):

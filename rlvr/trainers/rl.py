@@ -590,7 +590,8 @@ def one_step(run: Run, step: int) -> tuple[dict[str, float], ScoredBatch]:
     t1 = time.perf_counter()
     arrays = build_batch(batch.samples, rl.seq_len, run.tokenizer.pad_id, rl.aggregation, rl.max_new_tokens,
                          rl.pack, run.row_multiple(), min_rows=rl.prompts_per_step * rl.group_size,
-                         vision=run.model.cfg.vision, trim=rl.trim_columns, sampled_logits_only=rl.sampled_logits_only)
+                         vision=run.model.cfg.vision, trim=rl.trim_columns, sampled_logits_only=rl.sampled_logits_only,
+                         share_prompts=rl.share_prompts, row_len=rl.row_len)
     run.state, metrics = run.update(run.state, arrays, batch.samples, step)
     t2 = time.perf_counter()
     run.backend.update_weights(run.policy_params(), step + 1)
