@@ -25,9 +25,11 @@ also runs the peer script's GRPO part (`benchmarks/peers/bench_tunix.py --only g
 process, 2 warm-up + 7 timed steps, its median) first in even rounds and last in odd ones (ABBA:
 tunix, sync, async | async, sync, tunix), and reports Tunix's median over ours and per round. The
 roofline beside the step: the generation's (`common.decode_roofline`, 32 x 64 -> 64 tokens) plus
-the train step's model FLOPs (policy forward and backward on 32 x 128 tokens, the reference's
-forward) at the best fp32 1024³ matmul rate measured between the runs; on one CPU generation and
-training share the same cores, so the lower bound is their sum in async mode too.
+the train step's model FLOPs (policy forward and backward, the reference's forward) at the best
+fp32 1024³ matmul rate measured between the runs, on the rows each trains: ours 8 x 320 tokens
+(rl.share_prompts: each prompt once, then its group's 4 completions; the same loss), Tunix's
+32 x 128 (`roofline_unshared_rows`); on one CPU generation and training share the same cores, so
+the lower bound is their sum in async mode too.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import jax
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import (  # noqa: E402
+    apply_overrides,
     calibrate_matmul_gflops,
     decode_roofline,
     default_tunix_python,
@@ -64,9 +67,10 @@ from rlvr.train import flops  # noqa: E402
 from rlvr.trainers import rl as rl_trainer  # noqa: E402
 
 PROMPTS, GROUP, NEW_TOKENS, PROMPT_DIGITS = 8, 4, 64, 31  # "a+b=" with 31-digit operands: 64 tokens
+SHARED_ROW = 2 * PROMPT_DIGITS + 2 + GROUP * NEW_TOKENS  # a prompt and its group's 4 completions: 320 tokens
 
 
-def bench_config(mode: str, num_steps: int):
+def bench_config(mode: str, num_steps: int, overrides: tuple[str, ...] = ()):
     c = config_lib.base_config()
     c.job = "rl"
     c.model = config_lib.model_config_dict(preset="bench")
@@ -89,17 +93,23 @@ def bench_config(mode: str, num_steps: int):
     opt.b2, opt.weight_decay, opt.grad_clip = 0.999, 1e-4, 0.0
     c.train.num_steps, c.train.log_every, c.train.tensorboard = num_steps, 10**6, False
     c.checkpoint.every_steps, c.checkpoint.resume = 10**6, False
+    # Our layout: each prompt once, its 4 completions after it (rl.share_prompts: the same loss; the train
+    # passes run 8 x 320 tokens, not 32 x 128), in 2 micro-batches of 4 rows (1,280 tokens: this CPU's
+    # fastest size). `--set rl.share_prompts=False --set rl.pack=False --set rl.row_len=0` trains Tunix's rows.
+    rl.pack, rl.share_prompts, rl.row_len = True, True, SHARED_ROW
+    c.train.micro_batches = 2
+    apply_overrides(c, overrides)  # --set a.b=value, e.g. rl.share_prompts=True
     config_lib.validate(c, jax.device_count())
     c.lock()
     return c
 
 
-def run_mode(mode: str, warmup: int, steps: int) -> dict:
+def run_mode(mode: str, warmup: int, steps: int, overrides: tuple[str, ...] = ()) -> dict:
     """One `train()` run; its per-step records (warm-up and measured) and wall time."""
     with tempfile.TemporaryDirectory(prefix=f"rl_step_{mode}_") as workdir:
         t0, cpu0 = time.perf_counter(), _cpu_seconds()
         with contextlib.redirect_stdout(sys.stderr):  # the loop's prints; stdout is the JSON line
-            rl_trainer.train(resolve(bench_config(mode, warmup + steps), workdir))
+            rl_trainer.train(resolve(bench_config(mode, warmup + steps, overrides), workdir))
         wall, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
         with open(os.path.join(workdir, "metrics.jsonl")) as f:
             records = [json.loads(line) for line in f]
@@ -157,21 +167,28 @@ NOTES = (
     "'generate' = generate_s - verify_s (engine time incl. tokenizing); 'idle_wait' = wait_for_rollout_s, the "
     "trainer's wait for a batch (in sync mode the whole rollout: generate + verify + advantages). Breakdown "
     "entries are separate medians, so they need not add up to step_s. Timings on a shared 2-core CPU are noisy: "
-    "compare the sync/async ratio (same run) more than absolute figures."
+    "compare the sync/async ratio (same run) more than absolute figures. Our train rows (unless --set says "
+    "otherwise): rl.share_prompts, each prompt once and its group's 4 completions after it as branches (8 x 320 "
+    "tokens; the same loss and gradients as 32 x 128 rows, tests/test_rl_objective.py), in 2 micro-batches "
+    "(train.micro_batches=2, the same gradient); Tunix trains 32 x 128 rows in one batch."
 )
 
 
-def roofline(peak_gflops: float, read_gbytes_per_s: float) -> dict:
+def roofline(peak_gflops: float, read_gbytes_per_s: float, shared: bool) -> dict:
     """The step's lower bound on this machine: generation (`decode_roofline` of 32 distinct 64-token
-    prompts -> 64 tokens) plus the train step's model FLOPs at the matmul peak."""
+    prompts -> 64 tokens) plus the train step's model FLOPs at the matmul peak: on 32 rows of
+    prompt + completion (128 tokens, as Tunix trains them), or (`shared`, rl.share_prompts) on 8 rows
+    of one prompt + its 4 completions (320 tokens)."""
     cfg = ModelConfig(**PRESETS["bench"])
-    completions, seq = PROMPTS * GROUP, 2 * NEW_TOKENS
+    completions = PROMPTS * GROUP
     gen = decode_roofline(cfg, [[i] * NEW_TOKENS for i in range(completions)], [NEW_TOKENS] * completions,
                           completions, {"matmul_gflops": peak_gflops, "read_gbytes_per_s": read_gbytes_per_s})
-    policy = flops.train_flops_per_token(cfg, seq) * completions * seq
+    rows, seq = (PROMPTS, SHARED_ROW) if shared else (completions, 2 * NEW_TOKENS)
+    policy = flops.train_flops_per_token(cfg, seq) * rows * seq
     train_s = (policy + policy / 3) / (peak_gflops * 1e9)  # + the reference's forward: a third of fwd+bwd
     return {"step_s": round(gen["seconds"] + train_s, 4), "generate_s": gen["seconds"], "train_s": round(train_s, 4),
-            "train_model_tflops": round((policy + policy / 3) / 1e12, 4), "peak_matmul_gflops": round(peak_gflops, 1)}
+            "train_model_tflops": round((policy + policy / 3) / 1e12, 4), "peak_matmul_gflops": round(peak_gflops, 1),
+            "train_rows": f"{rows} x {seq}"}
 
 
 def main() -> None:
@@ -182,6 +199,8 @@ def main() -> None:
     parser.add_argument("--tunix_python", default=default_tunix_python(),
                         help="python of a venv with google-tunix ('' = ours alone)")
     parser.add_argument("--out", default="", help="also record the result here (earlier records kept)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key of our runs (a Python literal), e.g. rl.share_prompts=True")
     args = parser.parse_args()
     t0 = time.perf_counter()
     load_before = load_average()
@@ -199,7 +218,7 @@ def main() -> None:
             if who == "tunix":
                 tunix_runs.append(tunix_part(args.tunix_python, "grpo"))
             else:
-                runs[who].append(run_mode(who, args.warmup, args.steps))
+                runs[who].append(run_mode(who, args.warmup, args.steps, args.set))
             order.append(who)
             calibs.append(calibrate_matmul_gflops())
         peaks.append(machine_peaks())
@@ -212,7 +231,9 @@ def main() -> None:
     cache.cleanup()
     sync, async_ = summarize(runs["sync"]), summarize(runs["async"])
     calib = statistics.mean(calibs)
-    bound = roofline(max(p["matmul_gflops"] for p in peaks), max(p["read_gbytes_per_s"] for p in peaks))
+    peak = (max(p["matmul_gflops"] for p in peaks), max(p["read_gbytes_per_s"] for p in peaks))
+    shared = bench_config("sync", 1, args.set).rl.share_prompts
+    bound, tunix_bound = roofline(*peak, shared), roofline(*peak, False)  # the rows each trains
     for fig in (sync, async_):
         fig["roofline_step_s"] = bound["step_s"]
         fig["vs_roofline"] = round(bound["step_s"] / fig["step_s"], 3)
@@ -227,7 +248,7 @@ def main() -> None:
         "devices": str(jax.devices()[0]), "cpu_count": os.cpu_count(), "order": order,
         "runs_per_mode": args.rounds, "warmup_steps_per_run": args.warmup, "measured_steps_per_run": args.steps,
         "calib_matmul_gflops": round(calib, 1), "calib_matmul_gflops_between_runs": [round(c, 1) for c in calibs],
-        "roofline": bound,
+        "share_prompts": shared, "roofline": bound, "roofline_unshared_rows": tunix_bound,
         "sync": sync, "async_staleness1": async_,
         "grpo_step_s": sync["step_s"],
         "async_speedup": round(sync["step_s"] / async_["step_s"], 3),
@@ -236,8 +257,8 @@ def main() -> None:
     }
     if args.tunix_python:
         tunix_s = statistics.median(t["median_step_s"] for t in tunix_runs)
-        record["tunix"] = {"step_s": round(tunix_s, 4), "roofline_step_s": bound["step_s"],
-                           "vs_roofline": round(bound["step_s"] / tunix_s, 3),
+        record["tunix"] = {"step_s": round(tunix_s, 4), "roofline_step_s": tunix_bound["step_s"],
+                           "vs_roofline": round(tunix_bound["step_s"] / tunix_s, 3),
                            "runs": [{k: t.get(k) for k in ("median_step_s", "all_step_s", "tunix_perf_breakdown",
                                                            "calib_matmul_gflops_before", "calib_matmul_gflops_after")}
                                     for t in tunix_runs]}
