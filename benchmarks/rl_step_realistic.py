@@ -16,7 +16,8 @@ template (`common.chat_bpe_tokenizer`, trained on the Python standard library, c
 --tokenizer_dir); chat prompts from five reasoning-gym families that share its system prompt
 (gsm_symbolic, knights_knaves, basic_arithmetic, string_manipulation, zebra_puzzles: 110 to 900
 tokens); 4 prompts x groups of 8 per step, 128 new tokens (temperature 1), rows packed into 1,024-token
-train rows (micro-batches of 2 rows; logits only at the sampled positions, rl.sampled_logits_only), one
+train rows, each group's prompt once per row with its completions after it (rl.share_prompts), in
+micro-batches of 2 rows; logits only at the sampled positions (rl.sampled_logits_only), one
 AdamW update per step, no reference model. `rl.mode="sync"`: a step is rollout
 (generate + verify + advantages) then the train step then the weight sync.
 
@@ -68,10 +69,11 @@ def bench_config(tokenizer_dir: str, num_steps: int, model_json: str = "", cache
     rl.mode, rl.reference_model, rl.kl_coef = "sync", False, 0.0
     rl.eval_examples, rl.eval_every, rl.sft_steps = 1, 0, 0
     c.train.num_steps, c.train.log_every, c.train.tensorboard = num_steps, 10**6, False
-    # micro-batches of 2 rows: the fastest per row on this CPU (first step, train seconds per 1,024-token row:
-    # 1.7 at 1-2 rows, 1.9 at 3, 2.3 at 5, 2.5 at 10); the loss's logits are [2, <=384 sampled positions,
-    # 32768] (rl.sampled_logits_only). Rows are a multiple of 10: 18 rows' worth trains on 20
-    c.train.micro_batches = 10
+    # each group's prompt once per row, its completions after it (rl.share_prompts: the same loss; 9 rows' worth,
+    # not 18), in micro-batches of 2 rows: the fastest per row on this CPU (first step, train seconds per
+    # 1,024-token row: 1.7 at 1-2 rows, 1.9 at 3, 2.3 at 5, 2.5 at 10). Rows are a multiple of 5: 9 -> 10
+    rl.share_prompts = True
+    c.train.micro_batches = 5
     c.checkpoint.every_steps, c.checkpoint.resume = 10**6, False
     c.compile.cache_dir = cache_dir
     apply_overrides(c, overrides)  # --set a.b=value, e.g. rl.sampled_logits_only=False
@@ -171,9 +173,10 @@ def main() -> None:
     best = {k: max(p[k] for p in peaks) for k in peaks[0]}
     typical = {k: statistics.median(p[k] for p in peaks) for k in peaks[0]}
     roofline = decode_roofline(cfg, prompts, [int(response_len)] * len(prompts), PROMPTS * GROUP, typical)
-    # the train step's lower bound: model FLOPs of the step's real tokens (the output layer on every token,
-    # the usual MFU convention, though rl.sampled_logits_only runs it on the sampled ones) at the matmul peak
-    tokens = samples * (prompt_len + response_len)
+    # the train step's lower bound: model FLOPs of the step's real tokens, those its rows hold (the output layer
+    # on every token, the usual MFU convention, though rl.sampled_logits_only runs it on the sampled ones; with
+    # rl.share_prompts a group's prompt once per row, not once per completion) at the matmul peak
+    tokens = med("row_tokens")
     train_tflops = flops.train_flops_per_token(cfg, int(prompt_len + response_len)) * tokens / 1e12
     train_roofline_s = train_tflops * 1e12 / (typical["matmul_gflops"] * 1e9)
     emit({
@@ -188,7 +191,8 @@ def main() -> None:
         "machine_peaks_best": {k: round(v, 1) for k, v in best.items()},
         "generation_roofline": roofline,
         "generation_vs_roofline": round(timing["generated_tokens_per_s"] / roofline["tokens_per_s"], 4),
-        "train_roofline": {"tokens": int(tokens), "model_tflops": round(train_tflops, 3),
+        "train_roofline": {"tokens": int(tokens), "tokens_unshared": int(samples * (prompt_len + response_len)),
+                           "model_tflops": round(train_tflops, 3),
                            "seconds": round(train_roofline_s, 2)},
         "train_vs_roofline": round(train_roofline_s / timing["breakdown_median_s"]["train"], 3),
         "total_runtime_s": round(time.perf_counter() - t0, 1),

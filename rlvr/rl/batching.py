@@ -119,21 +119,30 @@ def pack_rows(lengths: list[int], seq_len: int) -> tuple[list[list[int]], list[i
 
 def prompt_units(samples: list[Sample], row_len: int, share: bool) -> list[list[int]]:
     """Sample indices per unit of the train batch: one sample each, or (`share`, rl.share_prompts) the
-    members of a group with the same prompt, as many as fit in `row_len` after one copy of the prompt
-    (a group longer than a row is cut into several units)."""
+    members of a group with the same prompt after one copy of it. A group longer than `row_len` is cut
+    into the fewest units that fit, its completions dealt longest first to the unit with the fewest
+    tokens: units (and rows) of even length, so the rows' trained positions pad little
+    (`trained_positions`)."""
     if not share:
         return [[i] for i in range(len(samples))]
-    units: list[list[int]] = []
-    open_units: dict[tuple, tuple[int, int]] = {}  # (group, prompt) -> (its open unit, tokens used)
+    groups: dict[tuple, list[int]] = {}
     for i, s in enumerate(samples):
-        key = (s.group, tuple(s.prompt_ids))
-        unit, used = open_units.get(key, (-1, 0))
-        if unit >= 0 and s.prompt_ids and used + len(s.output_ids) <= row_len:
-            units[unit].append(i)
-            open_units[key] = (unit, used + len(s.output_ids))
-        else:
-            units.append([i])
-            open_units[key] = (len(units) - 1, len(s.prompt_ids) + len(s.output_ids))
+        groups.setdefault((s.group, tuple(s.prompt_ids)) if s.prompt_ids else ("alone", i), []).append(i)
+    units: list[list[int]] = []
+    for members in groups.values():
+        prompt = len(samples[members[0]].prompt_ids)
+        outputs = {i: len(samples[i].output_ids) for i in members}
+        count = max(-(-sum(outputs.values()) // max(row_len - prompt, 1)), 1)
+        while True:  # the fewest units the completions fit in (more when dealing leaves one too long)
+            dealt, used = [[] for _ in range(count)], [prompt] * count
+            for i in sorted(members, key=lambda i: -outputs[i]):
+                k = min(range(count), key=used.__getitem__)
+                dealt[k].append(i)
+                used[k] += outputs[i]
+            if max(used) <= row_len or count >= len(members):
+                break
+            count += 1
+        units.extend(sorted(u) for u in dealt if u)
     return units
 
 

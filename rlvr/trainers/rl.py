@@ -600,7 +600,8 @@ def one_step(run: Run, step: int) -> tuple[dict[str, float], ScoredBatch]:
     record = {**rollout_metrics(batch, step), **token_means(metrics)}
     record.update(wait_for_rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2, step_s=t3 - t0,
                   rows=float(arrays["tokens"].shape[0]),  # the compiled shape's, and those holding tokens:
-                  rows_used=float(np.count_nonzero(arrays["segment_ids"].any(axis=1))))
+                  rows_used=float(np.count_nonzero(arrays["segment_ids"].any(axis=1))),
+                  row_tokens=float(np.count_nonzero(arrays["segment_ids"])))  # tokens the train passes run
     if run.compiles:  # compile + lowering seconds within this step (its share of step_s)
         record["compile_s"] = run.compiles.seconds_since(compiled_before)
     record["util/trainer"] = (t3 - t1) / max(t3 - t0, 1e-9)  # busy share: not waiting for rollouts
