@@ -335,11 +335,12 @@ def test_sglang_backend_against_embedded_server(mode, sync_run, sglang_server, t
 @pytest.mark.parametrize("algorithm", [
     {"rl.advantage": "gae", "rl.updates_per_batch": 2},
     {"rl.advantage": "rloo", "rl.policy_loss": "gspo", "rl.aggregation": "seq_mean_token_mean", "rl.pack": True,
+     "rl.share_prompts": True, "rl.row_len": 64, "rl.updates_per_batch": 2,
      "rl.dynamic_sampling": True, "rl.kl_coef": 0.1, "rl.kl_mode": "reward", "rl.kl_estimator": "k1"},
-], ids=["ppo_gae_minibatches", "rloo_gspo_packed_dynamic_kl_reward"])
+], ids=["ppo_gae_minibatches", "rloo_gspo_packed_shared_minibatches_dynamic_kl_reward"])
 def test_other_algorithms_train(algorithm, sync_run, tmp_path):
-    """PPO with a learned value head (GAE, 2 mini-batches) and an RLOO/GSPO/packed/dynamic-sampling/
-    KL-penalty mix run through the loop and move the weights."""
+    """PPO with a learned value head (GAE, 2 mini-batches) and an RLOO/GSPO/packed/shared-prompt/
+    2-mini-batch/dynamic-sampling/KL-penalty mix run through the loop and move the weights."""
     run = _run(tmp_path / "algo", sft_from=sync_run, **{**algorithm, "train.num_steps": 2,
                                                         "checkpoint.every_steps": 2})
     rows = _metrics(run)
@@ -351,6 +352,8 @@ def test_other_algorithms_train(algorithm, sync_run, tmp_path):
     else:
         assert all("reward/kl_penalty" in r for r in rows)
         assert all(r["groups_generated"] >= PROMPTS for r in rows)
+        # each group's prompt once per row: fewer tokens in the rows than the samples hold
+        assert all(r["row_tokens"] < 0.8 * r["samples"] * (r["prompt_length"] + r["response_length"]) for r in rows)
 
 
 def test_curriculum_drives_difficulty_and_resumes_exactly(sync_run, tmp_path):
