@@ -16,7 +16,7 @@ from collections.abc import Callable
 import ml_collections
 from ml_collections import config_dict
 
-from rlvr.models.config import PRESETS, LoraConfig, ModelConfig, validate_attention_mesh
+from rlvr.models.config import PRESETS, SHARED_PROMPT_ATTENTION, LoraConfig, ModelConfig, validate_attention_mesh
 
 
 class ConfigError(ValueError):
@@ -293,8 +293,9 @@ def rl_config() -> ml_collections.ConfigDict:
             "skip": True}),  # degradation 3: skip the lowest-priority domain
         "pack": False,  # several rollouts per train row
         "row_len": 0,  # packed train rows' width (rl.pack): 0 = rl.seq_len; wider rows hold more per row
-        # a group's prompt once per packed row, its completions after it as branches (rl.pack, the "xla"
-        # attention, rl.sampled_logits_only): the same loss, the prompt's FLOPs once per group, not per completion
+        # a group's prompt once per packed row, its completions after it as branches (rl.pack, the "xla" or
+        # "flash" attention, rl.sampled_logits_only): the same loss, the prompt's FLOPs once per group, not per
+        # completion
         "share_prompts": False,
         # train rows as wide as the batch's longest, rounded up to a power of two (<= seq_len), not seq_len:
         # the loss is the same, short rollouts cost what they hold (one train-step compile per width)
@@ -383,8 +384,9 @@ def _validate_rows(config: ml_collections.ConfigDict) -> None:
     if not rl.share_prompts:
         return
     wrong = [f"{path}={have!r} (needs {want!r})" for path, have, want in (
-        ("rl.pack", rl.pack, True), ("rl.sampled_logits_only", rl.sampled_logits_only, True),
-        ("model.attention", config.model.get("attention") or "xla", "xla")) if have != want]
+        ("rl.pack", rl.pack, True), ("rl.sampled_logits_only", rl.sampled_logits_only, True)) if have != want]
+    if (config.model.get("attention") or "xla") not in SHARED_PROMPT_ATTENTION:
+        wrong.append(f"model.attention={config.model.attention!r} (needs one of {SHARED_PROMPT_ATTENTION})")
     if rl.advantage == "gae":
         wrong.append("rl.advantage='gae' (a value head reads every position; needs another advantage)")
     if rl.teacher and rl.distill_estimator == "full":

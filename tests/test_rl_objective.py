@@ -248,8 +248,9 @@ def _shared_prompt_samples():
 def test_shared_prompts_give_the_unshared_loss(setup, obj):
     """rl.share_prompts: a group's completions after one copy of its prompt (branches) give the loss,
     gradients, metrics and proximal log-probs of the same samples one per segment, over 2 micro-batches,
-    with fewer tokens in the rows. The prompt's last token must predict each branch's first token
-    (`head_source`) and branches must not see each other (`branch_ids`): either wrong changes the loss."""
+    with fewer tokens in the rows, under the "xla" and the "flash" attention. The prompt's last token must
+    predict each branch's first token (`head_source`) and branches must not see each other (`branch_ids`):
+    either wrong changes the loss."""
     from rlvr.rl.update import logprobs_fn
 
     params, frozen = setup["params"], {"ref": setup["ref"]}
@@ -280,6 +281,12 @@ def test_shared_prompts_give_the_unshared_loss(setup, obj):
     old_p, old_s = per_token(plain, old(params, plain)), per_token(shared, old(params, shared))
     assert old_p.keys() == old_s.keys()
     close([old_s[k] for k in old_p], list(old_p.values()), 1e-4)
+    # model.attention="flash": the flash kernel's one-id-per-token mask, two calls merged (shared_prompt_attention)
+    flash = jax.jit(functools.partial(accumulate_gradients, functools.partial(
+        rl_loss, dataclasses.replace(CFG, attention="flash"), obj)), static_argnums=(4,))
+    grads_f, sums_f = flash(params, {k: jnp.asarray(v) for k, v in shared.items()}, jax.random.key(0), frozen, 2)
+    close(sums_f["loss"], loss_p, 1e-4)
+    tree_close(grads_f, grads_p, 1e-4)
     for broken in ({**shared, "head_source": shared["head_index"]}, {**shared, "branch_ids": shared["segment_ids"]}):
         loss_b = loss_and_grad(obj, params, {k: jnp.asarray(v) for k, v in broken.items()}, frozen, 2)[0]
         assert abs(float(loss_b) - float(loss_p)) > 1e-3

@@ -89,6 +89,28 @@ def test_context_parallel_attention_on_a_sequence_mesh(topology, kind):
     assert moved > 0, f"{kind} attention moves no data between chips"
 
 
+def test_shared_prompt_attention_compiles_to_two_flash_calls_on_v5e():
+    """rl.share_prompts under model.attention='flash' (`shared_prompt_attention`): two flash calls
+    (prompt keys, own branch) merged by log-sum-exp, each forward and backward a Mosaic kernel, rows
+    over data and heads over tensor."""
+    from rlvr.models.transformer import SegmentInfo, shared_prompt_attention
+
+    mesh = _mesh("v5e:2x2", {"data": 2, "tensor": 2})
+    q = _sds((4, 1024, 8, 128), mesh, P("data", None, "tensor", None))
+    kv = _sds((4, 1024, 2, 128), mesh, P("data", None, "tensor", None))
+    ids = _sds((4, 1024), mesh, P("data", None), jnp.int32)
+
+    def loss(q, k, v, positions, segment_ids, branch_ids):
+        with sharding.activation_sharding(mesh):
+            out = shared_prompt_attention(q, k, v, SegmentInfo(positions, segment_ids, branch_ids), causal=True)
+            return jnp.sum(out.astype(jnp.float32))
+
+    with compile_for("v5e:2x2"):
+        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, ids, ids, ids).compile()
+    report = compiled_report(compiled)
+    assert report["mosaic_kernels"] >= 6, "a shared-prompt flash call fell back to XLA"
+
+
 def test_flash_attention_compiles_at_32k_tokens_per_device_on_v5e():
     """The key sequence is a grid axis (pallas_tpu.py), so VMEM per program does not grow with T:
     forward and backward at 32k tokens compile within v5e's scoped VMEM."""

@@ -18,6 +18,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # ring/ulysses run inside the train step's mesh; called without a mesh `sequence` axis > 1
 # (evaluation, log-prob passes) they use the flash path and log it once.
 ATTENTION = ("xla", "flash", "ring", "ulysses")
+SHARED_PROMPT_ATTENTION = ("xla", "flash")  # those that train a shared-prompt batch (rl.share_prompts)
 
 
 # Named architectures for configs: `config_lib.model_config_dict(preset="tiny", ...)`.

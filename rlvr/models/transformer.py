@@ -32,7 +32,7 @@ import numpy as np
 from rlvr.kernels.bits import as_bits, from_bits, kv_float, take_rows
 from rlvr.kernels.chunked_logprob.reference import project
 from rlvr.kernels.packed_matmul import PANEL, pack_weight, packed_swiglu
-from rlvr.models.config import ModelConfig
+from rlvr.models.config import SHARED_PROMPT_ATTENTION, ModelConfig
 from rlvr.models.layers import _INIT, Linear, RMSNorm, _dtype, apply_rope, dot_product_attention
 from rlvr.models.vision import ImageInputs, VisionTransformer, image_inputs, scatter_image_features
 from rlvr.sharding import constrain
@@ -130,6 +130,27 @@ class SegmentInfo(NamedTuple):
 
     positions: jax.Array
     segment_ids: jax.Array
+    branch_ids: jax.Array | None = None  # a shared-prompt batch's (`attention_mask`)
+
+
+BRANCH_STRIDE = 1 << 16  # segment id x this + branch: one id per completion of a shared-prompt row
+
+
+def shared_prompt_attention(q, k, v, info: SegmentInfo, **kwargs) -> jax.Array:
+    """The flash path's attention for a shared-prompt row (`attention_mask` with branch ids): the flash
+    kernel's mask is one segment id per token, so two calls merged by their log-sum-exp (online
+    softmax): every token over its group's prompt (keys of branch 0), and every completion token over
+    its own branch (prompt tokens see no key there). About twice the attention of an unshared row of
+    the same width; the prompt's other FLOPs are what sharing saves."""
+    from rlvr.kernels import context_parallel as cp
+    from rlvr.kernels.context_parallel.ring import merge
+
+    seg, branch, pos = info.segment_ids, info.branch_ids, info.positions
+    in_prompt = branch == 0
+    own = seg * BRANCH_STRIDE + branch
+    over_prompt = cp.local_attention(q, k, v, seg, jnp.where(in_prompt, seg, -1), pos, pos, **kwargs)
+    over_branch = cp.local_attention(q, k, v, own, jnp.where(in_prompt, -1, own), pos, pos, **kwargs)
+    return merge(*over_prompt, *over_branch)[0].astype(q.dtype)
 
 
 def _context_mesh(cfg: ModelConfig, warn: bool = True):
@@ -150,8 +171,10 @@ def segment_attention(cfg: ModelConfig, q, k, v, info: SegmentInfo, warn: bool =
     For ring attention the caller (`Transformer`) has laid the sequence out zig-zag."""
     from rlvr.kernels import context_parallel as cp
 
-    ids = (info.segment_ids, info.segment_ids, info.positions, info.positions)
     kwargs = dict(causal=True, sliding_window=cfg.sliding_window)
+    if info.branch_ids is not None:
+        return shared_prompt_attention(q, k, v, info, **kwargs)
+    ids = (info.segment_ids, info.segment_ids, info.positions, info.positions)
     if cfg.attention in ("ring", "ulysses"):
         mesh = _context_mesh(cfg, warn)
         if mesh is not None and cfg.attention == "ring":
@@ -438,7 +461,7 @@ class Transformer(nn.Module):
         logits per row) the last decoder layer then runs its query, output projection and MLP on
         those positions alone (every layer's k/v are still written), ~1/num_layers of the
         prefill's FLOPs saved. `branch_ids` [B, T]: a shared-prompt training batch's branches
-        (`attention_mask`; the "xla" attention only)."""
+        (`attention_mask`; the "xla" and "flash" attention: `shared_prompt_attention`)."""
         cfg = self.cfg
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
@@ -446,11 +469,13 @@ class Transformer(nn.Module):
             segment_ids = jnp.ones_like(tokens)
         if rope_positions is None:
             rope_positions = positions
-        if branch_ids is not None and (cache is not None or cfg.attention != "xla"):
-            raise ValueError(f"a shared-prompt batch (rl.share_prompts) needs model.attention='xla' and no cache; "
-                             f"got attention={cfg.attention!r}: set rl.share_prompts=False or model.attention='xla'.")
+        if branch_ids is not None and (cache is not None or cfg.attention not in SHARED_PROMPT_ATTENTION):
+            raise ValueError(f"a shared-prompt batch (rl.share_prompts) needs model.attention in "
+                             f"{SHARED_PROMPT_ATTENTION} and no cache; got attention={cfg.attention!r}: set "
+                             "rl.share_prompts=False or model.attention='xla' or 'flash'.")
         if cache is None and cfg.attention != "xla":
-            return _at(self._segment_hidden_states(tokens, positions, segment_ids, embeds, rope_positions), last), None
+            return _at(self._segment_hidden_states(tokens, positions, segment_ids, embeds, rope_positions,
+                                                   branch_ids), last), None
         x = self.embed(tokens) if embeds is None else embeds.astype(cfg.dtype)
         x = constrain(x, ("batch", "length", "embed"))
         # a decode loop passes its step's tables (`cache["rope"]`, computed once per call: fused into
@@ -474,7 +499,7 @@ class Transformer(nn.Module):
         """Token embeddings [B, T, E] in the compute dtype."""
         return take_rows(self.embed_tokens, tokens).astype(self.cfg.dtype)
 
-    def _segment_hidden_states(self, tokens, positions, segment_ids, embeds, rope_positions):
+    def _segment_hidden_states(self, tokens, positions, segment_ids, embeds, rope_positions, branch_ids=None):
         """The training path for attention "flash", "ring" and "ulysses": masks from segment ids
         and positions. Ring attention wants the zig-zag layout (causal load balance); everything
         but attention is per token, so the inputs are permuted into it (padded with segment id 0
@@ -491,7 +516,7 @@ class Transformer(nn.Module):
             x, positions, segment_ids, rope_positions = map(permute, (x, positions, segment_ids, rope_positions))
         x = constrain(x, ("batch", "length", "embed"))
         cos, sin = rope_tables(cfg, rope_positions)
-        x, _ = self._run_layers(x, cos, sin, SegmentInfo(positions, segment_ids), None, None)
+        x, _ = self._run_layers(x, cos, sin, SegmentInfo(positions, segment_ids, branch_ids), None, None)
         if order is not None:
             x = constrain(jnp.take(x, np.argsort(order), axis=1)[:, :length], ("batch", "length", "embed"))
         return self.norm(x)
