@@ -98,7 +98,7 @@ def bench_config(mode: str, num_steps: int, overrides: tuple[str, ...] = ()):
     # fastest size). `--set rl.share_prompts=False --set rl.pack=False --set rl.row_len=0` trains Tunix's rows.
     rl.pack, rl.share_prompts, rl.row_len = True, True, SHARED_ROW
     c.train.micro_batches = 2
-    apply_overrides(c, overrides)  # --set a.b=value, e.g. rl.share_prompts=True
+    apply_overrides(c, overrides)  # --set a.b=value, e.g. train.micro_batches=4
     config_lib.validate(c, jax.device_count())
     c.lock()
     return c
@@ -200,7 +200,7 @@ def main() -> None:
                         help="python of a venv with google-tunix ('' = ours alone)")
     parser.add_argument("--out", default="", help="also record the result here (earlier records kept)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key of our runs (a Python literal), e.g. rl.share_prompts=True")
+                        help="override a config key of our runs (a Python literal), e.g. rl.share_prompts=False")
     args = parser.parse_args()
     t0 = time.perf_counter()
     load_before = load_average()

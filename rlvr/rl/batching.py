@@ -194,7 +194,8 @@ def build_batch(samples: list[Sample], seq_len: int, pad_id: int, aggregation: s
         out[k] = np.zeros(shape, np.float32)
     out["row_weight"] = np.zeros((num_rows,), np.float32)
     branch = np.zeros(shape, np.int32)
-    source = np.broadcast_to(np.arange(shape[1] - 1, dtype=np.int32), (num_rows, shape[1] - 1)).copy()
+    # shared prompts: the position whose hidden state predicts each target (else the one before it)
+    source = np.tile(np.arange(shape[1] - 1, dtype=np.int32), (num_rows, 1)) if share_prompts else None
     for r, row_units in enumerate(rows):
         col = 0
         for segment, u in enumerate(row_units, start=1):
@@ -214,7 +215,7 @@ def build_batch(samples: list[Sample], seq_len: int, pad_id: int, aggregation: s
                 out["positions"][r, span] = np.arange(p, p + n)
                 out["segment_ids"][r, span] = segment
                 branch[r, span] = b
-                if b > 1 and n:  # its first token is predicted by the prompt's last, not by the token before
+                if b > 1 and n:  # (shared) its first token is predicted by the prompt's last, not the token before
                     source[r, col - 1] = last_prompt_token
                 out["loss_mask"][r, span] = 1 if s.loss_mask is None else s.loss_mask
                 out["seq_index"][r, span] = i
@@ -228,7 +229,7 @@ def build_batch(samples: list[Sample], seq_len: int, pad_id: int, aggregation: s
                 out["row_weight"][r] += _row_unit(aggregation, length, norm_len)
                 col += n
     if sampled_logits_only:
-        out.update(trained_positions(out["loss_mask"], out["segment_ids"], source if share_prompts else None))
+        out.update(trained_positions(out["loss_mask"], out["segment_ids"], source))
     if share_prompts:
         out["branch_ids"] = branch
     if vision is not None:
