@@ -40,9 +40,7 @@ namespace {
 
 constexpr float kMask = -0.7f * 3.4028234663852886e38f;  // reference.py's MASK_VALUE
 
-typedef float v8 __attribute__((vector_size(32)));  // 8 query rows side by side (any ISA: GCC/Clang split it)
-typedef int32_t v8i __attribute__((vector_size(32)));
-constexpr int kLanes = 8;
+using namespace rlvr;  // v8, Splat, Max, ExpNonPositive, ParallelFor (native_parallel.h)
 
 inline float Load(const float* p) { return *p; }
 inline float Load(const uint16_t* p) {
@@ -50,33 +48,6 @@ inline float Load(const uint16_t* p) {
   float out;
   std::memcpy(&out, &bits, sizeof(out));
   return out;
-}
-
-inline v8 Splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
-inline v8i SplatInt(int32_t x) { return v8i{x, x, x, x, x, x, x, x}; }
-inline v8 Max(v8 a, v8 b) { return a > b ? a : b; }
-
-// exp(x) for x <= 0 (the softmax's exponents), 8 at a time: Cody-Waite range reduction and a
-// degree-6 polynomial (Cephes' expf), ~2 ulp; round-to-nearest by the 1.5 * 2^23 trick.
-inline v8 ExpNonPositive(v8 x) {
-  x = Max(x, Splat(-87.0f));
-  const v8 shifted = x * Splat(1.44269504088896341f) + Splat(12582912.0f);
-  const v8 n = shifted - Splat(12582912.0f);
-  v8 r = x - n * Splat(0.693359375f);
-  r = r - n * Splat(-2.12194440e-4f);
-  v8 p = Splat(1.9875691500e-4f);
-  p = p * r + Splat(1.3981999507e-3f);
-  p = p * r + Splat(8.3334519073e-3f);
-  p = p * r + Splat(4.1665795894e-2f);
-  p = p * r + Splat(1.6666665459e-1f);
-  p = p * r + Splat(5.0000001201e-1f);
-  p = p * r * r + r + Splat(1.0f);
-  v8i exponent;
-  std::memcpy(&exponent, &shifted, sizeof(exponent));
-  exponent = (exponent - SplatInt(0x4B400000) + SplatInt(127)) << 23;  // the integer n, as 2^n's bits
-  v8 scale;
-  std::memcpy(&scale, &exponent, sizeof(scale));
-  return p * scale;
 }
 
 struct Shape {

@@ -116,6 +116,24 @@ def causal_attention(q, k, v, mask) -> jax.Array:
                             for start in range(0, t, size)], axis=1)
 
 
+def native_training_attention(q: jax.Array, k: jax.Array) -> bool:
+    """Whether the training path's attention (a dense mask in token order, no cache) runs as the native
+    XLA:CPU kernels (`rlvr.kernels.causal_attention`, RoPE applied inside): programs compiled for CPU,
+    float32, on one device (a custom call has no partitioning rule: under a larger mesh XLA would
+    gather its operands), and the kernels built. The train step at the SFT benchmark's shape: 0.48 ->
+    0.46 s with them (`benchmarks/train_step.py`)."""
+    from rlvr.kernels import causal_attention as native
+    from rlvr.kernels.target import target_platform
+    from rlvr.sharding import active_mesh
+
+    if target_platform() != "cpu" or not native.supports(q, k):
+        return False
+    mesh = active_mesh()
+    if (mesh.size if mesh is not None else jax.device_count()) != 1:
+        return False
+    return native.native_unavailable_reason() is None
+
+
 def in_token_order(mask: jax.Array) -> jax.Array:
     """`mask` [B, 1, 1, T, T] and key index <= query index: what `attention_mask` already gives for
     positions that rise along each segment (every training input), stated so `causal_attention`
@@ -318,7 +336,8 @@ class Attention(nn.Module):
         every token's k/v are computed and written, but only the query at index `last` of each
         row attends: the output is [B, 1, E]."""
         cfg = self.cfg
-        dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, lora=cfg.lora)
+        dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, lora=cfg.lora,
+                     cpu_weight_grad=cfg.remat_policy == "none")
         h, kvh, d, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
         if self.has_variable("params", "qkv_proj"):  # the rollout engine's fused tree (`fuse_projections`)
             qkv = Linear((e,), (h + 2 * kvh, d), ("embed",), ("heads", "head_dim"), cfg.qkv_bias, name="qkv_proj",
@@ -333,6 +352,12 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q = RMSNorm(d, cfg.rms_norm_eps, "head_dim", cfg.param_dtype, name="q_norm")(q)
             k = RMSNorm(d, cfg.rms_norm_eps, "head_dim", cfg.param_dtype, name="k_norm")(k)
+        if pool is None and not isinstance(mask, SegmentInfo) and native_training_attention(q, k):
+            from rlvr.kernels.causal_attention import native_causal_attention
+
+            out = native_causal_attention(q, k, v, mask, cos, sin)  # applies RoPE; keys after the query unseen
+            return Linear((h, d), (e,), ("heads", "head_dim"), ("embed",), cfg.o_bias, name="o_proj",
+                          **dense)(out.astype(q.dtype)), None
         q = constrain(apply_rope(q, cos, sin), ("batch", "length", "heads", "head_dim"))
         k = constrain(apply_rope(k, cos, sin), ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
@@ -386,7 +411,8 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg = self.cfg
-        dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, use_bias=cfg.mlp_bias, lora=cfg.lora)
+        dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, use_bias=cfg.mlp_bias, lora=cfg.lora,
+                     cpu_weight_grad=cfg.remat_policy == "none")
         e, m = cfg.hidden_size, cfg.intermediate_size
         fused = self.variables.get("params", {}).get("gate_up_proj", {})
         if "kernel_packed" in fused and not cfg.mlp_bias and m % PANEL == 0:  # packed: gate and up combined natively
@@ -446,7 +472,8 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=cfg.param_dtype, name="norm")
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear((cfg.hidden_size,), (cfg.vocab_size,), ("embed",), ("vocab",),
-                                  dtype=cfg.dtype, param_dtype=cfg.param_dtype, float32_output=True)
+                                  dtype=cfg.dtype, param_dtype=cfg.param_dtype, float32_output=True,
+                                  cpu_weight_grad=True)
         if cfg.value_head:
             self.value_proj = Linear((cfg.hidden_size,), (1,), ("embed",), (None,), use_bias=True,
                                      dtype="float32", param_dtype=cfg.param_dtype)
