@@ -218,6 +218,7 @@ void ForwardItem(const Dims& s, float scale, const float* q, const float* k, con
       }
       const int64_t keys = KeysUpTo(std::min(i0 + kRows - 1, s.length - 1), s);
       Products(rows, w.kt.data(), s, keys, scores);
+      float inverse[kRows] = {};
       for (int r = 0; r < kRows; ++r) {
         const int64_t i = i0 + r;
         float* score = scores + r * s.padded;
@@ -230,13 +231,13 @@ void ForwardItem(const Dims& s, float scale, const float* q, const float* k, con
           continue;
         }
         const float total = Exponentiate(score, top, keys);
-        const float inverse = 1.0f / total;
-        for (int64_t j = 0; j < keys; ++j) score[j] *= inverse;
+        inverse[r] = 1.0f / total;  // applied to the weighted values
         lse[(b * s.heads + h) * s.length + i] = top + std::log(total);
       }
       Weighted(scores, w.v.data(), s, std::min(keys, s.length), outs);
       for (int r = 0; r < kRows && i0 + r < s.length; ++r) {
-        std::memcpy(out + ((b * s.length + i0 + r) * s.heads + h) * s.dim, outs + r * s.dim, s.dim * sizeof(float));
+        float* o = out + ((b * s.length + i0 + r) * s.heads + h) * s.dim;
+        for (int64_t d = 0; d < s.dim; ++d) o[d] = outs[r * s.dim + d] * inverse[r];
       }
     }
   }
