@@ -3,7 +3,7 @@ one JSON line.
 
     .venv/bin/python benchmarks/attention.py [--shapes 1x512x8x2x64,2x256x4x4x64] [--dtype float32]
         [--no-causal] [--sliding-window 0] [--repeats 5]
-        [--implementations xla_dense,xla_causal_blocks,xla_blockwise,pallas]
+        [--implementations xla_dense,xla_causal_blocks,native_cpu,xla_blockwise,pallas]
 
 A shape is BxTxHxKVHxD (self-attention, S = T). Per shape and implementation: max abs error of the
 output and of dq, dk, dv (loss = sum(out * w), w fixed random) against
@@ -56,6 +56,14 @@ def _causal_blocks(q, k, v, mask_kwargs):
     return causal_attention(q, k, v, in_token_order(_model_mask(q, k, mask_kwargs)))
 
 
+def _native_cpu(q, k, v, mask_kwargs):
+    """The training path's attention on XLA:CPU (`rlvr.kernels.causal_attention`: native forward and
+    backward kernels; float32, masks in token order)."""
+    from rlvr.kernels.causal_attention import native_causal_attention
+
+    return native_causal_attention(q, k, v, in_token_order(_model_mask(q, k, mask_kwargs)))
+
+
 def _flash(q, k, v, mask_kwargs, implementation):
     return flash_attention(q, k, v, implementation=implementation, **mask_kwargs)
 
@@ -70,6 +78,7 @@ class Impl:
 IMPLEMENTATIONS = {
     "xla_dense": Impl(_dense, ("cpu", "gpu", "tpu")),
     "xla_causal_blocks": Impl(_causal_blocks, ("cpu", "gpu", "tpu")),
+    "native_cpu": Impl(_native_cpu, ("cpu",), "an XLA:CPU custom call"),
     "xla_blockwise": Impl(functools.partial(_flash, implementation="xla"), ("cpu", "gpu", "tpu")),
     "pallas": Impl(functools.partial(_flash, implementation="pallas"), ("gpu", "tpu"),
                    "interpret mode on CPU: correctness only"),
@@ -149,16 +158,19 @@ def main() -> None:
     parser.add_argument("--sliding-window", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--implementations", default=None, type=lambda s: [x for x in s.split(",") if x],
-                        help="default: all (xla_causal_blocks only with causal masks)")
+                        help="default: all (the causal ones, xla_causal_blocks and native_cpu, only with causal "
+                             "masks; native_cpu only on CPU in float32)")
     args = parser.parse_args()
+    causal_only = {"xla_causal_blocks", "native_cpu"}
+    platform = current_platform()
     if args.implementations is None:
-        args.implementations = [name for name in IMPLEMENTATIONS if args.causal or name != "xla_causal_blocks"]
-    if not args.causal and "xla_causal_blocks" in args.implementations:
-        parser.error("xla_causal_blocks is the causal training path: drop it or --no-causal")
+        args.implementations = [name for name in IMPLEMENTATIONS if (args.causal or name not in causal_only)
+                                and (name != "native_cpu" or (platform == "cpu" and args.dtype == "float32"))]
+    if not args.causal and causal_only & set(args.implementations):
+        parser.error("xla_causal_blocks and native_cpu are the causal training path: drop them or --no-causal")
     unknown = set(args.implementations) - set(IMPLEMENTATIONS)
     if unknown:
         parser.error(f"unknown implementations {sorted(unknown)}; known: {list(IMPLEMENTATIONS)}")
-    platform = current_platform()
     mask_kwargs = {"causal": args.causal, "sliding_window": args.sliding_window}
     shapes = [bench_shape(shape, jnp.dtype(args.dtype), mask_kwargs, args.implementations, args.repeats, platform)
               for shape in args.shapes]
