@@ -48,19 +48,16 @@ def _scale(q) -> np.float32:
 def _tables(q, cos, sin):
     """The RoPE tables as the kernels take them: [B, T, D] float32, or empty ones (no rotation)."""
     if cos is None:
-        empty = jnp.zeros((0,), jnp.float32)
-        return empty, empty, np.bool_(False)
+        return jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32)
     shape = q.shape[:2] + q.shape[3:]
-    return (jnp.broadcast_to(cos, shape).astype(jnp.float32), jnp.broadcast_to(sin, shape).astype(jnp.float32),
-            np.bool_(True))
+    return jnp.broadcast_to(cos, shape).astype(jnp.float32), jnp.broadcast_to(sin, shape).astype(jnp.float32)
 
 
 def _forward_call(q, k, v, mask, cos, sin):
     b, t, h, _ = q.shape
-    cos, sin, rope = _tables(q, cos, sin)
     call = jax.ffi.ffi_call(FORWARD, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
                                       jax.ShapeDtypeStruct((b, h, t), jnp.float32)), vmap_method="sequential")
-    return call(q, k, v, mask, cos, sin, scale=_scale(q), rope=rope)
+    return call(q, k, v, mask, cos, sin, scale=_scale(q), rope=np.bool_(cos.size > 0))
 
 
 @jax.custom_vjp
@@ -75,14 +72,13 @@ def _attention_fwd(q, k, v, mask, cos, sin):
 
 def _attention_bwd(residuals, dout):
     q, k, v, mask, cos, sin, out, lse = residuals
-    tables = _tables(q, cos, sin)
     call = jax.ffi.ffi_call(BACKWARD, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
                                        jax.ShapeDtypeStruct(k.shape, jnp.float32),
                                        jax.ShapeDtypeStruct(v.shape, jnp.float32)), vmap_method="sequential")
-    dq, dk, dv = call(q, k, v, mask, *tables[:2], out, lse, dout.astype(jnp.float32), scale=_scale(q),
-                      rope=tables[2])
+    dq, dk, dv = call(q, k, v, mask, cos, sin, out, lse, dout.astype(jnp.float32), scale=_scale(q),
+                      rope=np.bool_(cos.size > 0))
     # The tables are position functions, not trained: no gradient flows to them.
-    return dq, dk, dv, None, None if cos is None else jnp.zeros_like(cos), None if sin is None else jnp.zeros_like(sin)
+    return dq, dk, dv, None, jnp.zeros_like(cos), jnp.zeros_like(sin)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -101,4 +97,4 @@ def native_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.
         raise ValueError(f"native causal attention takes float32 self-attention with D % 8 == 0 and whole GQA "
                          f"groups; got q {q.shape} {q.dtype}, k {k.shape} {k.dtype}")
     b, t = q.shape[:2]
-    return _attention(q, k, v, mask.reshape(b, t, t).astype(jnp.uint8), cos, sin)
+    return _attention(q, k, v, mask.reshape(b, t, t).astype(jnp.uint8), *_tables(q, cos, sin))

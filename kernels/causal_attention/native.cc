@@ -9,7 +9,7 @@
 // pads that sum the key blocks' gradients: at the SFT benchmark's shape about a fifth of the train
 // step's single-thread time, twice its FLOPs at the machine's multiply-add rate.
 // How: one work item per (row, kv head) on XLA's intra-op threads; the item copies its keys and values
-// into contiguous and transposed scratch once, then runs its G heads' queries four at a time: scores
+// into contiguous and transposed scratch once, then runs its G heads' queries six at a time: scores
 // as one broadcast query value times a vector of 16 keys (no horizontal sums), the keys after the
 // block's last query skipped, an exact masked softmax in float32 (masked keys weigh exactly 0), and
 // the weighted values (forward) or the dk/dv sums (backward, kept in the item's scratch: each item owns
@@ -72,7 +72,7 @@ void RopeTranspose(const float* dy, const Dims& s, int64_t b, int64_t i, float f
 }
 
 struct Scratch {
-  std::vector<float> kt, vt, k, v, dk, dv, rows, dq;
+  std::vector<float> kt, vt, k, v, dk, dv, rows;
 };
 
 // The item's keys (or values) of kv head `kh` in row `b` (rotated by RoPE when `rotate` and the tables
@@ -114,8 +114,9 @@ void Products(const float* const a[kRows], const float* bt, const Dims& s, int64
   }
 }
 
-// Scores of query i (row r of `scores`) hidden where key j > i or the mask forbids it; returns the
-// row's maximum (kHidden when nothing is visible).
+// Scores of query i < length hidden where key j > i or the mask forbids it (so every key past the
+// row's end too: j <= i keeps the mask read in bounds); returns the row's maximum (kHidden when
+// nothing is visible).
 float Hide(float* score, const uint8_t* mask_row, int64_t i, int64_t keys) {
   float top = kHidden;
   for (int64_t j = 0; j < keys; ++j) {
@@ -222,9 +223,7 @@ void ForwardItem(const Dims& s, float scale, const float* q, const float* k, con
       for (int r = 0; r < kRows; ++r) {
         const int64_t i = i0 + r;
         float* score = scores + r * s.padded;
-        const float top = i < s.length ? Hide(score, mask + (b * s.length + i) * s.length, i, std::min(keys, s.length))
-                                       : kHidden;
-        std::fill(score + std::min(keys, s.length), score + keys, kHidden);
+        const float top = i < s.length ? Hide(score, mask + (b * s.length + i) * s.length, i, keys) : kHidden;
         if (top <= kVisible) {  // nothing visible (a padding query) or past the end: zero weights
           std::fill(score, score + keys, 0.0f);
           if (i < s.length) lse[(b * s.heads + h) * s.length + i] = -std::numeric_limits<float>::infinity();
@@ -288,8 +287,7 @@ void BackwardItem(const Dims& s, float scale, const float* q, const float* k, co
           std::fill(p, p + keys, 0.0f), std::fill(ds, ds + keys, 0.0f);
           continue;
         }
-        Hide(p, mask + (b * s.length + i) * s.length, i, std::min(keys, s.length));
-        std::fill(p + std::min(keys, s.length), p + keys, kHidden);
+        Hide(p, mask + (b * s.length + i) * s.length, i, keys);
         Exponentiate(p, row_lse, keys);
         for (int64_t j = 0; j < keys; ++j) ds[j] = p[j] * (ds[j] - delta[r]);
       }

@@ -81,9 +81,8 @@ class Linear(nn.Module):
             y = self._packed(x2).reshape(*lead, *self.out_shape)
         else:
             w2 = self._weight_2d()
-            out_dtype = jnp.float32 if self.float32_output else x2.dtype
             if self.cpu_weight_grad and target_platform() == "cpu":
-                y = cpu_matmul(x2, w2, jnp.dtype(out_dtype))
+                y = cpu_matmul(x2, w2, jnp.dtype(jnp.float32 if self.float32_output else x2.dtype))
             else:
                 y = project(x2, w2) if self.float32_output else _matmul(x2, w2)
             y = y.reshape(*lead, *self.out_shape)
