@@ -2,11 +2,12 @@
 one JSON line.
 
     .venv/bin/python benchmarks/attention.py [--shapes 1x512x8x2x64,2x256x4x4x64] [--dtype float32]
-        [--no-causal] [--sliding-window 0] [--repeats 5]
+        [--no-causal] [--sliding-window 0] [--segments 1] [--repeats 5]
         [--implementations xla_dense,xla_causal_blocks,native_cpu,xla_blockwise,pallas]
 
-A shape is BxTxHxKVHxD (self-attention, S = T). Per shape and implementation: max abs error of the
-output and of dq, dk, dv (loss = sum(out * w), w fixed random) against
+A shape is BxTxHxKVHxD (self-attention, S = T); `--segments N` packs N equal documents into each row
+(segment ids, positions restarting at each), as SFT's packed rows arrive. Per shape and
+implementation: max abs error of the output and of dq, dk, dv (loss = sum(out * w), w fixed random) against
 `rlvr.kernels.flash_attention.reference_attention` (float32, HIGHEST precision), and the median
 time of the jitted forward and forward+backward with the achieved TFLOP/s. FLOPs count only
 visible (query, key) pairs: forward 4*D per pair and head, forward+backward 3.5x that (the
@@ -37,12 +38,21 @@ from rlvr.kernels.flash_attention.api import current_platform  # noqa: E402
 from rlvr.models.transformer import causal_attention, dot_product_attention, in_token_order  # noqa: E402
 
 
+def packed_layout(batch: int, length: int, segments: int) -> dict:
+    """Segment ids and positions of rows packed with `segments` equal documents (the last one takes
+    the remainder), as `flash_attention`'s keyword arguments."""
+    size = length // segments
+    index = jnp.minimum(jnp.arange(length) // size, segments - 1)
+    ids = jnp.broadcast_to(index + 1, (batch, length)).astype(jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(length) - index * size, (batch, length)).astype(jnp.int32)
+    return {"q_segment_ids": ids, "kv_segment_ids": ids, "q_positions": positions, "kv_positions": positions}
+
+
 def _model_mask(q, k, mask_kwargs):
-    """The model's [B, 1, 1, T, S] mask for unpacked rows at positions 0, 1, ..."""
-    b, t, s = q.shape[0], q.shape[1], k.shape[1]
-    ones_q, ones_k = jnp.ones((b, t), jnp.int32), jnp.ones((b, s), jnp.int32)
-    pos_q, pos_k = jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.broadcast_to(jnp.arange(s), (b, s))
-    return reference_mask(ones_q, ones_k, pos_q, pos_k, **mask_kwargs)[:, None, None]
+    """The model's [B, 1, 1, T, S] mask (`mask_kwargs`: the rule and the rows' layout, `packed_layout`)."""
+    m = mask_kwargs
+    return reference_mask(m["q_segment_ids"], m["kv_segment_ids"], m["q_positions"], m["kv_positions"],
+                          causal=m["causal"], sliding_window=m["sliding_window"])[:, None, None]
 
 
 def _dense(q, k, v, mask_kwargs):
@@ -115,11 +125,11 @@ def _median_s(fn, args, repeats: int) -> float:
     return statistics.median(times)
 
 
-def bench_shape(shape, dtype, mask_kwargs, names, repeats: int, platform: str) -> dict:
+def bench_shape(shape, dtype, rule, segments: int, names, repeats: int, platform: str) -> dict:
     (q, k, v), weights = _inputs(shape, dtype)
     b, t, h, _, d = shape
-    ones, pos = jnp.ones((b, t), jnp.int32), jnp.broadcast_to(jnp.arange(t), (b, t))
-    pairs = int(jnp.sum(reference_mask(ones, ones, pos, pos, **mask_kwargs)))  # over the batch, per head
+    mask_kwargs = {**rule, **packed_layout(b, t, segments)}
+    pairs = int(jnp.sum(_model_mask(q, k, mask_kwargs)))  # over the batch, per head
     fwd_flops = 4 * d * h * pairs
     ref = lambda q, k, v: reference_attention(q, k, v, **mask_kwargs)[0]
     ref32 = [x.astype(jnp.float32) for x in (q, k, v)]
@@ -156,6 +166,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--no-causal", dest="causal", action="store_false")
     parser.add_argument("--sliding-window", type=int, default=0)
+    parser.add_argument("--segments", type=int, default=1, help="documents packed into each row")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--implementations", default=None, type=lambda s: [x for x in s.split(",") if x],
                         help="default: all (the causal ones, xla_causal_blocks and native_cpu, only with causal "
@@ -171,11 +182,12 @@ def main() -> None:
     unknown = set(args.implementations) - set(IMPLEMENTATIONS)
     if unknown:
         parser.error(f"unknown implementations {sorted(unknown)}; known: {list(IMPLEMENTATIONS)}")
-    mask_kwargs = {"causal": args.causal, "sliding_window": args.sliding_window}
-    shapes = [bench_shape(shape, jnp.dtype(args.dtype), mask_kwargs, args.implementations, args.repeats, platform)
-              for shape in args.shapes]
+    rule = {"causal": args.causal, "sliding_window": args.sliding_window}
+    shapes = [bench_shape(shape, jnp.dtype(args.dtype), rule, args.segments, args.implementations, args.repeats,
+                          platform) for shape in args.shapes]
     emit({"benchmark": "attention", "devices": str(jax.devices()[0]), "platform": platform, "dtype": args.dtype,
-          "causal": args.causal, "sliding_window": args.sliding_window, "repeats": args.repeats,
+          "causal": args.causal, "sliding_window": args.sliding_window, "segments_per_row": args.segments,
+          "repeats": args.repeats,
           "error_reference": "reference_attention, float32, HIGHEST precision", "shapes": shapes,
           "note": ("pallas runs in interpret mode on CPU: correctness only, no speed figure" if platform == "cpu"
                    else "pallas_speedup = xla_dense time / pallas time")})

@@ -102,13 +102,18 @@ def test_the_native_kernel_rejects_inconsistent_buffers(change, message):
 
 
 def _attention_case(rng, b, t, h, kvh, d):
-    """q, k, v, a packed mask in token order (row 0: two segments; the last row ends in 5 padding
+    """q, k, v, a packed mask in token order (row 0: two segments; row 1: short segments of 1-40
+    tokens, so passes of queries start past the row's first keys; the last row ends in 5 padding
     tokens), RoPE tables at offset positions, and the live-query mask."""
     from rlvr.models.transformer import attention_mask, in_token_order
 
     q, k, v = (jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.float32) for n in (h, kvh, kvh))
     seg, pos = np.ones((b, t), np.int32), np.tile(np.arange(t, dtype=np.int32), (b, 1)) + 7
     seg[0, t // 3:], pos[0, t // 3:] = 2, pos[0, t // 3:] - t // 3
+    if b > 1:
+        starts = np.cumsum(rng.integers(1, 41, size=t))
+        seg[1] = np.searchsorted(starts, np.arange(t), side="right") + 1
+        pos[1] = np.arange(t) - np.concatenate([[0], starts])[seg[1] - 1]
     seg[-1, t - 5:] = 0
     mask = in_token_order(attention_mask(*(jnp.asarray(a) for a in (pos, seg, pos, seg))))
     angles = jnp.asarray(pos, jnp.float32)[..., None] * (1e4 ** (-np.arange(d // 2) / (d // 2)))

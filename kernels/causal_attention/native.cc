@@ -10,11 +10,12 @@
 // step's single-thread time, twice its FLOPs at the machine's multiply-add rate.
 // How: one work item per (row, kv head) on XLA's intra-op threads; the item copies its keys and values
 // into contiguous and transposed scratch once, then runs its G heads' queries six at a time: scores
-// as one broadcast query value times a vector of 16 keys (no horizontal sums), the keys after the
-// block's last query skipped, an exact masked softmax in float32 (masked keys weigh exactly 0), and
-// the weighted values (forward) or the dk/dv sums (backward, kept in the item's scratch: each item owns
-// its kv head's keys) with vectors along the head dimension. A query with no visible key (padding)
-// gets a zero output, log-sum-exp -inf and zero gradients.
+// as one broadcast query value times a vector of 16 keys (no horizontal sums), only the key tiles from
+// the pass's earliest visible key (a packed row's earlier documents are skipped) to its last query,
+// an exact masked softmax in float32 (masked keys weigh exactly 0), and the weighted values (forward)
+// or the dk/dv sums (backward, kept in the item's scratch: each item owns its kv head's keys) with
+// vectors along the head dimension. A query with no visible key (padding) gets a zero output,
+// log-sum-exp -inf and zero gradients.
 
 #include <algorithm>
 #include <cmath>
@@ -73,6 +74,7 @@ void RopeTranspose(const float* dy, const Dims& s, int64_t b, int64_t i, float f
 
 struct Scratch {
   std::vector<float> kt, vt, k, v, dk, dv, rows;
+  std::vector<int64_t> first;  // FirstVisible
 };
 
 // The item's keys (or values) of kv head `kh` in row `b` (rotated by RoPE when `rotate` and the tables
@@ -95,9 +97,9 @@ void Gather(const float* x, const Dims& s, int64_t b, int64_t kh, bool rotate, f
   }
 }
 
-// out[r * padded + j] = sum_d a[r][d] * bt[d * padded + j] for r < kRows, j < keys (a multiple of kKeys).
-void Products(const float* const a[kRows], const float* bt, const Dims& s, int64_t keys, float* out) {
-  for (int64_t j = 0; j < keys; j += kKeys) {
+// out[r * padded + j] = sum_d a[r][d] * bt[d * padded + j] for r < kRows, begin <= j < keys (multiples of kKeys).
+void Products(const float* const a[kRows], const float* bt, const Dims& s, int64_t begin, int64_t keys, float* out) {
+  for (int64_t j = begin; j < keys; j += kKeys) {
     v8 lo[kRows] = {}, hi[kRows] = {};
     for (int64_t d = 0; d < s.dim; ++d) {
       const v8 b0 = LoadU(bt + d * s.padded + j), b1 = LoadU(bt + d * s.padded + j + kLanes);
@@ -114,17 +116,51 @@ void Products(const float* const a[kRows], const float* bt, const Dims& s, int64
   }
 }
 
-// Scores of query i < length hidden where key j > i or the mask forbids it (so every key past the
-// row's end too: j <= i keeps the mask read in bounds); returns the row's maximum (kHidden when
-// nothing is visible).
-float Hide(float* score, const uint8_t* mask_row, int64_t i, int64_t keys) {
-  float top = kHidden;
-  for (int64_t j = 0; j < keys; ++j) {
-    const bool visible = j <= i && mask_row[j];
-    score[j] = visible ? score[j] : kHidden;
-    top = std::max(top, score[j]);
+// Scores of query i < length in [begin, keys) hidden where key j > i or the mask forbids it (the mask
+// is read only up to i: in bounds); returns the row's maximum (kHidden when nothing is visible).
+float Hide(float* score, const uint8_t* mask_row, int64_t i, int64_t begin, int64_t keys) {
+  typedef uint8_t u8x8 __attribute__((vector_size(8)));
+  const int64_t end = std::min(keys, i + 1);
+  v8 top = Splat(kHidden);
+  int64_t j = begin;
+  for (; j + kLanes <= end; j += kLanes) {
+    u8x8 bytes;
+    std::memcpy(&bytes, mask_row + j, sizeof(bytes));
+    const v8 kept = __builtin_convertvector(bytes, v8i) != 0 ? LoadU(score + j) : Splat(kHidden);
+    StoreU(score + j, kept);
+    top = Max(top, kept);
   }
-  return top;
+  float row_top = kHidden;
+  for (int l = 0; l < kLanes; ++l) row_top = std::max(row_top, top[l]);
+  for (; j < end; ++j) {
+    score[j] = mask_row[j] ? score[j] : kHidden;
+    row_top = std::max(row_top, score[j]);
+  }
+  for (; j < keys; ++j) score[j] = kHidden;
+  return row_top;
+}
+
+// The first key each query of row b may see ([T]; i + 1 when it sees none): a pass of queries starts at
+// its earliest one, so the keys of a packed row's earlier segments are skipped, never multiplied.
+void FirstVisible(const uint8_t* mask, const Dims& s, int64_t b, std::vector<int64_t>& first) {
+  first.resize(s.length);
+  for (int64_t i = 0; i < s.length; ++i) {
+    const uint8_t* row = mask + (b * s.length + i) * s.length;
+    int64_t j = 0;
+    for (uint64_t word = 0; j + 8 <= i + 1; j += 8) {  // eight mask bytes at a time while all are zero
+      std::memcpy(&word, row + j, sizeof(word));
+      if (word) break;
+    }
+    while (j <= i && !row[j]) ++j;
+    first[i] = j;
+  }
+}
+
+// The first key of the pass of queries i0 .. i0 + kRows - 1: their earliest visible one, rounded down to a tile.
+int64_t PassBegin(const std::vector<int64_t>& first, int64_t i0, const Dims& s) {
+  int64_t begin = first[i0];
+  for (int r = 1; r < kRows && i0 + r < s.length; ++r) begin = std::min(begin, first[i0 + r]);
+  return begin / kKeys * kKeys;
 }
 
 // p[j] = exp(score[j] - shift) where visible, exactly 0 where hidden; returns the sum.
@@ -142,12 +178,13 @@ float Exponentiate(float* score, float shift, int64_t keys) {
   return sum;
 }
 
-// acc[r * dim + d] = sum_j w[r * padded + j] * x[j * dim + d] for the kRows rows, j < keys: V vectors of
-// the head dim at a time, the rows' sums in registers.
+// acc[r * dim + d] = sum_j w[r * padded + j] * x[j * dim + d] for the kRows rows, begin <= j < keys: V
+// vectors of the head dim at a time, the rows' sums in registers.
 template <int V>
-void WeightedChunk(const float* w, const float* x, const Dims& s, int64_t keys, int64_t c, float* acc) {
+void WeightedChunk(const float* w, const float* x, const Dims& s, int64_t begin, int64_t keys, int64_t c,
+                   float* acc) {
   v8 sum[kRows][V] = {};
-  for (int64_t j = 0; j < keys; ++j) {
+  for (int64_t j = begin; j < keys; ++j) {
     v8 xj[V];
     for (int u = 0; u < V; ++u) xj[u] = LoadU(x + j * s.dim + c + u * kLanes);
     for (int r = 0; r < kRows; ++r) {
@@ -160,21 +197,21 @@ void WeightedChunk(const float* w, const float* x, const Dims& s, int64_t keys, 
   }
 }
 
-void Weighted(const float* w, const float* x, const Dims& s, int64_t keys, float* acc) {
+void Weighted(const float* w, const float* x, const Dims& s, int64_t begin, int64_t keys, float* acc) {
   int64_t c = 0;
-  for (; c + 2 * kLanes <= s.dim; c += 2 * kLanes) WeightedChunk<2>(w, x, s, keys, c, acc);
-  if (c < s.dim) WeightedChunk<1>(w, x, s, keys, c, acc);
+  for (; c + 2 * kLanes <= s.dim; c += 2 * kLanes) WeightedChunk<2>(w, x, s, begin, keys, c, acc);
+  if (c < s.dim) WeightedChunk<1>(w, x, s, begin, keys, c, acc);
 }
 
-// acc[j * dim + d] += sum_r w[r * padded + j] * x[r * dim + d] for j < keys: V vectors of the head dim at
-// a time, the rows' x in registers.
+// acc[j * dim + d] += sum_r w[r * padded + j] * x[r * dim + d] for begin <= j < keys: V vectors of the head
+// dim at a time, the rows' x in registers.
 template <int V>
-void OuterChunk(const float* w, const float* x, const Dims& s, int64_t keys, int64_t c, float* acc) {
+void OuterChunk(const float* w, const float* x, const Dims& s, int64_t begin, int64_t keys, int64_t c, float* acc) {
   v8 xr[kRows][V];
   for (int r = 0; r < kRows; ++r) {
     for (int u = 0; u < V; ++u) xr[r][u] = LoadU(x + r * s.dim + c + u * kLanes);
   }
-  for (int64_t j = 0; j < keys; ++j) {
+  for (int64_t j = begin; j < keys; ++j) {
     v8 a[V];
     for (int u = 0; u < V; ++u) a[u] = LoadU(acc + j * s.dim + c + u * kLanes);
     for (int r = 0; r < kRows; ++r) {
@@ -185,10 +222,10 @@ void OuterChunk(const float* w, const float* x, const Dims& s, int64_t keys, int
   }
 }
 
-void Outer(const float* w, const float* x, const Dims& s, int64_t keys, float* acc) {
+void Outer(const float* w, const float* x, const Dims& s, int64_t begin, int64_t keys, float* acc) {
   int64_t c = 0;
-  for (; c + 2 * kLanes <= s.dim; c += 2 * kLanes) OuterChunk<2>(w, x, s, keys, c, acc);
-  if (c < s.dim) OuterChunk<1>(w, x, s, keys, c, acc);
+  for (; c + 2 * kLanes <= s.dim; c += 2 * kLanes) OuterChunk<2>(w, x, s, begin, keys, c, acc);
+  if (c < s.dim) OuterChunk<1>(w, x, s, begin, keys, c, acc);
 }
 
 inline int64_t KeysUpTo(int64_t last_query, const Dims& s) {
@@ -205,6 +242,7 @@ void ForwardItem(const Dims& s, float scale, const float* q, const float* k, con
   w.kt.resize(s.dim * s.padded), w.v.resize(s.length * s.dim), w.rows.resize(kRows * s.padded + 2 * kRows * s.dim);
   Gather(k, s, b, kh, true, nullptr, w.kt.data());
   Gather(v, s, b, kh, false, w.v.data(), nullptr);
+  FirstVisible(mask, s, b, w.first);
   float* scores = w.rows.data();
   float* scaled = scores + kRows * s.padded;
   float* outs = scaled + kRows * s.dim;
@@ -217,23 +255,23 @@ void ForwardItem(const Dims& s, float scale, const float* q, const float* k, con
         Rope(Row(q, s, b, i, h), s, b, i, scale, scaled + r * s.dim);
         rows[r] = scaled + r * s.dim;
       }
-      const int64_t keys = KeysUpTo(std::min(i0 + kRows - 1, s.length - 1), s);
-      Products(rows, w.kt.data(), s, keys, scores);
+      const int64_t keys = KeysUpTo(std::min(i0 + kRows - 1, s.length - 1), s), begin = PassBegin(w.first, i0, s);
+      Products(rows, w.kt.data(), s, begin, keys, scores);
       float inverse[kRows] = {};
       for (int r = 0; r < kRows; ++r) {
         const int64_t i = i0 + r;
         float* score = scores + r * s.padded;
-        const float top = i < s.length ? Hide(score, mask + (b * s.length + i) * s.length, i, keys) : kHidden;
+        const float top = i < s.length ? Hide(score, mask + (b * s.length + i) * s.length, i, begin, keys) : kHidden;
         if (top <= kVisible) {  // nothing visible (a padding query) or past the end: zero weights
-          std::fill(score, score + keys, 0.0f);
+          std::fill(score + begin, score + keys, 0.0f);
           if (i < s.length) lse[(b * s.heads + h) * s.length + i] = -std::numeric_limits<float>::infinity();
           continue;
         }
-        const float total = Exponentiate(score, top, keys);
+        const float total = Exponentiate(score + begin, top, keys - begin);
         inverse[r] = 1.0f / total;  // applied to the weighted values
         lse[(b * s.heads + h) * s.length + i] = top + std::log(total);
       }
-      Weighted(scores, w.v.data(), s, std::min(keys, s.length), outs);
+      Weighted(scores, w.v.data(), s, begin, std::min(keys, s.length), outs);
       for (int r = 0; r < kRows && i0 + r < s.length; ++r) {
         float* o = out + ((b * s.length + i0 + r) * s.heads + h) * s.dim;
         for (int64_t d = 0; d < s.dim; ++d) o[d] = outs[r * s.dim + d] * inverse[r];
@@ -251,6 +289,7 @@ void BackwardItem(const Dims& s, float scale, const float* q, const float* k, co
   w.rows.resize(2 * kRows * s.padded + 3 * kRows * s.dim);
   Gather(k, s, b, kh, true, w.k.data(), w.kt.data());
   Gather(v, s, b, kh, false, nullptr, w.vt.data());
+  FirstVisible(mask, s, b, w.first);
   float* probs = w.rows.data();
   float* grads = probs + kRows * s.padded;
   float* scaled = grads + kRows * s.padded;
@@ -275,28 +314,28 @@ void BackwardItem(const Dims& s, float scale, const float* q, const float* k, co
         delta[r] = dot;
         qrows[r] = scaled + r * s.dim, drows[r] = douts + r * s.dim;
       }
-      const int64_t keys = KeysUpTo(std::min(i0 + kRows - 1, s.length - 1), s);
-      Products(qrows, w.kt.data(), s, keys, probs);
-      Products(drows, w.vt.data(), s, keys, grads);
+      const int64_t keys = KeysUpTo(std::min(i0 + kRows - 1, s.length - 1), s), begin = PassBegin(w.first, i0, s);
+      Products(qrows, w.kt.data(), s, begin, keys, probs);
+      Products(drows, w.vt.data(), s, begin, keys, grads);
       for (int r = 0; r < kRows; ++r) {
         const int64_t i = i0 + r;
         float* p = probs + r * s.padded;
         float* ds = grads + r * s.padded;
         const float row_lse = i < s.length ? lse[(b * s.heads + h) * s.length + i] : -INFINITY;
         if (!(row_lse > -INFINITY)) {  // a padding query, or past the end: no gradient
-          std::fill(p, p + keys, 0.0f), std::fill(ds, ds + keys, 0.0f);
+          std::fill(p + begin, p + keys, 0.0f), std::fill(ds + begin, ds + keys, 0.0f);
           continue;
         }
-        Hide(p, mask + (b * s.length + i) * s.length, i, keys);
-        Exponentiate(p, row_lse, keys);
-        for (int64_t j = 0; j < keys; ++j) ds[j] = p[j] * (ds[j] - delta[r]);
+        Hide(p, mask + (b * s.length + i) * s.length, i, begin, keys);
+        Exponentiate(p + begin, row_lse, keys - begin);
+        for (int64_t j = begin; j < keys; ++j) ds[j] = p[j] * (ds[j] - delta[r]);
       }
-      Weighted(grads, w.k.data(), s, std::min(keys, s.length), dqs);
+      Weighted(grads, w.k.data(), s, begin, std::min(keys, s.length), dqs);
       for (int r = 0; r < kRows && i0 + r < s.length; ++r) {
         RopeTranspose(dqs + r * s.dim, s, b, i0 + r, scale, dq + ((b * s.length + i0 + r) * s.heads + h) * s.dim);
       }
-      Outer(probs, douts, s, keys, w.dv.data());
-      Outer(grads, scaled, s, keys, w.dk.data());  // scaled holds q * scale: dk = scale * ds^T q
+      Outer(probs, douts, s, begin, keys, w.dv.data());
+      Outer(grads, scaled, s, begin, keys, w.dk.data());  // scaled holds q * scale: dk = scale * ds^T q
     }
   }
   for (int64_t j = 0; j < s.length; ++j) {
