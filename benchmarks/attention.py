@@ -2,11 +2,14 @@
 one JSON line.
 
     .venv/bin/python benchmarks/attention.py [--shapes 1x512x8x2x64,2x256x4x4x64] [--dtype float32]
-        [--no-causal] [--sliding-window 0] [--segments 1] [--repeats 5]
+        [--no-causal] [--sliding-window 0] [--segments 1] [--branches 0 --prompt_len 0] [--repeats 5]
         [--implementations xla_dense,xla_causal_blocks,native_cpu,xla_blockwise,pallas]
 
 A shape is BxTxHxKVHxD (self-attention, S = T); `--segments N` packs N equal documents into each row
-(segment ids, positions restarting at each), as SFT's packed rows arrive. Per shape and
+(segment ids, positions restarting at each), as SFT's packed rows arrive; `--branches N --prompt_len P`
+makes each row a shared-prompt row as GRPO trains it (`rl.share_prompts`: a prompt of P tokens, then N
+completions side by side, each seeing the prompt and itself; the implementations that take a dense
+mask only, checked against float32 dense attention at HIGHEST precision). Per shape and
 implementation: max abs error of the output and of dq, dk, dv (loss = sum(out * w), w fixed random) against
 `rlvr.kernels.flash_attention.reference_attention` (float32, HIGHEST precision), and the median
 time of the jitted forward and forward+backward with the achieved TFLOP/s. FLOPs count only
@@ -48,9 +51,23 @@ def packed_layout(batch: int, length: int, segments: int) -> dict:
     return {"q_segment_ids": ids, "kv_segment_ids": ids, "q_positions": positions, "kv_positions": positions}
 
 
+def shared_prompt_mask(batch: int, length: int, prompt: int, branches: int) -> jax.Array:
+    """Bool [B, T, T] of shared-prompt rows: a prompt of `prompt` tokens (plus the remainder), then
+    `branches` equal completions, each seeing the prompt and itself (causally), not its siblings."""
+    size = (length - prompt) // branches
+    start = length - size * branches
+    owner = jnp.where(jnp.arange(length) < start, -1, (jnp.arange(length) - start) // size)
+    index = jnp.arange(length)
+    visible = (index[None] <= index[:, None]) & ((owner[None] == -1) | (owner[None] == owner[:, None]))
+    return jnp.broadcast_to(visible, (batch, length, length))
+
+
 def _model_mask(q, k, mask_kwargs):
-    """The model's [B, 1, 1, T, S] mask (`mask_kwargs`: the rule and the rows' layout, `packed_layout`)."""
+    """The model's [B, 1, 1, T, S] mask (`mask_kwargs`: the rule and the rows' layout, `packed_layout`,
+    or a dense `mask`, `shared_prompt_mask`)."""
     m = mask_kwargs
+    if "mask" in m:
+        return m["mask"][:, None, None]
     return reference_mask(m["q_segment_ids"], m["kv_segment_ids"], m["q_positions"], m["kv_positions"],
                           causal=m["causal"], sliding_window=m["sliding_window"])[:, None, None]
 
@@ -125,13 +142,25 @@ def _median_s(fn, args, repeats: int) -> float:
     return statistics.median(times)
 
 
-def bench_shape(shape, dtype, rule, segments: int, names, repeats: int, platform: str) -> dict:
+def _dense_reference(q, k, v, mask_kwargs):
+    """float32 dense attention over the dense mask at HIGHEST precision (the error reference of rows
+    `flash_attention`'s segment ids cannot state)."""
+    with jax.default_matmul_precision("highest"):
+        return dot_product_attention(q, k, v, _model_mask(q, k, mask_kwargs))
+
+
+def bench_shape(shape, dtype, rule, layout: dict, names, repeats: int, platform: str) -> dict:
+    """`layout`: {"segments": N} or {"prompt": P, "branches": N} (shared-prompt rows)."""
     (q, k, v), weights = _inputs(shape, dtype)
     b, t, h, _, d = shape
-    mask_kwargs = {**rule, **packed_layout(b, t, segments)}
+    if layout.get("branches"):
+        mask_kwargs = {**rule, "mask": shared_prompt_mask(b, t, layout["prompt"], layout["branches"])}
+        ref = lambda q, k, v: _dense_reference(q, k, v, mask_kwargs)
+    else:
+        mask_kwargs = {**rule, **packed_layout(b, t, layout["segments"])}
+        ref = lambda q, k, v: reference_attention(q, k, v, **mask_kwargs)[0]
     pairs = int(jnp.sum(_model_mask(q, k, mask_kwargs)))  # over the batch, per head
     fwd_flops = 4 * d * h * pairs
-    ref = lambda q, k, v: reference_attention(q, k, v, **mask_kwargs)[0]
     ref32 = [x.astype(jnp.float32) for x in (q, k, v)]
     ref_fwd, ref_grad = _fwd_and_grad(ref, weights)
     ref_out, (_, ref_grads) = ref_fwd(*ref32), ref_grad(*ref32)
@@ -167,6 +196,8 @@ def main() -> None:
     parser.add_argument("--no-causal", dest="causal", action="store_false")
     parser.add_argument("--sliding-window", type=int, default=0)
     parser.add_argument("--segments", type=int, default=1, help="documents packed into each row")
+    parser.add_argument("--branches", type=int, default=0, help="shared-prompt rows: completions per row")
+    parser.add_argument("--prompt_len", type=int, default=0, help="shared-prompt rows: the prompt's tokens")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--implementations", default=None, type=lambda s: [x for x in s.split(",") if x],
                         help="default: all (the causal ones, xla_causal_blocks and native_cpu, only with causal "
@@ -174,21 +205,30 @@ def main() -> None:
     args = parser.parse_args()
     causal_only = {"xla_causal_blocks", "native_cpu"}
     platform = current_platform()
+    dense_mask_only = {"xla_dense", "xla_causal_blocks", "native_cpu"}
     if args.implementations is None:
         args.implementations = [name for name in IMPLEMENTATIONS if (args.causal or name not in causal_only)
-                                and (name != "native_cpu" or (platform == "cpu" and args.dtype == "float32"))]
+                                and (name != "native_cpu" or (platform == "cpu" and args.dtype == "float32"))
+                                and (not args.branches or name in dense_mask_only)]
+    if args.branches and (not args.causal or args.sliding_window or args.segments != 1
+                          or set(args.implementations) - dense_mask_only):
+        parser.error(f"--branches: causal rows without --sliding-window or --segments, implementations among "
+                     f"{sorted(dense_mask_only)} (the others cannot take a shared-prompt mask)")
     if not args.causal and causal_only & set(args.implementations):
         parser.error("xla_causal_blocks and native_cpu are the causal training path: drop them or --no-causal")
     unknown = set(args.implementations) - set(IMPLEMENTATIONS)
     if unknown:
         parser.error(f"unknown implementations {sorted(unknown)}; known: {list(IMPLEMENTATIONS)}")
     rule = {"causal": args.causal, "sliding_window": args.sliding_window}
-    shapes = [bench_shape(shape, jnp.dtype(args.dtype), rule, args.segments, args.implementations, args.repeats,
-                          platform) for shape in args.shapes]
+    layout = ({"prompt": args.prompt_len, "branches": args.branches} if args.branches
+              else {"segments": args.segments})
+    shapes = [bench_shape(shape, jnp.dtype(args.dtype), rule, layout, args.implementations, args.repeats, platform)
+              for shape in args.shapes]
     emit({"benchmark": "attention", "devices": str(jax.devices()[0]), "platform": platform, "dtype": args.dtype,
-          "causal": args.causal, "sliding_window": args.sliding_window, "segments_per_row": args.segments,
+          "causal": args.causal, "sliding_window": args.sliding_window, "layout": layout,
           "repeats": args.repeats,
-          "error_reference": "reference_attention, float32, HIGHEST precision", "shapes": shapes,
+          "error_reference": ("dot_product_attention over the dense mask" if args.branches else "reference_attention")
+          + ", float32, HIGHEST precision", "shapes": shapes,
           "note": ("pallas runs in interpret mode on CPU: correctness only, no speed figure" if platform == "cpu"
                    else "pallas_speedup = xla_dense time / pallas time")})
 

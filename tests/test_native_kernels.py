@@ -151,6 +151,31 @@ def test_native_causal_attention_matches_plain_attention_and_its_gradients(shape
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-5, err_msg=name)
 
 
+@pytest.mark.parametrize("prompt, branch, branches", [(20, 24, 4), (50, 9, 6)])
+def test_native_causal_attention_of_shared_prompt_branches_matches_plain_attention(prompt, branch, branches):
+    """A shared-prompt row (`rl.share_prompts`: one prompt, then its completions side by side, each
+    seeing the prompt and itself, not its siblings) against plain-XLA attention over the same mask: the
+    kernels skip the key tiles no query of a pass sees, which here lie in the middle of the row."""
+    from rlvr.kernels.causal_attention import native_causal_attention
+
+    from rlvr.models.layers import dot_product_attention
+
+    t = prompt + branch * branches
+    owner = np.concatenate([np.full(prompt, -1), np.repeat(np.arange(branches), branch)])
+    idx = np.arange(t)
+    visible = (idx[None, :] <= idx[:, None]) & ((owner[None, :] == -1) | (owner[None, :] == owner[:, None]))
+    mask = jnp.asarray(visible[None, None, None])
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, t, n, 32)), jnp.float32) for n in (4, 2, 2))
+    weights = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    want = jax.value_and_grad(lambda *a: jnp.sum(dot_product_attention(*a, mask) * weights), argnums=(0, 1, 2))(q, k, v)
+    got = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(native_causal_attention(*a, mask) * weights),
+                                     argnums=(0, 1, 2)))(q, k, v)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-4)
+    for name, g, w in zip(("dq", "dk", "dv"), got[1], want[1], strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-5, err_msg=name)
+
+
 def test_native_causal_attention_gives_padding_queries_zeros():
     """A row of padding only (segment 0: no key visible) gets a zero output and zero gradients, not the
     uninitialised memory a skipped row would leave."""

@@ -10,8 +10,9 @@
 // step's single-thread time, twice its FLOPs at the machine's multiply-add rate.
 // How: one work item per (row, kv head) on XLA's intra-op threads; the item copies its keys and values
 // into contiguous and transposed scratch once, then runs its G heads' queries six at a time: scores
-// as one broadcast query value times a vector of 16 keys (no horizontal sums), only the key tiles from
-// the pass's earliest visible key (a packed row's earlier documents are skipped) to its last query,
+// as one broadcast query value times a vector of 16 keys (no horizontal sums), only over the key tiles
+// in which some query of the pass sees a key (a packed row's earlier documents and a shared prompt's
+// sibling branches are skipped, as are the keys after the pass's last query),
 // an exact masked softmax in float32 (masked keys weigh exactly 0), and the weighted values (forward)
 // or the dk/dv sums (backward, kept in the item's scratch: each item owns its kv head's keys) with
 // vectors along the head dimension. A query with no visible key (padding) gets a zero output,
@@ -72,8 +73,13 @@ void RopeTranspose(const float* dy, const Dims& s, int64_t b, int64_t i, float f
   for (int64_t d = half; d < s.dim; ++d) dx[d] = (dy[d] * c[d] - dy[d - half] * n[d - half]) * factor;
 }
 
+struct Run {
+  int64_t begin, end;  // keys [begin, end), multiples of kKeys
+};
+
 struct Scratch {
   std::vector<float> kt, vt, k, v, dk, dv, rows;
+  std::vector<Run> runs;       // VisibleRuns of the current pass
   std::vector<int64_t> first;  // FirstVisible
 };
 
@@ -163,6 +169,33 @@ int64_t PassBegin(const std::vector<int64_t>& first, int64_t i0, const Dims& s) 
   return begin / kKeys * kKeys;
 }
 
+// Runs of 16-key tiles [begin, end) in [first, keys) (`first`: PassBegin) in which some query of the pass
+// i0 .. i0 + kRows - 1 (of row b) sees a key: only they are multiplied, so a shared prompt's sibling
+// branches are skipped too. The mask is read up to each query's own index: in bounds.
+void VisibleRuns(const uint8_t* mask, const Dims& s, int64_t b, int64_t i0, int64_t first, int64_t keys,
+                 std::vector<Run>& runs) {
+  runs.clear();
+  for (int64_t t0 = first; t0 < keys; t0 += kKeys) {
+    bool needed = false;
+    for (int r = 0; r < kRows && i0 + r < s.length && !needed; ++r) {
+      const int64_t limit = std::min(t0 + kKeys, i0 + r + 1);
+      const uint8_t* row = mask + (b * s.length + i0 + r) * s.length;
+      int64_t j = t0;
+      for (uint64_t word = 0; j + 8 <= limit && !needed; j += 8) {  // eight mask bytes at a time
+        std::memcpy(&word, row + j, sizeof(word));
+        needed = word != 0;
+      }
+      for (; j < limit && !needed; ++j) needed = row[j] != 0;
+    }
+    if (!needed) continue;
+    if (!runs.empty() && runs.back().end == t0) {
+      runs.back().end = t0 + kKeys;
+    } else {
+      runs.push_back({t0, t0 + kKeys});
+    }
+  }
+}
+
 // p[j] = exp(score[j] - shift) where visible, exactly 0 where hidden; returns the sum.
 float Exponentiate(float* score, float shift, int64_t keys) {
   v8 total = {};
@@ -178,12 +211,15 @@ float Exponentiate(float* score, float shift, int64_t keys) {
   return sum;
 }
 
-// acc[r * dim + d] = sum_j w[r * padded + j] * x[j * dim + d] for the kRows rows, begin <= j < keys: V
+// acc[r * dim + d] += sum_j w[r * padded + j] * x[j * dim + d] for the kRows rows, begin <= j < keys: V
 // vectors of the head dim at a time, the rows' sums in registers.
 template <int V>
 void WeightedChunk(const float* w, const float* x, const Dims& s, int64_t begin, int64_t keys, int64_t c,
                    float* acc) {
-  v8 sum[kRows][V] = {};
+  v8 sum[kRows][V];
+  for (int r = 0; r < kRows; ++r) {
+    for (int u = 0; u < V; ++u) sum[r][u] = LoadU(acc + r * s.dim + c + u * kLanes);
+  }
   for (int64_t j = begin; j < keys; ++j) {
     v8 xj[V];
     for (int u = 0; u < V; ++u) xj[u] = LoadU(x + j * s.dim + c + u * kLanes);
@@ -255,23 +291,30 @@ void ForwardItem(const Dims& s, float scale, const float* q, const float* k, con
         Rope(Row(q, s, b, i, h), s, b, i, scale, scaled + r * s.dim);
         rows[r] = scaled + r * s.dim;
       }
-      const int64_t keys = KeysUpTo(std::min(i0 + kRows - 1, s.length - 1), s), begin = PassBegin(w.first, i0, s);
-      Products(rows, w.kt.data(), s, begin, keys, scores);
+      VisibleRuns(mask, s, b, i0, PassBegin(w.first, i0, s), KeysUpTo(std::min(i0 + kRows - 1, s.length - 1), s),
+                  w.runs);
+      for (const Run& run : w.runs) Products(rows, w.kt.data(), s, run.begin, run.end, scores);
       float inverse[kRows] = {};
       for (int r = 0; r < kRows; ++r) {
         const int64_t i = i0 + r;
         float* score = scores + r * s.padded;
-        const float top = i < s.length ? Hide(score, mask + (b * s.length + i) * s.length, i, begin, keys) : kHidden;
+        float top = kHidden;
+        const uint8_t* mask_row = mask + (b * s.length + i) * s.length;
+        for (const Run& run : w.runs) {
+          if (i < s.length) top = std::max(top, Hide(score, mask_row, i, run.begin, run.end));
+        }
         if (top <= kVisible) {  // nothing visible (a padding query) or past the end: zero weights
-          std::fill(score + begin, score + keys, 0.0f);
+          for (const Run& run : w.runs) std::fill(score + run.begin, score + run.end, 0.0f);
           if (i < s.length) lse[(b * s.heads + h) * s.length + i] = -std::numeric_limits<float>::infinity();
           continue;
         }
-        const float total = Exponentiate(score + begin, top, keys - begin);
+        float total = 0.0f;
+        for (const Run& run : w.runs) total += Exponentiate(score + run.begin, top, run.end - run.begin);
         inverse[r] = 1.0f / total;  // applied to the weighted values
         lse[(b * s.heads + h) * s.length + i] = top + std::log(total);
       }
-      Weighted(scores, w.v.data(), s, begin, std::min(keys, s.length), outs);
+      std::fill(outs, outs + kRows * s.dim, 0.0f);
+      for (const Run& run : w.runs) Weighted(scores, w.v.data(), s, run.begin, std::min(run.end, s.length), outs);
       for (int r = 0; r < kRows && i0 + r < s.length; ++r) {
         float* o = out + ((b * s.length + i0 + r) * s.heads + h) * s.dim;
         for (int64_t d = 0; d < s.dim; ++d) o[d] = outs[r * s.dim + d] * inverse[r];
@@ -314,28 +357,38 @@ void BackwardItem(const Dims& s, float scale, const float* q, const float* k, co
         delta[r] = dot;
         qrows[r] = scaled + r * s.dim, drows[r] = douts + r * s.dim;
       }
-      const int64_t keys = KeysUpTo(std::min(i0 + kRows - 1, s.length - 1), s), begin = PassBegin(w.first, i0, s);
-      Products(qrows, w.kt.data(), s, begin, keys, probs);
-      Products(drows, w.vt.data(), s, begin, keys, grads);
+      VisibleRuns(mask, s, b, i0, PassBegin(w.first, i0, s), KeysUpTo(std::min(i0 + kRows - 1, s.length - 1), s),
+                  w.runs);
+      for (const Run& run : w.runs) {
+        Products(qrows, w.kt.data(), s, run.begin, run.end, probs);
+        Products(drows, w.vt.data(), s, run.begin, run.end, grads);
+      }
       for (int r = 0; r < kRows; ++r) {
         const int64_t i = i0 + r;
         float* p = probs + r * s.padded;
         float* ds = grads + r * s.padded;
         const float row_lse = i < s.length ? lse[(b * s.heads + h) * s.length + i] : -INFINITY;
         if (!(row_lse > -INFINITY)) {  // a padding query, or past the end: no gradient
-          std::fill(p + begin, p + keys, 0.0f), std::fill(ds + begin, ds + keys, 0.0f);
+          for (const Run& run : w.runs) {
+            std::fill(p + run.begin, p + run.end, 0.0f), std::fill(ds + run.begin, ds + run.end, 0.0f);
+          }
           continue;
         }
-        Hide(p, mask + (b * s.length + i) * s.length, i, begin, keys);
-        Exponentiate(p + begin, row_lse, keys - begin);
-        for (int64_t j = begin; j < keys; ++j) ds[j] = p[j] * (ds[j] - delta[r]);
+        for (const Run& run : w.runs) {
+          Hide(p, mask + (b * s.length + i) * s.length, i, run.begin, run.end);
+          Exponentiate(p + run.begin, row_lse, run.end - run.begin);
+          for (int64_t j = run.begin; j < run.end; ++j) ds[j] = p[j] * (ds[j] - delta[r]);
+        }
       }
-      Weighted(grads, w.k.data(), s, begin, std::min(keys, s.length), dqs);
+      std::fill(dqs, dqs + kRows * s.dim, 0.0f);
+      for (const Run& run : w.runs) Weighted(grads, w.k.data(), s, run.begin, std::min(run.end, s.length), dqs);
       for (int r = 0; r < kRows && i0 + r < s.length; ++r) {
         RopeTranspose(dqs + r * s.dim, s, b, i0 + r, scale, dq + ((b * s.length + i0 + r) * s.heads + h) * s.dim);
       }
-      Outer(probs, douts, s, begin, keys, w.dv.data());
-      Outer(grads, scaled, s, begin, keys, w.dk.data());  // scaled holds q * scale: dk = scale * ds^T q
+      for (const Run& run : w.runs) {
+        Outer(probs, douts, s, run.begin, run.end, w.dv.data());
+        Outer(grads, scaled, s, run.begin, run.end, w.dk.data());  // scaled holds q * scale: dk = scale * ds^T q
+      }
     }
   }
   for (int64_t j = 0; j < s.length; ++j) {
