@@ -299,9 +299,9 @@ void ForwardItem(const Dims& s, float scale, const float* q, const float* k, con
         const int64_t i = i0 + r;
         float* score = scores + r * s.padded;
         float top = kHidden;
-        const uint8_t* mask_row = mask + (b * s.length + i) * s.length;
         for (const Run& run : w.runs) {
-          if (i < s.length) top = std::max(top, Hide(score, mask_row, i, run.begin, run.end));
+          if (i >= s.length) break;  // past the row's end: no mask row, nothing visible
+          top = std::max(top, Hide(score, mask + (b * s.length + i) * s.length, i, run.begin, run.end));
         }
         if (top <= kVisible) {  // nothing visible (a padding query) or past the end: zero weights
           for (const Run& run : w.runs) std::fill(score + run.begin, score + run.end, 0.0f);
