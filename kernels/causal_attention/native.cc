@@ -146,20 +146,22 @@ float Hide(float* score, const uint8_t* mask_row, int64_t i, int64_t begin, int6
   return row_top;
 }
 
+// The first j in [from, limit) with row[j] != 0 (limit when none): eight bytes at a time while all are zero.
+int64_t FirstSet(const uint8_t* row, int64_t from, int64_t limit) {
+  int64_t j = from;
+  for (uint64_t word = 0; j + 8 <= limit; j += 8) {
+    std::memcpy(&word, row + j, sizeof(word));
+    if (word) break;
+  }
+  while (j < limit && !row[j]) ++j;
+  return j;
+}
+
 // The first key each query of row b may see ([T]; i + 1 when it sees none): a pass of queries starts at
 // its earliest one, so the keys of a packed row's earlier segments are skipped, never multiplied.
 void FirstVisible(const uint8_t* mask, const Dims& s, int64_t b, std::vector<int64_t>& first) {
   first.resize(s.length);
-  for (int64_t i = 0; i < s.length; ++i) {
-    const uint8_t* row = mask + (b * s.length + i) * s.length;
-    int64_t j = 0;
-    for (uint64_t word = 0; j + 8 <= i + 1; j += 8) {  // eight mask bytes at a time while all are zero
-      std::memcpy(&word, row + j, sizeof(word));
-      if (word) break;
-    }
-    while (j <= i && !row[j]) ++j;
-    first[i] = j;
-  }
+  for (int64_t i = 0; i < s.length; ++i) first[i] = FirstSet(mask + (b * s.length + i) * s.length, 0, i + 1);
 }
 
 // The first key of the pass of queries i0 .. i0 + kRows - 1: their earliest visible one, rounded down to a tile.
@@ -179,13 +181,7 @@ void VisibleRuns(const uint8_t* mask, const Dims& s, int64_t b, int64_t i0, int6
     bool needed = false;
     for (int r = 0; r < kRows && i0 + r < s.length && !needed; ++r) {
       const int64_t limit = std::min(t0 + kKeys, i0 + r + 1);
-      const uint8_t* row = mask + (b * s.length + i0 + r) * s.length;
-      int64_t j = t0;
-      for (uint64_t word = 0; j + 8 <= limit && !needed; j += 8) {  // eight mask bytes at a time
-        std::memcpy(&word, row + j, sizeof(word));
-        needed = word != 0;
-      }
-      for (; j < limit && !needed; ++j) needed = row[j] != 0;
+      needed = FirstSet(mask + (b * s.length + i0 + r) * s.length, t0, limit) < limit;
     }
     if (!needed) continue;
     if (!runs.empty() && runs.back().end == t0) {
