@@ -9,11 +9,12 @@ token; DPO on 8 pairs x 256 tokens per side with precomputed reference log-probs
 
 Side by side: the peer script's SFT part (`benchmarks/peers/bench_tunix.py --only sft`, its own
 process: Tunix's jitted PeftTrainer step called directly, 3 warm-up + 10 timed calls, its median)
-and our SFT step (`repeats` timed calls of the compiled step) alternate in ABBA order for `rounds`
-pairs; the speed-up is Tunix's median over ours and per adjacent pair. This machine's speed drifts
-up to ~2x over minutes and is shared: only such same-window ratios mean anything. Beside every
-throughput figure: the roofline, the step's model FLOPs at the best fp32 1024³ matmul rate
-measured between the rounds (the lower bound of the step in seconds), and the MFU against it.
+and our SFT step (timed calls of the compiled step for as long as Tunix's timed calls took, at
+least `repeats`) alternate in ABBA order for `rounds` pairs; the speed-up is Tunix's median over
+ours and per adjacent pair. This machine's speed drifts up to ~2x over minutes and is shared: only
+such same-window ratios mean anything. Beside every throughput figure: the roofline, the step's
+model FLOPs at the best fp32 1024³ matmul rate measured between the rounds (the lower bound of the
+step in seconds), and the MFU against it.
 `--tunix_python ''` times ours alone; `--profile` adds our SFT step's per-op profile
 (`op_profile.py`: milliseconds per group of ops, MLP / attention projections / attention core /
 output head and cross-entropy / norms / optimizer).
@@ -113,8 +114,22 @@ def figures(cfg: ModelConfig, times: list[float], rows: int, peak: float) -> dic
             "all_step_s": [round(t, 4) for t in times]}
 
 
+def calls_for(one, seconds: float, at_least: int) -> list[float]:
+    """Per-call times of calls of `one` until they add up to `seconds` (and at least `at_least` calls)."""
+    times = []
+    while sum(times) < seconds or len(times) < at_least:
+        t0 = time.perf_counter()
+        one()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def side_by_side(cfg, one, python: str, rounds: int, repeats: int) -> dict:
-    """Tunix's SFT step and ours alternately (ABBA), `rounds` pairs; the matmul peak between them."""
+    """Tunix's SFT step and ours alternately (ABBA), `rounds` pairs; the matmul peak between them.
+    Each of our runs lasts as long as the previous Tunix run's timed calls (about 20 of ours to its
+    10), at least `repeats` calls: both medians then span the same stretch of wall time, so a
+    slowdown of the machine moves them alike (with our half 2.5x shorter, a slowdown of a few
+    seconds could cover all of ours and only a minority of Tunix's calls)."""
     from common import tunix_part
 
     ours, theirs, pairs, order, peaks = [], [], [], [], [machine_peaks()["matmul_gflops"]]
@@ -128,7 +143,7 @@ def side_by_side(cfg, one, python: str, rounds: int, repeats: int) -> dict:
                                                        part["calib_matmul_gflops_after"]]})
                 pair[who] = part["median_step_s"]
             else:
-                _, times = time_calls(one, repeats)
+                times = calls_for(one, sum(theirs[-1]["all_step_s"]), repeats)
                 ours.append([round(t, 4) for t in times])
                 pair[who] = statistics.median(times)
             order.append(who)
@@ -148,7 +163,8 @@ def side_by_side(cfg, one, python: str, rounds: int, repeats: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=10, help="our timed calls per round")
+    parser.add_argument("--repeats", type=int, default=10,
+                        help="our timed calls (per round: at least this many, as long as Tunix's timed calls)")
     parser.add_argument("--rounds", type=int, default=2, help="Tunix/ours pairs, in ABBA order")
     parser.add_argument("--tunix_python", default=default_tunix_python(),
                         help="python of a venv with google-tunix ('' = ours alone)")
