@@ -28,6 +28,7 @@ sandbox, test code on the host), cleanup (sandboxes left by killed processes), t
 Measured facts behind the design: ../shared/specs/sandbox-gvisor.md.
 """
 
+from . import runsc
 from .api import BACKENDS, PYTHON, run
 from .episode import Episode, replay_episode
 from .executor import Executor, JsonExecutor, Local
@@ -48,6 +49,17 @@ from .types import (
 )
 from .verdict import CallTest, CheckTest, StdioTest, Verdict
 from .verify import verify_program
+
+
+def _reap_orphans() -> None:
+    """Sandboxes that killed processes left behind, removed in the background (cleanup.py) before this
+    process's first sandbox. Imported here, not by runsc: cleanup drives runsc."""
+    from .cleanup import start_reaping
+
+    start_reaping()
+
+
+runsc.BEFORE_FIRST_SANDBOX.append(_reap_orphans)
 
 __all__ = ["BACKENDS", "CPU", "DISK", "FILE_SIZE", "MEMORY", "OUTPUT", "PYTHON", "WALL_TIME", "CallTest", "CheckTest",
            "Episode", "Executor", "JsonExecutor", "Limits", "Local", "Pool", "Result", "SandboxError",

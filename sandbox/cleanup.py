@@ -17,13 +17,15 @@ under it and deletes it. A directory whose owner is alive is never touched, nor 
 orphan's directory and its containers' cgroups. Two processes cleaning at once do not collide: the first
 claims a directory (a `reaping` file naming it, taken over only from a dead claimer).
 
-The first sandbox a process starts (`runsc.probe`) reaps orphans in a background thread (`start_reaping`),
-joined at exit; the command line does it at once and prints one JSON line per orphan.
+The first sandbox a process starts (`runsc.probe`, through `runsc.BEFORE_FIRST_SANDBOX`, where the package
+puts `start_reaping`) reaps orphans in a background thread, joined at exit; the command line does it at
+once and prints one JSON line per orphan.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import re
@@ -35,26 +37,13 @@ import tempfile
 import threading
 from typing import Any
 
+from . import runsc
+from .runsc import mounts_under, owner_tag, processes_naming, start_ticks
+
 PREFIX = "rlvr-sandbox-"
 _NAME = re.compile(r"rlvr-sandbox-(\d+)-(?:(\d+)-)?[A-Za-z0-9_]+")  # pid, start (absent in older names)
 _reaper: threading.Thread | None = None
 _reaper_lock = threading.Lock()
-
-
-def start_ticks(pid: int) -> int | None:
-    """The start time of `pid` in clock ticks since boot (/proc/<pid>/stat field 22); None if no such pid."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(b")") + 2:].split()[19])  # fields after the command name, which may hold spaces
-
-
-def owner_tag(pid: int | None = None) -> str:
-    """`<pid>-<start ticks>` of this process (or `pid`): the owner part of a sandbox directory's name."""
-    pid = os.getpid() if pid is None else pid
-    return f"{pid}-{start_ticks(pid)}"
 
 
 def _alive(tag: str) -> bool:
@@ -119,35 +108,8 @@ def containers(directory: str) -> list[str]:
     return sorted(ids)
 
 
-def processes_naming(directory: str) -> list[int]:
-    """Host pids (not this one) whose command line names a path inside `directory`."""
-    mine, pids = directory.rstrip("/").encode() + b"/", []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if mine in f.read():
-                        pids.append(int(entry))
-            except OSError:
-                continue
-    return pids
-
-
-def mounts_under(directory: str) -> list[str]:
-    """Mount points at or below `directory`, deepest first."""
-    prefix = directory.rstrip("/") + "/"
-    try:
-        with open("/proc/mounts") as f:
-            points = [line.split()[1].replace("\\040", " ") for line in f]
-    except OSError:
-        return []
-    return sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True)
-
-
 def remove(directory: str) -> dict[str, Any]:
     """Remove an orphan's sandboxes and directory (see the module doc); what was found."""
-    from . import runsc
-
     if not _claim(directory):
         return {"directory": directory, "skipped": "another process is cleaning it"}
     ids = containers(directory)
@@ -189,6 +151,7 @@ def start_reaping() -> None:
         if _reaper is None:
             _reaper = threading.Thread(target=_reap_quietly, name="rlvr-sandbox-orphans", daemon=True)
             _reaper.start()
+            atexit.register(finish_reaping)
 
 
 def _reap_quietly() -> None:

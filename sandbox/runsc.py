@@ -31,7 +31,7 @@ import signal
 import subprocess
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .capture import Captured, capture
@@ -46,10 +46,55 @@ CPU_BOOT_S = 0.5  # CPU the sandbox's own boot and Python start use; granted on 
 _CGROUP_ROOT = "/sys/fs/cgroup"
 _INSTALL_HINT = "install gVisor as root: apt-get install -y runsc"
 
+# Called once, before this process's first sandbox (`probe`): cleanup.py puts its reaping of the sandboxes
+# that killed processes left here (it drives runsc, so runsc cannot import it).
+BEFORE_FIRST_SANDBOX: list[Callable[[], None]] = []
+
 _counter = itertools.count()
 _lock = threading.Lock()
 _home: str | None = None
 _probed: bool = False
+
+
+def start_ticks(pid: int) -> int | None:
+    """The start time of `pid` in clock ticks since boot (/proc/<pid>/stat field 22); None if no such pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(b")") + 2:].split()[19])  # fields after the command name, which may hold spaces
+
+
+def owner_tag(pid: int | None = None) -> str:
+    """`<pid>-<start ticks>` of this process (or `pid`): the owner part of a sandbox directory's name."""
+    pid = os.getpid() if pid is None else pid
+    return f"{pid}-{start_ticks(pid)}"
+
+
+def processes_naming(directory: str) -> list[int]:
+    """Host pids (not this one) whose command line names a path inside `directory`."""
+    mine, pids = directory.rstrip("/").encode() + b"/", []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if mine in f.read():
+                        pids.append(int(entry))
+            except OSError:
+                continue
+    return pids
+
+
+def mounts_under(directory: str) -> list[str]:
+    """Mount points at or below `directory`, deepest first."""
+    prefix = directory.rstrip("/") + "/"
+    try:
+        with open("/proc/mounts") as f:
+            points = [line.split()[1].replace("\\040", " ") for line in f]
+    except OSError:
+        return []
+    return sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True)
 
 
 def home() -> str:
@@ -58,8 +103,6 @@ def home() -> str:
     global _home
     with _lock:
         if _home is None:
-            from .cleanup import owner_tag
-
             _home = tempfile.mkdtemp(prefix=f"rlvr-sandbox-{owner_tag()}-")
             os.chmod(_home, 0o711)
             os.mkdir(os.path.join(_home, "state"), 0o700)
@@ -196,9 +239,8 @@ def probe() -> None:
     global _probed
     if _probed:
         return
-    from .cleanup import start_reaping
-
-    start_reaping()  # sandboxes of killed processes, in the background (the first start of this process)
+    for hook in BEFORE_FIRST_SANDBOX:
+        hook()
     ws = Workspace(1 << 20, 64, parent=workspaces_dir())
     cid = new_id("rlvr-probe")
     try:
@@ -293,8 +335,6 @@ def leftover_cgroups(prefix: str = "rlvr-") -> list[str]:
 
 def leftover_processes() -> list[int]:
     """Host pids whose command line names this process's runsc directory (sentry, gofer, stubs, runsc)."""
-    from .cleanup import processes_naming
-
     return [] if _home is None else processes_naming(_home)
 
 
@@ -359,10 +399,7 @@ def _existing() -> set[str]:
 def _at_exit() -> None:
     """Finish queued teardowns (and a reaping of orphans in flight), then remove this process's directory
     when no container and no mount is left in it."""
-    from .cleanup import finish_reaping, mounts_under
-
     REAPER.drain()
-    finish_reaping()
     if _home is not None and not _existing() and not mounts_under(_home):
         shutil.rmtree(_home, ignore_errors=True)
 
