@@ -5,7 +5,7 @@
 
 Why: a change to a kernel or a train step shows up first as a micro-benchmark; what a user sees is
 the job's own step time. This runs `python -m rlvr.main --config=CONFIG` in a checkout of `--before`
-(a git worktree under /tmp, built from that commit's sources: its native kernels too) and in this
+(a git worktree under /tmp, removed at the end, built from that commit's sources: its native kernels too) and in this
 one, alternating, each in a fresh workdir with the same venv, and reads each run's `step_time_s`
 from its metrics.jsonl: the median over the logged steps from `--from_step` on (compile and warm-up
 excluded). Prints one JSON line: per run the medians and final loss, per round the ratio before/after,
@@ -15,6 +15,7 @@ and the median ratio. Only same-window ratios mean anything on this machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -23,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import emit, load_average, record_with_history  # noqa: E402
@@ -35,12 +37,15 @@ def _revision(rev: str) -> str:
                           check=True).stdout.strip()
 
 
-def checkout(rev: str) -> str:
-    """A worktree of `rev` (reused when it exists)."""
-    path = os.path.join(tempfile.gettempdir(), f"rlvr_commit_ab_{rev}")
-    if not os.path.isdir(path):
-        subprocess.run(["git", "worktree", "add", "--detach", path, rev], cwd=REPO, capture_output=True, check=True)
-    return path
+@contextlib.contextmanager
+def checkout(rev: str) -> Iterator[str]:
+    """A worktree of `rev` in a fresh temp directory, removed (and unregistered) when the block ends."""
+    path = tempfile.mkdtemp(prefix=f"rlvr_commit_ab_{rev}_")
+    subprocess.run(["git", "worktree", "add", "--detach", path, rev], cwd=REPO, capture_output=True, check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", path], cwd=REPO, capture_output=True, check=False)
 
 
 def run_job(tree: str, config: str, from_step: int) -> dict:
@@ -67,14 +72,15 @@ def main() -> None:
     parser.add_argument("--out", default="", help="also record the result here (earlier records kept)")
     args = parser.parse_args()
     before_rev, after_rev = _revision(args.before), _revision("HEAD")
-    trees = {"before": checkout(before_rev), "after": REPO}
     load_before, pairs = load_average(), []
-    for r in range(args.rounds):
-        pair = {}
-        for who in ("before", "after") if r % 2 == 0 else ("after", "before"):
-            pair[who] = run_job(trees[who], args.config, args.from_step)
-        pair["ratio_before_over_after"] = round(pair["before"]["step_time_s"] / pair["after"]["step_time_s"], 3)
-        pairs.append(pair)
+    with checkout(before_rev) as before_tree:
+        trees = {"before": before_tree, "after": REPO}
+        for r in range(args.rounds):
+            pair = {}
+            for who in ("before", "after") if r % 2 == 0 else ("after", "before"):
+                pair[who] = run_job(trees[who], args.config, args.from_step)
+            pair["ratio_before_over_after"] = round(pair["before"]["step_time_s"] / pair["after"]["step_time_s"], 3)
+            pairs.append(pair)
     record = {
         "benchmark": "commit_ab", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%MZ"),
         "command": "benchmarks/commit_ab.py " + " ".join(sys.argv[1:]),
