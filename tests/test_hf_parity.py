@@ -109,6 +109,23 @@ def test_logits_match_hf_and_export_round_trips(name, tmp_path):
 
 
 @pytest.mark.hf
+def test_per_layer_weights_load_and_export_like_scanned_ones(tmp_path):
+    """`model.scan_layers=False` (one module per layer) reads a HF checkpoint into per-layer params that
+    give HF's logits, and exports the same tensors back."""
+    name = next(iter(CASES))
+    model = _hf_model(name)
+    model.save_pretrained(tmp_path / "hf")
+    ids, mask, positions = _batch(CASES[name][2])
+    cfg, params = hf.load_hf_checkpoint(str(tmp_path / "hf"), overrides={"scan_layers": False})
+    assert "layers" not in params and "layers_0" in params
+    assert _max_err(_our_logits(cfg, params, ids, mask, positions), _hf_logits(model, ids, mask, positions),
+                    mask) <= 1e-4
+    exported = hf.to_hf_tensors(cfg, params)
+    original = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    assert all(np.array_equal(exported[k], original[k]) for k in exported)
+
+
+@pytest.mark.hf
 def test_config_fields_detected():
     cases = {name: hf.config_from_hf(CASES[name][0](**{**COMMON, **CASES[name][1]}).to_dict())
              for name in CASES}

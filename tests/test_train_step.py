@@ -146,3 +146,56 @@ def test_optimizers_reduce_the_loss(name, lr):
         state, metrics = step(state, batch, jax.random.key(0), None, None)
         losses.append(float(metrics["loss"]))
     assert losses[-1] < 0.8 * losses[0]
+
+
+def test_per_layer_weights_train_like_scanned_ones_and_checkpoints_cross_layouts(tmp_path):
+    """`model.scan_layers=False` (one module per layer, faster on CPU for small models) trains the same
+    model: two steps from the same weights give the same loss and weights as the scanned layers; a state
+    saved in one layout restores into a job that runs the other (params and Adam moments)."""
+    import dataclasses
+
+    from rlvr.models import hf
+    from rlvr.models.transformer import stack_layers, unstack_layers
+    from rlvr.rollout.compile_check import decode_params_shapes
+    from rlvr.train.checkpoint import Checkpointer
+
+    per_layer_cfg = dataclasses.replace(CFG, scan_layers=False)
+    batch, _ = pack_examples(_examples(16), 8, 32, 0)
+    mesh, optimizer, shardings, state = _setup({"data": 1})
+    per_layer_shardings = step_lib.state_shardings(per_layer_cfg, optimizer, mesh)
+    runs = {}
+    for name, cfg, sh, start in (("scanned", CFG, shardings, state["params"]),
+                                 ("per_layer", per_layer_cfg, per_layer_shardings, unstack_layers(state["params"]))):
+        assert ("layers" in start) == (name == "scanned")
+        start = jax.tree.map(jnp.copy, start)  # the step donates its state
+        run_state = step_lib.init_state(jax.device_put(start, sh["params"]), optimizer, sh)
+        step = step_lib.build_train_step(functools.partial(sft_loss, cfg), optimizer, mesh, sh,
+                                         step_lib.batch_shardings(batch, mesh), micro_batches=2)
+        losses = []
+        for _ in range(2):
+            run_state, metrics = step(run_state, batch, jax.random.key(1), None, None)
+            losses.append(float(metrics["loss"]))
+        runs[name] = (run_state, losses)
+    assert runs["per_layer"][1] == pytest.approx(runs["scanned"][1], rel=1e-6)
+    assert runs["scanned"][1][1] < runs["scanned"][1][0]
+    stacked_again = stack_layers(runs["per_layer"][0]["params"])
+    for a, b in zip(jax.tree.leaves(runs["scanned"][0]["params"]), jax.tree.leaves(stacked_again), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=1)
+    ckpt.save_now(2, runs["per_layer"][0], {"note": "per layer"})
+    restored, extra = ckpt.restore(step_lib.abstract_state(CFG, optimizer, shardings))
+    ckpt.close()
+    assert extra == {"note": "per layer"} and "layers" in restored["params"]
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(runs["scanned"][0]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+
+    # what reads checkpoints and shapes (HF export and import, the engine's compile check) takes either layout
+    per_layer = runs["per_layer"][0]["params"]
+    assert unstack_layers(per_layer) is per_layer  # the engine's decode tree from a per-layer trainer
+    ours, theirs = hf.to_hf_tensors(CFG, stacked_again), hf.to_hf_tensors(per_layer_cfg, per_layer)
+    assert ours.keys() == theirs.keys() and all(np.array_equal(ours[k], theirs[k]) for k in ours)
+    assert "layers_1" in hf.from_hf_tensors(per_layer_cfg, ours)
+    as_shapes = functools.partial(jax.tree.map, lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding))
+    assert (decode_params_shapes(CFG, as_shapes(stacked_again), "float32")
+            == decode_params_shapes(CFG, as_shapes(per_layer), "float32"))

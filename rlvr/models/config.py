@@ -206,7 +206,9 @@ class ModelConfig:
     # Layers are scanned (stacked params, compile time flat in depth); unrolling k layers per
     # scan iteration trades compile time for speed (on CPU, full unroll is ~1.4x faster).
     scan_unroll: int = 1
-    scan_layers: bool = True  # False: one module per layer (params layers_0, …), for decoding
+    # False: one module per layer (params layers_0, …): the decode layout, and faster training steps on CPU for
+    # small models (benchmarks/train_step.py); checkpoints restore into either layout, HF/PEFT files take both.
+    scan_layers: bool = True
     attention: str = "xla"  # training attention: xla | flash | ring | ulysses (see ATTENTION)
     # low-rank adapters and a quantised frozen base: set from the `lora.*` section, not a `model.*` key
     lora: LoraConfig = LoraConfig()

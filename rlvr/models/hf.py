@@ -41,6 +41,7 @@ from rlvr import sharding
 from rlvr.models.config import ModelConfig, VisionConfig
 from rlvr.models.params import abstract_params, param_shardings
 from rlvr.models.tokenizer import TOKENIZER_FILES, Tokenizer, write_chat_template
+from rlvr.models.transformer import in_layout, stack_layers
 
 Params = dict[str, Any]
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -167,6 +168,7 @@ def iter_hf_tensors(cfg: ModelConfig, params: Params) -> Iterator[tuple[str, np.
     Each parameter is fetched to host once (all layers of a stacked one), so arrays must be
     fully addressable: on several hosts, gather them first (`process_allgather`).
     """
+    params = stack_layers(params)  # the table's paths are the scanned layout's
     for entry in table_for(cfg):
         value = np.asarray(jax.device_get(get_path(params, entry.path)))
         if not entry.per_layer:
@@ -192,7 +194,7 @@ def from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Para
         arrays = [to_ours(entry, cfg, tensors[name]) for name in entry.names(cfg)]
         value = np.stack(arrays) if entry.per_layer else arrays[0]
         _set_path(params, entry.path, value.astype(dtype))
-    return params
+    return in_layout(cfg, params)
 
 
 def _check_names(cfg: ModelConfig, available) -> None:
@@ -436,7 +438,9 @@ def load_hf_checkpoint(
         return cfg, load_vlm_params(cfg, path, mesh, rules)
     files = weight_files(path)
     _check_names(cfg, files.keys())
-    return cfg, load_table(cfg, table_for(cfg), files, abstract_params(cfg), param_shardings(cfg, mesh, rules))
+    stacked = dataclasses.replace(cfg, scan_layers=True)  # the table's paths; then the layout cfg runs
+    return cfg, in_layout(cfg, load_table(cfg, table_for(cfg), files, abstract_params(stacked),
+                                          param_shardings(stacked, mesh, rules)))
 
 
 def load_table(cfg: ModelConfig | VisionConfig, table: list[HFParam], files: Mapping[str, str], shapes: Params,

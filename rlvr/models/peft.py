@@ -25,6 +25,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from rlvr.models.config import LoraConfig, ModelConfig
+from rlvr.models.transformer import stack_layers
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -44,8 +45,8 @@ def adapter_config(lora: LoraConfig, base_model: str) -> dict[str, Any]:
 
 
 def adapter_tensors(cfg: ModelConfig, params: dict[str, Any]) -> dict[str, np.ndarray]:
-    """{PEFT tensor name: float32 array} of a LoRA model's adapters (scanned `layers` params)."""
-    out = {}
+    """{PEFT tensor name: float32 array} of a LoRA model's adapters (either layer layout)."""
+    params, out = stack_layers(params), {}
     for name in cfg.lora.targets:
         module = params["layers"][_BLOCK[name]][name]
         a, b = (np.asarray(jax.device_get(module[k]), np.float32) for k in ("lora_a", "lora_b"))

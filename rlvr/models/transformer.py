@@ -22,6 +22,7 @@ mesh's `sequence` axis, "ring" or "ulysses" (`rlvr.kernels.context_parallel`). W
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -649,14 +650,35 @@ def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: st
 
 def unstack_layers(params: Params) -> Params:
     """Scanned params (`layers/...` stacked on axis 0) -> per-layer `layers_i/...`, for a
-    `scan_layers=False` model. Decoding many small steps is faster with per-layer weights:
-    nothing is re-sliced from the stack inside the decode loop."""
+    `scan_layers=False` model; a tree already per layer is returned as it is. Decoding many small
+    steps is faster with per-layer weights: nothing is re-sliced from the stack inside the decode loop."""
+    if "layers" not in params:
+        return params
     params = dict(params)
     stacked = params.pop("layers")
     count = jax.tree.leaves(stacked)[0].shape[0]
     for i in range(count):
         params[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
     return params
+
+
+def stack_layers(params: Params) -> Params:
+    """`unstack_layers`' inverse: per-layer `layers_i/...` -> `layers/...` stacked on axis 0 (numpy
+    arrays stay numpy); a tree without `layers_0` is returned as it is. The layout that checkpoint
+    conversion (HF, PEFT) reads."""
+    if "layers_0" not in params:
+        return params
+    params = dict(params)
+    count = sum(1 for name in params if re.fullmatch(r"layers_\d+", name))
+    layers = [params.pop(f"layers_{i}") for i in range(count)]
+    params["layers"] = jax.tree.map(
+        lambda *xs: np.stack(xs) if isinstance(xs[0], np.ndarray) else jnp.stack(xs), *layers)
+    return params
+
+
+def in_layout(cfg: ModelConfig, params: Params) -> Params:
+    """`params` in the layer layout `cfg` runs: stacked when `cfg.scan_layers`, else per layer."""
+    return stack_layers(params) if cfg.scan_layers else unstack_layers(params)
 
 
 FUSED_PROJECTIONS = {"qkv_proj": (("q_proj", "k_proj", "v_proj"), -2), "gate_up_proj": (("gate_proj", "up_proj"), -1)}

@@ -38,8 +38,8 @@ from rlvr.rollout.sequence import sampling_table
 
 
 def decode_params_shapes(cfg: ModelConfig, params_shapes, dtype: str) -> dict:
-    """The engine's decode tree (`Dispatch._decode_params`) of the trainer's (scanned) params as
-    ShapeDtypeStructs: per-layer `layers_i` (the stacked axis and its sharding entry dropped), a
+    """The engine's decode tree (`Dispatch._decode_params`) of the trainer's params as ShapeDtypeStructs
+    (either layer layout): per-layer `layers_i` (a stacked axis and its sharding entry dropped), a
     tied embedding's output projection as its own `lm_head` kernel [E, V] (the transposed sharding),
     floats in `dtype`. Sharded params are not fused (`fuse_projections` leaves them), so neither
     are these."""
@@ -56,7 +56,7 @@ def decode_params_shapes(cfg: ModelConfig, params_shapes, dtype: str) -> dict:
         return jax.ShapeDtypeStruct(dims, float_dtype, sharding=NamedSharding(x.sharding.mesh, P(*spec)))
 
     params = {name: jax.tree.map(shape, sub) for name, sub in params_shapes.items() if name != "layers"}
-    for i in range(cfg.num_layers):
+    for i in range(cfg.num_layers if "layers" in params_shapes else 0):  # per-layer shapes pass as they are
         params[f"layers_{i}"] = jax.tree.map(lambda x: shape(x, drop_first=True), params_shapes["layers"])
     if cfg.tie_word_embeddings:
         params["lm_head"] = {"kernel": shape(params_shapes["embed_tokens"], transpose=True)}

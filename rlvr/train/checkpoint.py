@@ -80,9 +80,22 @@ class Checkpointer:
         target = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), abstract_state
         )
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(target), extra=ocp.args.JsonRestore())
-        restored = self._manager.restore(step, args=args)
+        try:
+            restored = self._restore(step, target)
+        except (ValueError, KeyError) as error:  # saved in the other layer layout (model.scan_layers)?
+            other = _other_layout(target)
+            if other is None:
+                raise
+            try:
+                restored = self._restore(step, other)
+            except (ValueError, KeyError):
+                raise error from None
+            restored["state"] = jax.tree.map(_relayout, restored["state"], is_leaf=_holds_layers)
         return restored["state"], dict(restored["extra"])
+
+    def _restore(self, step: int, target: Any) -> dict[str, Any]:
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(target), extra=ocp.args.JsonRestore())
+        return dict(self._manager.restore(step, args=args))
 
     def wait(self) -> None:
         """Blocks until any in-flight asynchronous save is complete."""
@@ -91,3 +104,57 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+# A state saved with `model.scan_layers` one way restores into a job that runs it the other way: the
+# params and every optimizer state shaped like them (Adam's moments) hold their decoder layers either
+# stacked (`layers/...`, axis 0) or per layer (`layers_0/...`); such dicts are converted as a whole.
+
+
+def _holds_layers(x: Any) -> bool:
+    return isinstance(x, dict) and ("layers" in x or "layers_0" in x)
+
+
+def _relayout(x: Any) -> Any:
+    """A dict holding decoder layers in the other layout (arrays): stacked <-> per layer."""
+    from rlvr.models.transformer import stack_layers, unstack_layers
+
+    if not _holds_layers(x):
+        return x
+    return unstack_layers(x) if "layers" in x else stack_layers(x)
+
+
+def _other_layout(target: Any) -> Any:
+    """The abstract state (ShapeDtypeStructs with NamedShardings) in the other layer layout, or None
+    when nothing in it holds decoder layers."""
+    found = False
+
+    def convert(x):
+        nonlocal found
+        if not _holds_layers(x):
+            return x
+        found = True
+        x = dict(x)
+        if "layers" in x:
+            stacked = x.pop("layers")
+            count = jax.tree.leaves(stacked)[0].shape[0]
+            for i in range(count):
+                x[f"layers_{i}"] = jax.tree.map(lambda a: _abstract(a.shape[1:], a, drop=True), stacked)
+            return x
+        count = sum(1 for name in x if name.startswith("layers_"))
+        layers = [x.pop(f"layers_{i}") for i in range(count)]
+        x["layers"] = jax.tree.map(lambda a: _abstract((count, *a.shape), a, drop=False), layers[0])
+        return x
+
+    converted = jax.tree.map(convert, target, is_leaf=_holds_layers)
+    return converted if found else None
+
+
+def _abstract(shape: tuple[int, ...], like: jax.ShapeDtypeStruct, drop: bool) -> jax.ShapeDtypeStruct:
+    """`like` with `shape`: its sharding's spec without (drop) or with a new (unsharded) leading axis."""
+    sharding = like.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = tuple(sharding.spec)
+        spec = spec[1:] if drop else (None, *spec)
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+    return jax.ShapeDtypeStruct(shape, like.dtype, sharding=sharding)
