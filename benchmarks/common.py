@@ -168,15 +168,16 @@ def default_tunix_python() -> str:
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-tunix", "bin", "python")
 
 
-def tunix_part(python: str, part: str, quick: bool = False) -> dict:
+def tunix_part(python: str, part: str, quick: bool = False, env: dict[str, str] | None = None) -> dict:
     """One part ("sft", "grpo", "sampler") of the peer script `benchmarks/peers/bench_tunix.py` in a
-    fresh process of the peer's venv: that part's result dict (its median and every timed call)."""
+    fresh process of the peer's venv (environment `env`, default this one's): that part's result dict
+    (its median and every timed call)."""
     if not os.path.exists(python):
         raise FileNotFoundError(f"--tunix_python {python} does not exist: make the peer's venv "
                                 "(python3 -m venv .venv-tunix && .venv-tunix/bin/pip install google-tunix) or pass "
                                 "its python")
     cmd = [python, PEER, "--child", "--only", part] + (["--quick"] if quick else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
         raise RuntimeError(f"the Tunix peer ({' '.join(cmd)}) failed, rc {proc.returncode}: {proc.stderr[-2000:]}")
