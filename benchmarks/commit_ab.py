@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit, load_average, record_with_history  # noqa: E402
+from common import load_average, publish  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -90,9 +90,7 @@ def main() -> None:
         "median_ratio_before_over_after": round(statistics.median(p["ratio_before_over_after"] for p in pairs), 3),
         "load_average_before": load_before, "load_average_after": load_average(),
     }
-    emit(record)
-    if args.out:
-        record_with_history(args.out, record)
+    publish(record, args.out)
 
 
 if __name__ == "__main__":

@@ -192,6 +192,13 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def publish(record: dict, out: str = "") -> None:
+    """Prints the record as one JSON line and, with `out`, records it there (`record_with_history`)."""
+    emit(record)
+    if out:
+        record_with_history(out, record)
+
+
 def record_with_history(path: str, record: dict) -> None:
     """Writes `record` to `path` as the file's current record; what the file held before (one
     record, with its own `earlier` list) moves into `record["earlier"]`, newest first."""

@@ -27,7 +27,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import default_tunix_python, emit, load_average, record_with_history, tunix_part  # noqa: E402
+from common import default_tunix_python, load_average, publish, tunix_part  # noqa: E402
 
 HUGE = "glibc.malloc.hugetlb=1"
 OURS = """
@@ -98,9 +98,7 @@ def main() -> None:
         "ours_vs_tunix": {env: round(step[f"tunix_{env}"] / step[f"ours_{env}"], 3) for env in ("default", "huge")},
         "load_average_before": load_before, "load_average_after": load_average(),
     }
-    emit(record)
-    if args.out:
-        record_with_history(args.out, record)
+    publish(record, args.out)
 
 
 if __name__ == "__main__":

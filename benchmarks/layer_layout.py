@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit, load_average, record_with_history  # noqa: E402
+from common import load_average, publish  # noqa: E402
 from train_step import compiled_step, sft_batch  # noqa: E402
 
 from rlvr.models.config import PRESETS, ModelConfig  # noqa: E402
@@ -67,9 +67,7 @@ def main() -> None:
         "speedup_per_layer_per_round": ratios, "speedup_per_layer": round(statistics.median(ratios), 3),
         "load_average_before": load_before, "load_average_after": load_average(),
     }
-    emit(record)
-    if args.out:
-        record_with_history(args.out, record)
+    publish(record, args.out)
 
 
 if __name__ == "__main__":
