@@ -46,8 +46,8 @@ CPU_BOOT_S = 0.5  # CPU the sandbox's own boot and Python start use; granted on 
 _CGROUP_ROOT = "/sys/fs/cgroup"
 _INSTALL_HINT = "install gVisor as root: apt-get install -y runsc"
 
-# Called once, before this process's first sandbox (`probe`): cleanup.py puts its reaping of the sandboxes
-# that killed processes left here (it drives runsc, so runsc cannot import it).
+# Called once, before this process's first sandbox (`probe`): the package puts cleanup.py's reaping of the
+# sandboxes that killed processes left here (cleanup drives runsc, so runsc does not import it).
 BEFORE_FIRST_SANDBOX: list[Callable[[], None]] = []
 
 _counter = itertools.count()
