@@ -5,7 +5,8 @@
 
 Model: 4 layers, d_model 256, 4 heads / 2 KV heads, head_dim 64, MLP 1024, vocab 1024, fp32
 (the `bench` preset, 4,459,264 params; one module per layer unless `--scan_layers true`); batch
-8 x 256 tokens; AdamW. SFT trains on every token; DPO on 8 pairs x 256 tokens per side with precomputed reference log-probs (ours only).
+8 x 256 tokens; AdamW. SFT trains on every token; DPO on 8 pairs x 256 tokens per side with
+precomputed reference log-probs (ours only).
 
 Side by side: the peer script's SFT part (`benchmarks/peers/bench_tunix.py --only sft`, its own
 process: Tunix's jitted PeftTrainer step called directly, 3 warm-up + 10 timed calls, its median)
