@@ -90,6 +90,14 @@ def test_vlm_logits_match_hf_and_export_round_trips(tmp_path):
     assert err <= 1e-4
     assert export_err <= 1e-6
 
+    # one decoder module per layer (model.scan_layers=False): the same logits, the same export
+    flat_cfg, flat = hf.load_hf_checkpoint(str(tmp_path / "hf"), overrides={"scan_layers": False})
+    assert "layers" not in flat and "layers_1" in flat
+    np.testing.assert_allclose(_logits(flat_cfg, flat, ids, mask, imgs)[mask == 1], ref[mask == 1], atol=1e-4)
+    exported, flat_exported = hf.to_hf_tensors(cfg, params), hf.to_hf_tensors(flat_cfg, flat)
+    assert flat_exported.keys() == exported.keys()
+    assert all(np.array_equal(v, exported[k]) for k, v in flat_exported.items())
+
     # decoding after an image prompt (cached prefill with the image, then M-RoPE ids + the prompt's
     # delta): the greedy tokens of transformers' generate
     n = int(mask[0].sum())

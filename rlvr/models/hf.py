@@ -641,10 +641,11 @@ def load_vlm_params(cfg: ModelConfig, path: str, mesh: Mesh, rules: sharding.Rul
     missing = [n for e in VISION_TABLE for n in e.names(cfg.vision) if n not in files]
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} vision tensors, e.g. {missing[:3]}; is it Qwen2.5-VL?")
-    shapes, shardings = abstract_params(cfg), param_shardings(cfg, mesh, rules)
-    text_cfg = dataclasses.replace(cfg, vision=None)
+    stacked = dataclasses.replace(cfg, scan_layers=True)  # the tables' paths; then the layout cfg runs
+    shapes, shardings = abstract_params(stacked), param_shardings(stacked, mesh, rules)
+    text_cfg = dataclasses.replace(stacked, vision=None)
     params = load_table(text_cfg, table_for(text_cfg), files, shapes, shardings)
-    return params | load_table(cfg.vision, list(VISION_TABLE), files, shapes, shardings)
+    return in_layout(cfg, params | load_table(cfg.vision, list(VISION_TABLE), files, shapes, shardings))
 
 
 def vlm_to_hf_tensors(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
