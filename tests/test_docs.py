@@ -52,6 +52,10 @@ def test_mkdocs_build_is_strict_clean_and_renders_the_generated_pages(tmp_path):
     assert "load_trained" in api_html  # mkdocstrings rendered rlvr.api
     bench_html = (site / "benchmarks" / "index.html").read_text(encoding="utf-8")
     assert "rollout_vs_tunix.json" in bench_html
+    # docs/hooks.py: a page's figure links point at their results file's section of that page
+    tunix_html = (site / "how-to" / "train-step-vs-tunix" / "index.html").read_text(encoding="utf-8")
+    assert 'href="../../benchmarks/#hugepagesjson" title="hugepages.json: ours_vs_tunix.huge"' in tunix_html
+    assert 'id="hugepagesjson"' in bench_html
 
 
 def test_generated_pages_are_current():
@@ -63,6 +67,14 @@ def test_every_readme_figure_has_a_source_holding_its_value():
     assert not failing, "\n".join(f"README.md:{f.line} {f.text!r} {f.file}:{f.key}: {f.error}" for f in failing)
     sourced = [f for f in figures.figures(_read("README.md")) if f.file]
     assert len(sourced) >= 10  # the benchmark table is there, and every one of its figures was checked
+
+
+def test_a_written_page_that_links_a_figure_has_every_figure_sourced():
+    """A page opts in by linking one figure as the README does; then all its figures are checked."""
+    linked = [os.path.relpath(p, REPO) for p in WRITTEN_PAGES if figures.FIGURE_LINK.search(_read(p))]
+    assert "docs/how-to/train-step-vs-tunix.md" in linked
+    failing = [(page, f) for page in linked for f in figures.check(page)]
+    assert not failing, "\n".join(f"{page}:{f.line} {f.text!r} {f.file}:{f.key}: {f.error}" for page, f in failing)
 
 
 def test_the_figure_checker_fails_unsourced_wrong_and_undated_figures(tmp_path, monkeypatch):
