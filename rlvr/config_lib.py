@@ -188,7 +188,7 @@ def rl_config() -> ml_collections.ConfigDict:
         "max_turns": 0, "episode_workers": 64,
         "env": ml_collections.ConfigDict({"sandbox_workers": 4}),  # options of rlvr.envs.make_env
         # warm gVisor sandboxes for code verdicts (the code verifier, code-repair scoring, CAD runs), started
-        # on the first one; 0 = a fresh sandbox per verdict (~5x dearer: docs/how-to/sandbox-pool.md)
+        # on the first one; 0 = a fresh sandbox per verdict (~7x dearer: docs/how-to/sandbox-pool.md)
         "code_pool": 4,
         # a black-box agent program ("module:factory" -> agent(base_url, task) -> answer) that plays every
         # task through the embedded engine's OpenAI endpoint; its calls are recorded as token trajectories

@@ -359,7 +359,8 @@ _default_code_executor: list[Callable[[], Any] | None] = [None]  # see set_defau
 def code_executor(executor: Any) -> Iterator[Any]:
     """Inside the block, code verdicts (`verify_code`, the code-repair families' single-completion scoring)
     run on `executor` (a warm rlvr.sandbox.Pool, or any rlvr.sandbox Executor) instead of a fresh sandbox
-    each: the same verdict, ~5x cheaper per call. Process-wide (every thread); blocks nest."""
+    each: the same verdict, ~7x cheaper per call (docs/how-to/sandbox-pool.md). Process-wide (every
+    thread); blocks nest."""
     _code_executor.append(executor)
     try:
         yield executor
