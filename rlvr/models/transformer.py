@@ -121,9 +121,9 @@ def native_training_attention(q: jax.Array, k: jax.Array) -> bool:
     """Whether the training path's attention (a dense mask in token order, no cache) runs as the native
     XLA:CPU kernels (`rlvr.kernels.causal_attention`, RoPE applied inside): programs compiled for CPU,
     float32, on one device (a custom call has no partitioning rule: under a larger mesh XLA would
-    gather its operands), and the kernels built. The SFT benchmark's step (`benchmarks/train_step.py
-    --micro_batches 4`), ours alone, interleaved: 0.481 s without them, 0.442 s with them (and 0.503 s
-    without `cpu_matmul`'s weight gradients too)."""
+    gather its operands), and the kernels built. Their speed against the plain-XLA query-block form, at
+    the SFT benchmark's and the realistic RL shape's attention: `benchmarks/attention.py`
+    (results/attention_native_cpu.json)."""
     from rlvr.kernels import causal_attention as native
     from rlvr.kernels.target import target_platform
     from rlvr.sharding import active_mesh
