@@ -309,9 +309,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     started.set()
     try:
         line = json.dumps(fleet.describe())
-        if args.ready_file:
-            with open(args.ready_file, "w") as f:
+        if args.ready_file:  # whole or absent: a watcher polling for the file never reads it half-written
+            with open(args.ready_file + ".tmp", "w") as f:
                 f.write(line + "\n")
+            os.replace(args.ready_file + ".tmp", args.ready_file)
         print(line, flush=True)
         while not stop.wait(0.5):
             exited = [(p.pid, p.returncode) for p in fleet.processes() if p.poll() is not None]
