@@ -246,6 +246,9 @@ def main() -> None:
         "workload": f"{PROMPTS} prompts x group {GROUP} x {NEW_TOKENS} new tokens, 64-token prompts, reference "
                     "model (k3 KL, coef 0.04), 1 AdamW update/step",
         "devices": str(jax.devices()[0]), "cpu_count": os.cpu_count(), "order": order,
+        # malloc's huge pages speed both frameworks' steps, Tunix's more (results/hugepages.json); the peer runs
+        # in this environment too
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
         "runs_per_mode": args.rounds, "warmup_steps_per_run": args.warmup, "measured_steps_per_run": args.steps,
         "calib_matmul_gflops": round(calib, 1), "calib_matmul_gflops_between_runs": [round(c, 1) for c in calibs],
         "share_prompts": shared, "roofline": bound, "roofline_unshared_rows": tunix_bound,

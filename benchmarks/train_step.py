@@ -192,6 +192,9 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (the load averages say how busy), "
                    f"{jax.devices()[0]}",
         "model": "bench preset (4 layers, d256, 4.46M params, fp32)", "scan_layers": cfg.scan_layers,
+        # malloc's huge pages speed both frameworks' steps, Tunix's more (results/hugepages.json); the peer runs
+        # in this environment too
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
         "batch": f"{BATCH}x{SEQ}",
         "micro_batches": args.micro_batches,
     }
