@@ -43,6 +43,8 @@ from typing import Any
 
 import httpx
 
+from rlvr import storage
+
 logger = logging.getLogger(__name__)
 
 SERVER_MODULES = {"rlvr": ("rlvr.rollout.server", "--hf_dir"), "sglang": ("sglang.launch_server", "--model-path")}
@@ -309,10 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     started.set()
     try:
         line = json.dumps(fleet.describe())
-        if args.ready_file:  # whole or absent: a watcher polling for the file never reads it half-written
-            with open(args.ready_file + ".tmp", "w") as f:
-                f.write(line + "\n")
-            os.replace(args.ready_file + ".tmp", args.ready_file)
+        if args.ready_file:  # atomically: a watcher polling for the file never reads it half-written
+            storage.write_text(args.ready_file, line + "\n")
         print(line, flush=True)
         while not stop.wait(0.5):
             exited = [(p.pid, p.returncode) for p in fleet.processes() if p.poll() is not None]
